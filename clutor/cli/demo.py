@@ -1,0 +1,38 @@
+"""clutor demo: build a small random-weight MoE model once (nothing is downloaded), then generate from it.
+
+The model's weights are random, so the text is gibberish: the demo shows the machinery and its
+statistics, not language."""
+from __future__ import annotations
+
+import sys
+
+from .common import Formatter, print_stats
+
+
+def add_parser(sub):
+    p = sub.add_parser("demo", help="generate from a built-in random-weight model", formatter_class=Formatter,
+                       description=__doc__, epilog="example:\n  clutor demo -n 32")
+    p.add_argument("-n", "--max-tokens", type=int, default=48)
+    p.add_argument("--prompt", default="Once upon a time, in a land of many experts,")
+    p.add_argument("--cache-dir", default=None, help="where the demo model is written (default: user cache dir)")
+    return p
+
+
+async def run(args) -> int:
+    import asyncio
+
+    from ..model.model import Model
+    from ..model.synth import ensure_demo_model
+
+    path = await asyncio.to_thread(ensure_demo_model, args.cache_dir)
+    print(f"demo model: {path}", file=sys.stderr)
+    async with Model.open(path) as model:
+        print(args.prompt, end="", flush=True)
+        async for out in model.generate(args.prompt, max_tokens=args.max_tokens, temperature=0.8, seed=0,
+                                        ignore_eos=True):
+            if out.text:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.stats:
+                print_stats(out.stats)
+    return 0

@@ -1,0 +1,81 @@
+"""clutor info MODEL: architecture, dimensions, weight types, and what streaming it costs."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+
+from .common import Formatter
+
+
+def add_parser(sub):
+    p = sub.add_parser("info", help="describe a GGUF MoE model", formatter_class=Formatter, description=__doc__,
+                       epilog="example:\n  clutor info qwen3-30b-a3b-q4_k_m-00001-of-00003.gguf")
+    p.add_argument("model", help="GGUF file (first part of a split model)")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    return p
+
+
+def describe(path: str) -> dict:
+    """Everything `clutor info` prints, as a dict (also used by tests and other commands)."""
+    from ..model.arch import read_config
+    from ..model.gguf import GGUFFile
+    from ..model.quants import type_name
+
+    with GGUFFile.open(path) as f:
+        cfg = read_config(f)
+        layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+        types = Counter()
+        type_bytes = Counter()
+        dense = 0
+        for t in f.tensors.values():
+            types[type_name(t.qtype)] += 1
+            type_bytes[type_name(t.qtype)] += t.nbytes
+            if not t.name.endswith("_exps.weight"):
+                dense += t.nbytes
+        per_layer = [layout.expert_bytes(l) for l in range(cfg.n_layers)]
+        return {
+            "path": path,
+            "files": list(f.paths),
+            "config": asdict(cfg),
+            "tensor_types": {k: {"tensors": types[k], "bytes": type_bytes[k]} for k in sorted(types)},
+            "dense_bytes": dense,
+            "expert_bytes_total": layout.total_bytes,
+            "expert_bytes_one": max(per_layer),
+            "expert_bytes_per_token_worst": sum(b * cfg.n_expert_used for b in per_layer),
+            "min_expert_cache": max(per_layer) * cfg.n_expert_used,
+        }
+
+
+def _fmt(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def run(args) -> int:
+    import json
+
+    d = describe(args.model)
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    c = d["config"]
+    lines = [
+        f"file            {d['path']}" + (f" (+{len(d['files']) - 1} parts)" if len(d["files"]) > 1 else ""),
+        f"architecture    {c['arch']}",
+        f"layers          {c['n_layers']}",
+        f"embedding       {c['n_embd']}",
+        f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
+        f"vocabulary      {c['n_vocab']}",
+        f"context         {c['n_ctx_train']}",
+        f"experts         {c['n_expert']}, top-{c['n_expert_used']}, hidden {c['n_ff_exp']}"
+        + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else ""),
+        "weight types    " + ", ".join(f"{k} x{v['tensors']} ({_fmt(v['bytes'])})" for k, v in d["tensor_types"].items()),
+        f"dense bytes     {_fmt(d['dense_bytes'])} (resident)",
+        f"expert bytes    {_fmt(d['expert_bytes_total'])} in all, {_fmt(d['expert_bytes_one'])} per expert",
+        f"read per token  {_fmt(d['expert_bytes_per_token_worst'])} at worst (every routed expert a miss)",
+        f"minimum cache   {_fmt(d['min_expert_cache'])} (one layer's top-{c['n_expert_used']})",
+    ]
+    print("\n".join(lines))
+    return 0

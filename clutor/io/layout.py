@@ -1,0 +1,61 @@
+"""Where each routed expert's bytes lie on disk.
+
+clutor.io knows nothing about GGUF: the model side builds an ExpertLayout from the file's tensor
+table and hands it to the store. One expert = three slabs (gate, up, down), each a contiguous run of
+bytes, possibly in different files of a split model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Slab", "ExpertTensor", "ExpertLayout", "PARTS"]
+
+PARTS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class Slab:
+    path: str      # file holding the bytes
+    offset: int    # absolute byte offset in that file (32-byte aligned in GGUF, not block aligned)
+    nbytes: int    # length of the slab
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTensor:
+    """One `blk.L.ffn_{part}_exps` tensor: n_experts slabs of slab_bytes back to back."""
+
+    path: str
+    offset: int      # absolute offset of expert 0
+    slab_bytes: int  # bytes of one expert's slab
+
+    def slab(self, expert: int) -> Slab:
+        return Slab(self.path, self.offset + expert * self.slab_bytes, self.slab_bytes)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    n_experts: int
+    layers: tuple[tuple[ExpertTensor, ExpertTensor, ExpertTensor], ...]  # [layer] -> (gate, up, down)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def slabs(self, layer: int, expert: int) -> tuple[Slab, Slab, Slab]:
+        g, u, d = self.layers[layer]
+        return g.slab(expert), u.slab(expert), d.slab(expert)
+
+    def expert_bytes(self, layer: int) -> int:
+        return sum(t.slab_bytes for t in self.layers[layer])
+
+    @property
+    def max_expert_bytes(self) -> int:
+        return max(self.expert_bytes(l) for l in range(self.n_layers))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.expert_bytes(l) * self.n_experts for l in range(self.n_layers))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(sorted({t.path for layer in self.layers for t in layer}))

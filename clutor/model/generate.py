@@ -1,0 +1,125 @@
+"""Token-by-token generation: one batched prefill, then one-token decode steps, streamed as records."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+
+from ..errors import ClutorError
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["GenerationChunk", "GenerationStats", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    stop_reason: str  # "eos" | "stop" | "length"
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first generated token comes from the prefill's logits, so decode steps = generated - 1
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    text: str                 # new text (may be "" while a multi-byte character or stop string is pending)
+    token: int | None         # the token sampled at this step; None on the final record
+    stats: GenerationStats | None = None  # set on the final record only
+
+    @property
+    def done(self) -> bool:
+        return self.stats is not None
+
+
+class _StopMatcher:
+    """Holds back text that could still become a stop string, so stop strings are never emitted."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = 0  # longest suffix of pending that is a prefix of some stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = n
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
+                   top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                   repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
+                   ignore_eos: bool = False, special: bool = False) -> AsyncIterator[GenerationChunk]:
+    """Yield one GenerationChunk per sampled token, then a final one with the stats.
+
+    prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
+    ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
+    """
+    tok = model.tokenizer
+    ids = tok.encode(prompt, special=special) if isinstance(prompt, str) else [int(i) for i in prompt]
+    if not ids:
+        raise ClutorError("the prompt is empty: give at least one token")
+    if max_tokens < 1:
+        raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
+    if len(ids) + max_tokens > model.n_ctx:
+        raise ClutorError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds n_ctx {model.n_ctx}")
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+    seq = model.new_sequence()
+    stream = tok.stream()
+    stopper = _StopMatcher(stop)
+    history = list(ids)
+    t0 = time.perf_counter()
+    logits = await model.forward(seq, ids)  # [1, V]
+    t_prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    n_gen, reason = 0, "length"
+    while True:
+        token = sampler.sample(np.asarray(logits[-1], dtype=np.float32), history)
+        n_gen += 1
+        history.append(token)
+        if token in tok.stop_ids and not ignore_eos:
+            reason = "eos"
+            break
+        text, hit = stopper.push(stream.push(token))
+        if hit:
+            reason = "stop"
+            if text:
+                yield GenerationChunk(text, token)
+            break
+        yield GenerationChunk(text, token)
+        if n_gen >= max_tokens:
+            break
+        logits = await model.forward(seq, [token])
+    t_decode = time.perf_counter() - t1
+    tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
+    stats = GenerationStats(len(ids), n_gen, t_prefill, t_decode, reason)
+    yield GenerationChunk(tail, None, stats)

@@ -1,0 +1,171 @@
+"""Model: open a GGUF MoE file, compute logits, generate text.
+
+The layer loop awaits each layer's routed experts from an ExpertSource (in memory here; the
+disk-streaming ExpertStore elsewhere) and never knows which one it has.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+
+from .._util import AwaitableContext
+from ..errors import ClosedError, ClutorError
+from .arch import read_config
+from .config import ModelConfig
+from .gguf import GGUFFile
+from .layers import KVCache, Rope, attention, rmsnorm, route, silu
+from .quants import matmul
+from .source import ExpertSource, InMemoryExperts
+from .tokenizer import Tokenizer
+from .weights import DenseWeights, LayerWeights, load_dense
+
+__all__ = ["Model", "SequenceState"]
+
+
+class SequenceState:
+    """One sequence's state: its KV cache and how many positions it holds."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int):
+        self.kv = KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
+
+    @property
+    def n(self) -> int:
+        return self.kv.n
+
+
+class Model:
+    """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
+
+    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, dense: DenseWeights,
+                 tokenizer: Tokenizer, experts: ExpertSource, n_ctx: int):
+        self.path = path
+        self.config = cfg
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self._file = f
+        self._w = dense
+        self._experts = experts
+        self._rope = Rope(cfg.n_rot, cfg.rope_base, n_ctx)
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None) -> AwaitableContext["Model"]:
+        return AwaitableContext(lambda: cls._open(os.fspath(path), n_ctx=n_ctx))
+
+    @classmethod
+    async def _open(cls, path: str, *, n_ctx: int | None) -> "Model":
+        # Parsing and reading the dense weights are blocking file I/O: keep them off the event loop.
+        def load():
+            f = GGUFFile.open(path)
+            try:
+                cfg = read_config(f)
+                tok = Tokenizer.from_metadata(f.metadata, path)
+                if tok.n_vocab != cfg.n_vocab:
+                    from ..errors import ModelFileError
+                    raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
+                dense = load_dense(f, cfg)
+                layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+            except BaseException:
+                f.close()
+                raise
+            return f, cfg, tok, dense, layout
+
+        f, cfg, tok, dense, layout = await asyncio.to_thread(load)
+        ctx = min(cfg.n_ctx_train, 4096) if n_ctx is None else int(n_ctx)
+        if not 1 <= ctx <= cfg.n_ctx_train:
+            f.close()
+            raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
+        return cls(path, f, cfg, dense, tok, InMemoryExperts(layout), ctx)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._experts.aclose()
+        self._file.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.path}: model is closed")
+
+    # ---- forward ---------------------------------------------------------------------------
+    def new_sequence(self) -> SequenceState:
+        return SequenceState(self.config, self.n_ctx)
+
+    async def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]."""
+        self._check_open()
+        return await self.forward(self.new_sequence(), ids, all_logits=True)
+
+    async def forward(self, seq: SequenceState, ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+        """Append ids to seq (one batched pass); logits [T, V] if all_logits else [1, V] for the last."""
+        cfg = self.config
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T]
+        T, p0 = len(ids), seq.n
+        if T == 0:
+            raise ClutorError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= cfg.n_vocab:
+            raise ClutorError(f"token ids must be in [0, {cfg.n_vocab}), got {int(ids.min())}..{int(ids.max())}")
+        if p0 + T > seq.kv.n_ctx:
+            raise ClutorError(f"context full: {p0} + {T} tokens > n_ctx {seq.kv.n_ctx} (open the model with a larger n_ctx)")
+        x = self._w.tok_embd.rows(ids)  # [T, D]
+        for l, lw in enumerate(self._w.layers):
+            x = x + self._attention(lw, l, x, seq, p0)
+            h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [T, D]
+            x = x + await self._moe(lw, l, h)
+        seq.kv.n = p0 + T
+        if not all_logits:
+            x = x[-1:]
+        return self._w.output(rmsnorm(x, self._w.output_norm, cfg.eps))  # [T or 1, V]
+
+    def _attention(self, lw: LayerWeights, l: int, x: np.ndarray, seq: SequenceState, p0: int) -> np.ndarray:
+        cfg = self.config
+        T = x.shape[0]
+        h = rmsnorm(x, lw.attn_norm, cfg.eps)  # [T, D]
+        q, k, v = lw.wq(h), lw.wk(h), lw.wv(h)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hdv]
+        if cfg.qkv_bias:
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        if cfg.qk_norm == "full":  # olmoe: over the whole vectors, before the head split
+            q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
+        q = q.reshape(T, cfg.n_head, cfg.head_dim)
+        k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
+        if cfg.qk_norm == "head":  # qwen3moe: per head, after the split
+            q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
+        q, k = self._rope(q, p0), self._rope(k, p0)
+        seq.kv.write(l, p0, k, v.reshape(T, cfg.n_head_kv, cfg.head_dim_v))
+        o = attention(q, seq.kv, l, p0, 1.0 / np.sqrt(cfg.head_dim))  # [T, H*hdv]
+        return lw.wo(o)
+
+    async def _moe(self, lw: LayerWeights, l: int, h: np.ndarray) -> np.ndarray:
+        """Routed experts (+ qwen2moe's shared expert) on h [T, D] -> [T, D]."""
+        cfg = self.config
+        D, F = cfg.n_embd, cfg.n_ff_exp
+        sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
+        wanted = np.unique(sel)  # each expert read once per layer per batch
+        out = np.zeros_like(h)  # [T, D]
+        et = lw.experts
+        with await self._experts.get(l, wanted.tolist()) as batch:
+            for view in batch:
+                rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
+                xe = h[rows]  # [n, D]
+                a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
+                y = matmul(view.down, et.down, D, F, a)  # [n, D]
+                out[rows] += w[rows, slots, None] * y
+        if cfg.n_ff_shexp:
+            g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [T]
+            s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [T, D]
+            out += g[:, None].astype(np.float32) * s
+        return out
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **options) -> AsyncIterator["GenerationChunk"]:
+        """Stream a continuation; see clutor.model.generate.generate for the options."""
+        from .generate import generate
+
+        self._check_open()
+        return generate(self, prompt, **options)

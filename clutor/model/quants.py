@@ -1,0 +1,100 @@
+"""GGML weight types: block layouts, dequantisation, and the one matmul entry point.
+
+A weight is kept as the raw bytes found in the file (or in an expert-cache slot). ``matmul`` runs a
+fast kernel from clutor.model.kernels when one exists for the type, and otherwise dequantises with
+gguf-py's reference code and uses BLAS. Nothing converts the whole model up front.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import quants as _ref
+
+__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "Weight"]
+
+SUPPORTED = frozenset({
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
+})
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return QT(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def row_bytes(qtype: int, n_cols: int) -> int:
+    block, nbytes = GGML_QUANT_SIZES[QT(qtype)]
+    assert n_cols % block == 0, (type_name(qtype), n_cols)
+    return n_cols // block * nbytes
+
+
+def dequantize(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
+    """raw uint8 bytes -> float32 array of `shape` (numpy order, blocks along the last axis)."""
+    qtype = QT(qtype)
+    if qtype == QT.F32:
+        return raw.view(np.float32).reshape(shape)
+    if qtype == QT.F16:
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    rows = raw.reshape(-1, row_bytes(qtype, shape[-1]))
+    return _ref.dequantize(rows, qtype).reshape(shape).astype(np.float32, copy=False)
+
+
+def dequantize_rows(raw: np.ndarray, qtype: int, n_cols: int, rows: np.ndarray) -> np.ndarray:
+    """Only the chosen rows of a 2-D weight (embedding lookups): float32 [len(rows), n_cols]."""
+    rb = row_bytes(qtype, n_cols)
+    picked = raw.reshape(-1, rb)[np.asarray(rows, dtype=np.int64)]  # [R, rb]
+    return dequantize(picked.reshape(-1), qtype, (len(rows), n_cols))
+
+
+def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ W.T for W stored as raw bytes (numpy shape (n_rows, n_cols)); x float32 [T, n_cols] -> [T, n_rows]."""
+    from . import kernels  # late: kernels import numba, which is slow to import
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if kernels.has_kernel(qtype):
+        return kernels.matmul(raw, qtype, n_rows, n_cols, x)
+    w = dequantize(raw, qtype, (n_rows, n_cols))  # [N, K]
+    return x @ w.T
+
+
+@dataclass(eq=False)
+class Weight:
+    """A resident 2-D weight: raw bytes + type; float32 copy made once for the types BLAS must use."""
+
+    name: str
+    raw: np.ndarray  # uint8 [n_rows * row_bytes]
+    qtype: int
+    shape: tuple[int, int]  # (n_rows, n_cols) numpy order
+    _f32: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # F32 is used in place; F16/BF16 have no integer kernel, and numpy's half matmul is slow,
+        # so the (small, dense-only) float copy is made once here rather than per token.
+        if self.qtype == QT.F32:
+            self._f32 = self.raw.view(np.float32).reshape(self.shape)
+        elif self.qtype in (QT.F16, QT.BF16):
+            from . import kernels
+
+            if not kernels.has_kernel(self.qtype):
+                self._f32 = dequantize(self.raw, self.qtype, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Apply as a linear layer: x float32 [T, n_cols] -> [T, n_rows]."""
+        if self._f32 is not None:
+            return np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
+        return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x)
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """float32 [len(idx), n_cols]: embedding lookup without dequantising the whole table."""
+        if self._f32 is not None:
+            return self._f32[idx]
+        return dequantize_rows(self.raw, self.qtype, self.shape[1], idx)
