@@ -17,6 +17,7 @@ COMMANDS = {
     "demo": "demo",
     "bench-io": "bench_io",
     "simulate": "simulate",
+    "bench": "bench",
 }
 
 

@@ -1,0 +1,159 @@
+"""The same benchmark run through llama.cpp (llama-cpp-python), for comparison with Clutor.
+
+    python -m clutor.bench.llama_worker MODEL --json-args '{"prompt_tokens": 64, "tokens": 32}'
+
+Same prompt ids as ``clutor.bench.worker`` (built by Clutor's tokenizer from the same file), same
+warm-up, the same greedy decoding measured the same way: prefill = one ``eval`` of the prompt;
+decode = argmax of the prefill's logits, then ``tokens - 1`` steps of ``eval([token])`` + argmax, so
+decode tok/s counts ``tokens - 1`` forward passes like Clutor's GenerationStats.decode_tps.
+llama.cpp reads the model through mmap (its default), so capped runs show its page-cache behaviour.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..errors import ClutorError
+from .process import peak_memory, storage_read_bytes
+from .prompt import bench_prompt, prompt_digest
+from .protocol import worker_main
+
+__all__ = ["DEFAULTS", "run"]
+
+DEFAULTS: dict = {
+    "prompt_tokens": 64,
+    "tokens": 32,
+    "seed": 0,
+    "warmup": True,
+    "n_ctx": None,     # None: prompt_tokens + tokens + 8
+    "n_threads": None,  # None: os.cpu_count()
+    "n_batch": 512,
+}
+
+
+def _import_llama():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ClutorError(
+            f"llama-cpp-python is not importable ({e}); install it with `pip install llama-cpp-python` "
+            "(or `pip install clutor[bench]`) to compare against llama.cpp") from None
+    return llama_cpp
+
+
+def _last_logits(llm, llama_cpp, n_vocab: int) -> np.ndarray:
+    """Logits of the last evaluated token, float32 [V].
+
+    Since llama-cpp-python 0.3 ``eval`` no longer copies logits into ``scores`` unless
+    logits_all=True, so read llama.cpp's output buffer directly."""
+    ctx = getattr(llm, "_ctx", None)
+    if ctx is not None and hasattr(ctx, "get_logits_ith"):
+        ptr = ctx.get_logits_ith(-1)
+    else:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    if not ptr:
+        raise ClutorError("llama.cpp returned no logits for the last token")
+    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))  # [V], a view of llama.cpp's buffer
+
+
+def _greedy(llm, llama_cpp, n_vocab: int) -> int:
+    return int(np.argmax(_last_logits(llm, llama_cpp, n_vocab)))
+
+
+def run(path: str, options: dict) -> dict:
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ClutorError(f"unknown benchmark option(s): {', '.join(unknown)}")
+    opts = {**DEFAULTS, **options}
+    P, N = int(opts["prompt_tokens"]), int(opts["tokens"])
+    if N < 1:
+        raise ClutorError(f"tokens must be >= 1, got {N}")
+    n_ctx = opts["n_ctx"] or P + N + 8
+    threads = opts["n_threads"] or os.cpu_count() or 1
+    if not os.path.isfile(path):
+        raise ClutorError(f"{path}: no such model file")
+    llama_cpp = _import_llama()
+
+    from ..model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(path)
+    ids = bench_prompt(tok, P, opts["seed"])
+    warm = bench_prompt(tok, min(4, P), opts["seed"] + 1)
+
+    t0 = time.perf_counter()
+    try:
+        llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                              n_batch=int(opts["n_batch"]), logits_all=False, use_mmap=True, verbose=False)
+    except (ValueError, RuntimeError) as e:
+        raise ClutorError(f"{path}: llama.cpp could not load the model: {e}") from None
+    t_open = time.perf_counter() - t0
+    try:
+        n_vocab = int(llm.n_vocab())
+        if n_vocab != tok.n_vocab:
+            raise ClutorError(f"{path}: llama.cpp sees {n_vocab} tokens, Clutor's tokenizer {tok.n_vocab}")
+        t_warm = 0.0
+        if opts["warmup"]:
+            t1 = time.perf_counter()
+            llm.reset()
+            llm.eval(warm)
+            _greedy(llm, llama_cpp, n_vocab)
+            t_warm = time.perf_counter() - t1
+        llm.reset()
+
+        read0 = storage_read_bytes()
+        t2 = time.perf_counter()
+        llm.eval(ids)
+        t_prefill = time.perf_counter() - t2
+        read1 = storage_read_bytes()
+
+        steps: list[float] = []  # seconds of each decode forward pass (+ its argmax)
+        t3 = time.perf_counter()
+        tokens = [_greedy(llm, llama_cpp, n_vocab)]
+        while len(tokens) < N:
+            ts = time.perf_counter()
+            llm.eval([tokens[-1]])
+            tokens.append(_greedy(llm, llama_cpp, n_vocab))
+            steps.append(time.perf_counter() - ts)
+        t_decode = time.perf_counter() - t3
+        read2 = storage_read_bytes()
+    finally:
+        close = getattr(llm, "close", None)  # frees llama.cpp's buffers now, not at interpreter exit
+        if close is not None:
+            close()
+    t_total = time.perf_counter() - t0
+
+    decode_steps = N - 1
+    reads = None if None in (read0, read1, read2) else {"prefill": read1 - read0, "decode": read2 - read1}
+    return {
+        "engine": "llama.cpp",
+        "llama_cpp_version": getattr(llama_cpp, "__version__", "?"),
+        "model": path,
+        "options": {**opts, "n_ctx": n_ctx, "n_threads": threads},
+        "n_ctx": n_ctx,
+        "prompt_digest": prompt_digest(ids),
+        "stats": {
+            "prompt_tokens": len(ids),
+            "generated_tokens": len(tokens),
+            "prefill_seconds": t_prefill,
+            "decode_seconds": t_decode,
+            "prefill_tps": len(ids) / t_prefill if t_prefill > 0 else 0.0,
+            "decode_tps": decode_steps / t_decode if t_decode > 0 and decode_steps > 0 else 0.0,
+            "decode_step_median_seconds": float(np.median(steps)) if steps else None,
+            "stop_reason": "length",
+        },
+        "io": None,
+        "tokens": tokens,
+        "peak_rss": peak_memory()["ru_maxrss"],
+        "memory": peak_memory(),
+        "storage_read_bytes": None if reads is None else reads["prefill"] + reads["decode"],
+        "storage_read_bytes_by_phase": reads,
+        "seconds": {"open": t_open, "warmup": t_warm, "generate": t_prefill + t_decode, "total": t_total},
+        "threads": threads,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main("python -m clutor.bench.llama_worker", run))

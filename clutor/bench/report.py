@@ -1,0 +1,243 @@
+"""The tables ``clutor bench`` prints, rendered from its JSON report (so ``--json`` output can be re-read).
+
+Report layout (what clutor.cli.bench builds):
+    {"model": {...}, "settings": {...}, "disk": {"bytes_per_second", "note"},
+     "sweep": [{"budget", "cache_bytes", "prefetch", "policy", **RunOutcome.to_json()}, ...],
+     "comparison": None | {"rows": [{"setting", "cap", "clutor_config", "clutor": outcome, "llama": outcome}],
+                           "notes": [...]}}
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..units import format_bytes
+
+__all__ = ["render_report", "render_sweep", "render_comparison", "format_table", "decode_read_per_token",
+           "disk_limit_tps"]
+
+
+# ---- small formatters ------------------------------------------------------------------------
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if x >= 1 else f"{x:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _bytes(n: float | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if not a or not b:
+        return "-"
+    r = a / b
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
+def _onoff(v) -> str:
+    return {True: "on", False: "off", None: "auto"}.get(v, str(v))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """Aligned columns: the first ``left`` columns left-aligned (labels), the rest right-aligned (figures).
+    A row with fewer cells than headers lets its last cell run on (error messages)."""
+    widths = [len(h) for h in headers]
+    for r in rows:
+        cells = r if len(r) == len(headers) else r[:-1]  # a run-on last cell does not widen its column
+        widths = [max(w, len(c)) for w, c in zip(widths, cells)] + widths[len(cells):]
+
+    def line(cells: Sequence[str]) -> str:
+        out = []
+        for i, c in enumerate(cells):
+            if i == len(cells) - 1 and len(cells) < len(headers):
+                out.append(c)
+            else:
+                out.append(c.ljust(widths[i]) if i < left else c.rjust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+# ---- derived figures -------------------------------------------------------------------------
+
+def _io(result: dict | None) -> dict:
+    return (result or {}).get("io") or {}
+
+
+def decode_read_per_token(result: dict | None, *, prefer_engine: bool = True) -> float | None:
+    """Bytes read from disk per decode token: the engine's own figure (Clutor's io.bytes_per_token)
+    when asked and present, else the OS counter (/proc/self/io) over the decode steps."""
+    if not result:
+        return None
+    if prefer_engine and _io(result).get("bytes_per_token") is not None:
+        return float(_io(result)["bytes_per_token"])
+    phases = result.get("storage_read_bytes_by_phase")
+    steps = result["stats"].get("generated_tokens", 0) - 1
+    if not phases or steps <= 0:
+        return None
+    return phases["decode"] / steps
+
+
+def disk_limit_tps(read_per_token: float | None, disk_bps: float | None) -> float | None:
+    """Decode tok/s if every token's reads came at the measured disk bandwidth and nothing else cost time."""
+    if not read_per_token or not disk_bps or read_per_token < 4096:  # (almost) nothing read: no disk bound
+        return None
+    return disk_bps / read_per_token
+
+
+def _peak(outcome: dict) -> int | None:
+    """Peak memory of a run: the cgroup's charge when capped (includes page cache), else the process's RSS."""
+    if outcome.get("cgroup_peak"):
+        return outcome["cgroup_peak"]
+    r = outcome.get("result")
+    return None if r is None else r.get("peak_rss")
+
+
+def _wait_share(result: dict) -> float | None:
+    wait = _io(result).get("wait_seconds")
+    s = result["stats"]
+    total = (s.get("prefill_seconds") or 0) + (s.get("decode_seconds") or 0)
+    return None if wait is None or total <= 0 else wait / total
+
+
+# ---- sections --------------------------------------------------------------------------------
+
+SWEEP_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "hit rate",
+                 "prefetch acc", "read/token", "wait", "peak RSS", "disk limit", "of limit")
+
+SWEEP_LEGEND = """\
+budget/cache: expert-cache budget asked for, and the bytes the cache really held
+prefill/decode tok/s: prompt tokens per second of the batched prefill; generated tokens per second after the
+  first (which comes from the prefill's logits)
+hit rate: routed-expert lookups served from the cache; prefetch acc: prefetched experts that were then used
+read/token: expert bytes read from disk per token (Clutor's own count; OS counter when it reports none)
+wait: share of prefill+decode time spent waiting for expert reads
+peak RSS: the worker's peak resident set (ru_maxrss), including file pages it mapped and touched
+disk limit: decode tok/s if each token's reads ran at the fio bandwidth with zero compute; of limit: decode / limit"""
+
+
+def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
+    rows = []
+    for run in sweep:
+        head = [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
+                _onoff(run["prefetch"]), run["policy"]]
+        r = run.get("result")
+        if not run.get("ok") or r is None:
+            rows.append(head + [f"error: {run.get('error')}"])
+            continue
+        s, io = r["stats"], _io(r)
+        per_tok = decode_read_per_token(r)
+        limit = disk_limit_tps(per_tok, disk_bps)
+        rows.append(head + [
+            _rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _pct(io.get("hit_rate")),
+            _pct(io.get("prefetch_accuracy")), _bytes(per_tok), _pct(_wait_share(r)), _bytes(_peak(run)),
+            _rate(limit), _pct(s["decode_tps"] / limit if limit else None),
+        ])
+    return format_table(SWEEP_HEADERS, rows, left=4)
+
+
+COMPARE_HEADERS = ("setting", "memory cap", "engine", "configuration", "prefill tok/s", "decode tok/s",
+                   "peak memory", "read/token", "of disk limit")
+
+COMPARE_LEGEND = """\
+ratio: Clutor's tok/s divided by llama.cpp's (above 1.00x: Clutor is faster)
+peak memory: peak RSS uncapped; in capped rows the cgroup's peak charge (process memory + page cache it pulled in)
+read/token: bytes read from storage per decode token by the OS counter (/proc/self/io), the same for both engines
+of disk limit: decode tok/s over (disk bandwidth / read per token)"""
+
+
+def render_comparison(comparison: dict, disk_bps: float | None, tokens: int) -> str:
+    rows = []
+    for row in comparison["rows"]:
+        setting = row["setting"]
+        cap = "none" if row.get("cap") is None else format_bytes(row["cap"])
+        figures = {}
+        for engine, key, config in (("Clutor", "clutor", row.get("clutor_config", "")),
+                                    ("llama.cpp", "llama", row.get("llama_config", ""))):
+            out = row.get(key)
+            first = [setting, cap, engine, config]
+            setting = cap = ""
+            if out is None:
+                rows.append(first + ["not run"])
+                continue
+            r = out.get("result")
+            if not out.get("ok") or r is None:
+                rows.append(first + [f"error: {out.get('error')}"])
+                continue
+            s = r["stats"]
+            per_tok = decode_read_per_token(r, prefer_engine=False)
+            limit = disk_limit_tps(per_tok, disk_bps)
+            figures[key] = r
+            rows.append(first + [_rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _bytes(_peak(out)),
+                                 _bytes(per_tok), _pct(s["decode_tps"] / limit if limit else None)])
+        if "clutor" in figures and "llama" in figures:
+            c, l = figures["clutor"]["stats"], figures["llama"]["stats"]
+            rows.append(["", "", "ratio", "Clutor / llama.cpp", _ratio(c.get("prefill_tps"), l.get("prefill_tps")),
+                         _ratio(c.get("decode_tps"), l.get("decode_tps")), "", "", ""])
+    text = format_table(COMPARE_HEADERS, rows, left=4)
+    notes = list(comparison.get("notes", []))
+    for row in comparison["rows"]:
+        c = (row.get("clutor") or {}).get("result")
+        l = (row.get("llama") or {}).get("result")
+        if c and l:
+            same = _common_prefix(c.get("tokens", []), l.get("tokens", []))
+            prompt = "same prompt ids" if c.get("prompt_digest") == l.get("prompt_digest") else "DIFFERENT prompt ids"
+            notes.append(f"{row['setting']}: {prompt}; greedy tokens agree for the first {same} of {tokens}")
+    return "\n".join([text, "", *notes, "", COMPARE_LEGEND]) if notes else "\n".join([text, "", COMPARE_LEGEND])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _summary(sweep: Sequence[dict], disk_bps: float | None) -> str | None:
+    """One sentence on the fastest row: its decode speed against the disk-bound limit."""
+    ok = [r for r in sweep if r.get("ok") and r.get("result")]
+    if not ok:
+        return "no run succeeded"
+    best = max(ok, key=lambda r: r["result"]["stats"]["decode_tps"])
+    tps = best["result"]["stats"]["decode_tps"]
+    text = (f"fastest: budget {best['budget']}, prefetch {_onoff(best['prefetch'])}, policy {best['policy']}: "
+            f"{_rate(tps)} tok/s decode")
+    per_tok = decode_read_per_token(best["result"])
+    limit = disk_limit_tps(per_tok, disk_bps)
+    if limit:
+        text += (f", {100 * tps / limit:.0f}% of the disk-bound limit ({_rate(limit)} tok/s = "
+                 f"{format_bytes(disk_bps)}/s / {format_bytes(per_tok)} per token)")
+    return text
+
+
+def render_report(report: dict) -> str:
+    m, st, disk = report["model"], report["settings"], report["disk"]
+    head = [
+        f"clutor bench: {m['path']}",
+        f"model: {m['arch']}, {format_bytes(m['file_bytes'])} file; dense {format_bytes(m['dense_bytes'])} "
+        f"(resident), experts {format_bytes(m['expert_bytes_total'])}",
+        f"run: {st['prompt_tokens']}-token prompt, {st['tokens']} greedy tokens (EOS ignored), io {st['io']}"
+        f"{'' if st.get('direct', True) else ' buffered'}, {st['threads']} threads; one fresh process per row, "
+        f"after a 1-token warm-up",
+        f"disk: {disk['note']}",
+    ]
+    parts = ["\n".join(head), "", render_sweep(report["sweep"], disk.get("bytes_per_second"))]
+    summary = _summary(report["sweep"], disk.get("bytes_per_second"))
+    parts += ["", summary] if summary else []
+    parts += ["", SWEEP_LEGEND]
+    if report.get("comparison"):
+        parts += ["", "", "Clutor vs llama.cpp", "",
+                  render_comparison(report["comparison"], disk.get("bytes_per_second"), st["tokens"])]
+    return "\n".join(parts)

@@ -1,0 +1,167 @@
+"""One Clutor benchmark run in this process.
+
+    python -m clutor.bench.worker MODEL --json-args '{"expert_cache": "25%", "prefetch": true, ...}'
+
+Opens the model with the given options, runs a 1-token warm-up on a different short prompt (JIT
+compilation, first allocations; excluded from the figures), then the measured greedy generation of
+``tokens`` tokens from the ``prompt_tokens``-token benchmark prompt with EOS ignored, and prints one
+JSON line (see ``run``). The warm-up uses other token ids so it does not pre-load the prompt's experts.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import os
+import sys
+import time
+
+from ..errors import ClutorError
+from .process import peak_memory, storage_read_bytes
+from .prompt import bench_prompt, prompt_digest
+from .protocol import worker_main
+
+__all__ = ["DEFAULTS", "run", "to_jsonable"]
+
+# Options of the run; the Model.open ones are passed through as given.
+DEFAULTS: dict = {
+    "prompt_tokens": 64,
+    "tokens": 32,
+    "seed": 0,
+    "warmup": True,
+    "n_ctx": None,           # None: prompt_tokens + tokens + 8
+    "expert_cache": None,
+    "prefetch": None,
+    "policy": "lru",
+    "io": "auto",
+    "direct": True,
+}
+OPEN_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
+# Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
+_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": "lru", "io": "memory", "direct": True}
+
+
+def to_jsonable(obj):
+    """Dataclasses (with their properties such as decode_tps) and plain objects as JSON-ready dicts."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if dataclasses.is_dataclass(obj):
+        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for name, attr in inspect.getmembers(type(obj)):
+            if isinstance(attr, property) and name not in out and not name.startswith("_"):
+                try:
+                    out[name] = to_jsonable(getattr(obj, name))
+                except Exception:  # a derived figure that cannot be computed is simply left out
+                    pass
+        return out
+    if hasattr(obj, "__dict__"):
+        return {k: to_jsonable(v) for k, v in vars(obj).items() if not k.startswith("_")}
+    if hasattr(obj, "item"):  # numpy scalars
+        return obj.item()
+    return str(obj)
+
+
+def _open_kwargs(open_fn, opts: dict) -> tuple[dict, list[str]]:
+    """Options Model.open takes; an option it does not take is dropped only when it asks for nothing
+    (e.g. io="memory" on a build without a streaming store), otherwise that is an error: a knob that
+    silently does nothing would make the benchmark lie."""
+    params = inspect.signature(open_fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict = {"n_ctx": opts["n_ctx"]}
+    ignored: list[str] = []
+    # Without a store (io="memory") the cache options have nothing to act on.
+    storeless = opts["io"] == "memory" and not (takes_any or "io" in params)
+    for key in OPEN_KEYS:
+        value = opts[key]
+        if takes_any or key in params:
+            kwargs[key] = value
+        elif storeless or value == _NEUTRAL[key]:
+            ignored.append(key)
+        else:
+            raise ClutorError(f"this Clutor's Model.open has no {key!r} option (asked for {key}={value!r})")
+    return kwargs, ignored
+
+
+async def _generate(model, ids: list[int], max_tokens: int):
+    """Greedy tokens, the final stats, and the storage-read counter when the first token arrived
+    (that is, after the prefill): the split of disk reads between prefill and decode."""
+    tokens: list[int] = []
+    stats = None
+    read_at_first = None
+    async for chunk in model.generate(ids, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+        if chunk.token is not None:
+            if not tokens:
+                read_at_first = storage_read_bytes()
+            tokens.append(chunk.token)
+        if chunk.stats is not None:
+            stats = chunk.stats
+    return tokens, stats, read_at_first
+
+
+async def _run(path: str, opts: dict) -> dict:
+    from ..model.model import Model
+
+    kwargs, ignored = _open_kwargs(Model.open, opts)
+    t0 = time.perf_counter()
+    async with Model.open(path, **kwargs) as model:
+        t_open = time.perf_counter() - t0
+        ids = bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"])
+        t_warm = 0.0
+        if opts["warmup"]:
+            warm = bench_prompt(model.tokenizer, min(4, opts["prompt_tokens"]), opts["seed"] + 1)
+            t1 = time.perf_counter()
+            await _generate(model, warm, 1)
+            t_warm = time.perf_counter() - t1
+        read0 = storage_read_bytes()
+        t2 = time.perf_counter()
+        tokens, stats, read_mid = await _generate(model, ids, opts["tokens"])
+        t_gen = time.perf_counter() - t2
+        read1 = storage_read_bytes()
+        cfg = model.config
+        n_ctx = model.n_ctx
+    t_total = time.perf_counter() - t0
+    s = to_jsonable(stats) or {}
+    io = s.pop("io", None)
+    return {
+        "engine": "clutor",
+        "model": path,
+        "options": {k: opts[k] for k in DEFAULTS},
+        "ignored_options": ignored,
+        "n_ctx": n_ctx,
+        "config": {"arch": cfg.arch, "n_layers": cfg.n_layers, "n_expert": cfg.n_expert,
+                   "n_expert_used": cfg.n_expert_used},
+        "prompt_digest": prompt_digest(ids),
+        "stats": s,
+        "io": io,
+        "tokens": tokens,
+        "peak_rss": s.pop("peak_rss", None) or peak_memory()["ru_maxrss"],
+        "memory": peak_memory(),
+        "storage_read_bytes": None if read0 is None or read1 is None else read1 - read0,
+        "storage_read_bytes_by_phase": None if None in (read0, read_mid, read1)
+        else {"prefill": read_mid - read0, "decode": read1 - read_mid},
+        "seconds": {"open": t_open, "warmup": t_warm, "generate": t_gen, "total": t_total},
+        "threads": os.cpu_count(),
+    }
+
+
+def run(path: str, options: dict) -> dict:
+    """Run one benchmark; options are DEFAULTS' keys (unknown keys are an error)."""
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ClutorError(f"unknown benchmark option(s): {', '.join(unknown)}")
+    opts = {**DEFAULTS, **options}
+    if opts["n_ctx"] is None:
+        opts["n_ctx"] = opts["prompt_tokens"] + opts["tokens"] + 8
+    if opts["tokens"] < 1:
+        raise ClutorError(f"tokens must be >= 1, got {opts['tokens']}")
+    from ..cli import run_coro
+
+    return run_coro(_run(path, opts))
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main("python -m clutor.bench.worker", run))

@@ -1,0 +1,346 @@
+"""clutor bench MODEL: end-to-end prefill and decode speed over expert-cache budgets x prefetch x policy,
+each configuration in a fresh process, with cache hit rate, bytes read per token and peak memory.
+
+With --vs-llama-cpp the same prompt ids and token count also run through llama.cpp (llama-cpp-python):
+(a) unconstrained, the model file warm in the page cache, and (b) where cgroups are available, Clutor
+and llama.cpp each inside the same cgroup memory cap (Clutor's own footprint: dense weights + expert
+cache + KV cache + a runtime allowance, or --cap SIZE), with the page cache dropped before each run.
+fio measures the disk first, so each row can say how close it comes to the disk-bound limit."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from ..errors import ClutorError
+from .common import Formatter
+
+IO_CHOICES = ("auto", "uring", "threads", "memory")
+SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
+
+
+# ---- argument types (argparse turns ValueError/ArgumentTypeError into a usage message) ----------
+
+def _budgets(text: str):
+    from ..bench.runner import parse_budgets
+
+    try:
+        return parse_budgets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _budget(text: str):
+    from ..bench.runner import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _prefetch(text: str) -> list[bool | None]:
+    table = {"on": True, "off": False, "auto": None, "default": None}
+    out: list[bool | None] = []
+    for part in (p.strip().lower() for p in text.split(",")):
+        if part not in table:
+            raise argparse.ArgumentTypeError(f"prefetch values are on, off or auto; got {part!r}")
+        if table[part] not in out:
+            out.append(table[part])
+    return out
+
+
+def _names(text: str) -> list[str]:
+    out = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not out:
+        raise argparse.ArgumentTypeError(f"no name in {text!r}")
+    return out
+
+
+def _cap(text: str) -> int | str:
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return t
+    from ..units import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--cap is auto, none or a size like 3GiB: {e}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError("--cap must be more than 0 bytes")
+    return n
+
+
+def _size(text: str) -> int:
+    from ..units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
+    return n
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "bench", help="end-to-end tok/s over cache budgets, prefetch and policies (optionally vs llama.cpp)",
+        formatter_class=Formatter, description=__doc__,
+        epilog="examples:\n  clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off\n"
+               "  clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB\n"
+               "  clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
+    p.add_argument("model", help="GGUF file (first part of a split model)")
+    g = p.add_argument_group("configurations (every combination is one run)")
+    g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
+                   help="expert-cache budgets: shares of the expert bytes (25%%), sizes (256MiB) or auto")
+    g.add_argument("--prefetch", type=_prefetch, default="on,off", help="on, off and/or auto")
+    g.add_argument("--policy", type=_names, default="lru", help="cache eviction policies, comma-separated")
+    g.add_argument("--io", choices=IO_CHOICES, default="auto", help="read backend (memory: mmap, no cache)")
+    g.add_argument("--buffered", action="store_true", help="read through the page cache instead of O_DIRECT")
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
+    w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
+    c = p.add_argument_group("comparison with llama.cpp")
+    c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
+    c.add_argument("--cap", type=_cap, default="auto",
+                   help="memory cap of the capped runs: auto (Clutor's estimated footprint), none, or a size")
+    c.add_argument("--cap-budget", type=_budget, default=None,
+                   help="Clutor's expert cache in the capped run (default: what --cap SIZE leaves, else 25%%)")
+    c.add_argument("--allowance", type=_size, default="768MiB",
+                   help="runtime memory (interpreter, libraries, scratch) counted in an auto cap")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--drop-caches", action="store_true", help="drop the page cache before every run (root)")
+    m.add_argument("--fio-seconds", type=float, default=5.0, help="fio disk measurement length (0: skip)")
+    m.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is abandoned")
+    m.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    return p
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def _say(msg: str, end: str = "\n") -> None:
+    print(msg, end=end, file=sys.stderr, flush=True)
+
+
+def _outcome_line(o) -> str:
+    if not o.ok:
+        return f"error: {o.error}"
+    s = o.result["stats"]
+    return f"prefill {s['prefill_tps']:.3g} tok/s, decode {s['decode_tps']:.3g} tok/s ({o.seconds:.0f} s)"
+
+
+def _best(sweep: list[dict]) -> dict | None:
+    ok = [r for r in sweep if r["ok"]]
+    return max(ok, key=lambda r: r["result"]["stats"]["decode_tps"]) if ok else None
+
+
+def _plan_cap(args, path: str, desc: dict, n_ctx: int):
+    """(cap bytes, Budget for Clutor in the capped run) or None with the reason the capped runs are skipped."""
+    from ..bench.runner import Budget, cache_bytes_for, estimate_footprint, kv_bytes
+    from ..memcap import unavailable_reason
+    from ..units import format_bytes
+
+    if args.cap == "none":
+        return None, "capped comparison skipped (--cap none)"
+    why = unavailable_reason()
+    if why is not None:
+        return None, f"capped comparison skipped: {why}"
+    if args.cap == "auto":
+        budget = args.cap_budget or Budget("25%", fraction=0.25)
+        cache = cache_bytes_for(path, desc, budget)
+        return (estimate_footprint(desc, cache, n_ctx, args.allowance), budget), None
+    cap = int(args.cap)
+    if args.cap_budget is not None:
+        return (cap, args.cap_budget), None
+    fixed = estimate_footprint(desc, 0, n_ctx, args.allowance)
+    left = cap - fixed
+    if left < desc["min_expert_cache"]:
+        raise ClutorError(
+            f"--cap {format_bytes(cap)} leaves {format_bytes(max(left, 0))} for the expert cache after dense weights "
+            f"({format_bytes(desc['dense_bytes'])}), KV cache ({format_bytes(kv_bytes(desc, n_ctx))}) and the runtime "
+            f"allowance ({format_bytes(args.allowance)}); the minimum is {format_bytes(desc['min_expert_cache'])}: "
+            f"raise --cap, lower --allowance, or set --cap-budget")
+    return (cap, Budget(format_bytes(left), nbytes=left)), None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Progress:
+    """One "[k/n] what ... result" line per run on stderr."""
+
+    def __init__(self, total: int):
+        self.k, self.total = 0, total
+
+    def start(self, what: str) -> None:
+        self.k += 1
+        _say(f"[{self.k}/{self.total}] {what} ... ", end="")
+
+    def done(self, outcome) -> None:
+        _say(_outcome_line(outcome))
+
+
+def _check(args) -> tuple[dict, int]:
+    """Everything that can be refused before any run starts: (describe(model), n_ctx)."""
+    from .info import describe
+
+    if not os.path.isfile(args.model):
+        raise ClutorError(f"{args.model}: no such model file")
+    desc = describe(args.model)
+    n_ctx = args.prompt_tokens + args.tokens + SLACK_TOKENS
+    if n_ctx > desc["config"]["n_ctx_train"]:
+        raise ClutorError(f"--prompt-tokens + --tokens + {SLACK_TOKENS} = {n_ctx} exceeds the model's context "
+                          f"length {desc['config']['n_ctx_train']}")
+    if args.drop_caches and os.geteuid() != 0:
+        raise ClutorError("--drop-caches needs root (it writes /proc/sys/vm/drop_caches)")
+    try:
+        from ..io.policies import POLICIES
+    except ImportError:
+        POLICIES = None
+    bad = [p for p in args.policy if POLICIES is not None and p not in POLICIES]
+    if bad:
+        raise ClutorError(f"unknown cache policy {', '.join(bad)}; expected one of {', '.join(sorted(POLICIES))}")
+    if args.vs_llama_cpp and importlib.util.find_spec("llama_cpp") is None:
+        raise ClutorError("--vs-llama-cpp needs llama-cpp-python: pip install llama-cpp-python")
+    return desc, n_ctx
+
+
+def run(args) -> int:
+    from ..bench.report import render_report
+    from ..bench.runner import Budget, disk_bandwidth
+
+    desc, n_ctx = _check(args)
+    plan, skip_note = _plan_cap(args, args.model, desc, n_ctx) if args.vs_llama_cpp else (None, None)
+    common = {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "seed": args.seed, "n_ctx": n_ctx}
+    file_bytes = sum(os.path.getsize(f) for f in desc["files"])
+    report: dict = {
+        "model": {"path": args.model, "arch": desc["config"]["arch"], "file_bytes": file_bytes,
+                  "dense_bytes": desc["dense_bytes"], "expert_bytes_total": desc["expert_bytes_total"],
+                  "expert_bytes_one": desc["expert_bytes_one"]},
+        "settings": {**common, "io": args.io, "direct": not args.buffered, "threads": os.cpu_count(),
+                     "budgets": [b.text for b in args.budgets], "prefetch": args.prefetch, "policies": args.policy},
+    }
+    disk = disk_bandwidth(args.model, args.fio_seconds, on_start=_say)
+    report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
+
+    if args.io == "memory":  # experts read from the mapped file: no cache, so nothing to sweep
+        combos = [(Budget("none (io memory)"), "-", "-")]
+    else:
+        combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
+    progress = _Progress(len(combos) + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
+    report["sweep"] = sweep = _sweep(args, desc, common, combos, progress)
+    report["comparison"] = (_compare(args, common, file_bytes, sweep, plan, skip_note, progress)
+                            if args.vs_llama_cpp else None)
+
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render_report(report))
+    return 0 if any(r["ok"] for r in sweep) else 1
+
+
+def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
+    opts = {**common, "io": args.io, "direct": not args.buffered}
+    if args.io != "memory":
+        opts.update(expert_cache=budget.worker_value, prefetch=prefetch, policy=policy)
+    return opts
+
+
+def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress) -> list[dict]:
+    """One uncapped Clutor run per (budget, prefetch, policy)."""
+    from ..bench.runner import cache_bytes_for, run_worker
+
+    sweep: list[dict] = []
+    for budget, prefetch, policy in combos:
+        progress.start(f"clutor budget {budget.text}, prefetch {_onoff(prefetch)}, policy {policy}")
+        try:
+            cache = None if args.io == "memory" else cache_bytes_for(args.model, desc, budget)
+        except ClutorError:
+            cache = None  # the worker will say why
+        o = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy),
+                       drop_caches=args.drop_caches, timeout=args.timeout)
+        progress.done(o)
+        sweep.append({"budget": budget.text, "cache_bytes": cache, "prefetch": prefetch, "policy": policy,
+                      **o.to_json()})
+    return sweep
+
+
+def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_note: str | None,
+             progress: _Progress) -> dict:
+    """llama.cpp unconstrained (vs the fastest sweep row), then Clutor and llama.cpp in the same cap."""
+    from ..bench.runner import preload, run_worker
+    from ..units import format_bytes
+
+    notes: list[str] = []
+    rows: list[dict] = []
+    best = _best(sweep)
+    avail = _mem_available()
+    if avail is not None and avail < file_bytes * 1.1:
+        notes.append(f"unconstrained: only {format_bytes(avail)} free for a {format_bytes(file_bytes)} model, "
+                     f"so llama.cpp reads part of it from disk")
+    progress.start("llama.cpp unconstrained (model preloaded into the page cache)")
+    preload(args.model)
+    o = run_worker(args.model, "llama.cpp", common, timeout=args.timeout)
+    progress.done(o)
+    rows.append({"setting": "unconstrained", "cap": None,
+                 "clutor_config": _config_text(best) + " (fastest sweep row)" if best else "no successful run",
+                 "clutor": best, "llama_config": "mmap, page cache warm", "llama": o.to_json()})
+    if plan is None:
+        notes.append(skip_note)
+        return {"rows": rows, "notes": notes}
+
+    cap, budget = plan
+    # Clutor's prefetch and policy in the cap: those of the fastest sweep row at this budget, else overall.
+    like = next((r for r in sweep if r["ok"] and r["budget"] == budget.text), None) or best
+    prefetch = like["prefetch"] if like else args.prefetch[0]
+    policy = like["policy"] if like else args.policy[0]
+    progress.start(f"clutor capped at {format_bytes(cap)}, budget {budget.text}")
+    oc = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy), cap=cap,
+                    drop_caches=True, timeout=args.timeout)
+    progress.done(oc)
+    progress.start(f"llama.cpp capped at {format_bytes(cap)}")
+    ol = run_worker(args.model, "llama.cpp", common, cap=cap, drop_caches=True, timeout=args.timeout)
+    progress.done(ol)
+    shown = "none (io memory)" if args.io == "memory" else budget.text
+    rows.append({"setting": "capped", "cap": cap, "clutor_config": f"{shown}, prefetch {_onoff(prefetch)}, {policy}",
+                 "clutor": oc.to_json(), "llama_config": "mmap (default)", "llama": ol.to_json()})
+    how = "--cap" if args.cap != "auto" else (
+        f"Clutor's footprint: dense + {budget.text} expert cache + KV + {format_bytes(args.allowance)} allowance")
+    notes.append(f"capped: cgroup memory limit {format_bytes(cap)} ({100 * cap / file_bytes:.0f}% of the "
+                 f"model file), from {how}; page cache dropped before each run: "
+                 f"{'yes' if oc.dropped_caches and ol.dropped_caches else 'no (needs root)'}")
+    if like is not None and like["result"]["peak_rss"] > cap:
+        notes.append(f"capped: Clutor's uncapped peak RSS at a like configuration was "
+                     f"{format_bytes(like['result']['peak_rss'])}, above the cap: expect reclaim or OOM "
+                     f"(raise --allowance or --cap)")
+    if cap >= file_bytes:
+        notes.append("capped: the cap is larger than the model file, so it does not constrain llama.cpp")
+    return {"rows": rows, "notes": notes}
+
+
+def _onoff(v) -> str:
+    return {True: "on", False: "off", None: "auto"}.get(v, str(v))
+
+
+def _config_text(run: dict) -> str:
+    return f"{run['budget']}, prefetch {_onoff(run['prefetch'])}, {run['policy']}"

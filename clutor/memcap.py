@@ -1,0 +1,94 @@
+"""Run a command under a cgroup memory cap (cgroup v1 or v2), to prove memory bounds and to benchmark
+"model larger than RAM" on a machine that has plenty.
+
+Needs root (or a delegated cgroup). Everything here is for tests and benchmarks, never the model path.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["unavailable_reason", "CapResult", "run_capped"]
+
+V1 = Path("/sys/fs/cgroup/memory")
+V2 = Path("/sys/fs/cgroup")
+_seq = itertools.count()
+
+
+def _mode() -> str | None:
+    if (V1 / "memory.limit_in_bytes").exists():
+        return "v1"
+    if (V2 / "cgroup.controllers").exists() and "memory" in (V2 / "cgroup.controllers").read_text():
+        return "v2"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when a memory cgroup can be made here, else why not."""
+    mode = _mode()
+    if mode is None:
+        return "no cgroup memory controller mounted at /sys/fs/cgroup"
+    root = V1 if mode == "v1" else V2
+    if not os.access(root, os.W_OK):
+        return f"cannot create cgroups under {root} (needs root)"
+    return None
+
+
+@dataclass(frozen=True)
+class CapResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    limit: int
+    peak: int            # the cgroup's peak charge (anonymous memory + page cache), bytes
+    oom_killed: bool
+    seconds: float
+
+
+def run_capped(cmd: Sequence[str], limit: int, *, timeout: float = 900, env: dict | None = None,
+               drop_caches: bool = False) -> CapResult:
+    """Run cmd inside a fresh memory cgroup limited to `limit` bytes (no swap here); remove it afterwards."""
+    why = unavailable_reason()
+    if why:
+        raise RuntimeError(why)
+    mode = _mode()
+    cg = (V1 if mode == "v1" else V2) / f"clutor-{os.getpid()}-{next(_seq)}"
+    cg.mkdir()
+    try:
+        if mode == "v1":
+            (cg / "memory.limit_in_bytes").write_text(str(limit))
+        else:
+            (cg / "memory.max").write_text(str(limit))
+            (cg / "memory.swap.max").write_text("0")
+        if drop_caches:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        procs = str(cg / "cgroup.procs")
+
+        def enter():  # runs in the child between fork and exec: the child is capped from its first byte
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        t0 = time.perf_counter()
+        p = subprocess.run(list(cmd), preexec_fn=enter, capture_output=True, text=True, timeout=timeout, env=env)
+        dt = time.perf_counter() - t0
+        if mode == "v1":
+            peak = int((cg / "memory.max_usage_in_bytes").read_text())
+            oom = "oom_kill 0" not in (cg / "memory.oom_control").read_text() or p.returncode == -9
+        else:
+            peak = int((cg / "memory.peak").read_text()) if (cg / "memory.peak").exists() else -1
+            events = dict(l.split() for l in (cg / "memory.events").read_text().splitlines())
+            oom = int(events.get("oom_kill", 0)) > 0
+        return CapResult(p.returncode, p.stdout, p.stderr, limit, peak, oom, dt)
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:  # the last process may still be exiting
+                time.sleep(0.1)

@@ -1,0 +1,81 @@
+"""How a model is opened: where experts come from and how much memory they may use."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BudgetError, ClutorError
+from ..io.layout import ExpertLayout
+from ..units import format_bytes, parse_bytes
+
+__all__ = ["ModelOptions", "resolve_budget", "mem_available"]
+
+IO_CHOICES = ("auto", "uring", "threads", "memory")
+ALIGN = 4096  # O_DIRECT widening of each slab (offset down, end up): the slot size must allow it
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    n_ctx: int | None = None
+    expert_cache: int | str | None = None  # bytes, "3GiB", "25%" of the expert bytes, None = default share of RAM
+    prefetch: bool | None = None           # None = the measured default (see Model.open)
+    policy: str = "lru"
+    io: str = "auto"                       # auto | uring | threads | memory (mmap, no store, no budget)
+    direct: bool = True                    # O_DIRECT (bypass the page cache) when the filesystem allows it
+    trace: str | None = None               # JSONL routing trace written while running
+
+    def __post_init__(self):
+        if self.io not in IO_CHOICES:
+            raise ClutorError(f"io must be one of {', '.join(IO_CHOICES)}, got {self.io!r}")
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo (bytes), or 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def slot_bytes(layout: ExpertLayout) -> int:
+    """Arena bytes one expert needs: each slab widened to O_DIRECT alignment."""
+    worst = 0
+    for l in range(layout.n_layers):
+        worst = max(worst, sum(-(-t.slab_bytes // ALIGN) * ALIGN + ALIGN for t in layout.layers[l]))
+    return worst
+
+
+def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, dense_bytes: int) -> tuple[int, str]:
+    """Expert-cache bytes and a sentence saying how they were chosen.
+
+    The minimum is one layer's top-k experts (the model pins a layer's experts while computing it)."""
+    total = layout.n_layers * layout.n_experts * slot_bytes(layout)
+    minimum = top_k * slot_bytes(layout)
+    if spec is None:
+        # Half of what is free after the dense weights, never more than all the experts need.
+        share = (mem_available() - dense_bytes) // 2
+        budget = max(minimum, min(total, share))
+        why = f"default: half of available memory after dense weights, capped at all experts ({format_bytes(budget)})"
+    elif isinstance(spec, str) and spec.strip().endswith("%"):
+        try:
+            pct = float(spec.strip()[:-1])
+        except ValueError:
+            raise ClutorError(f"expert_cache: expected bytes like '3GiB' or a share like '25%', got {spec!r}") from None
+        if not 0 < pct <= 100:
+            raise ClutorError(f"expert_cache: a share must be in (0%, 100%], got {spec!r}")
+        budget = int(total * pct / 100)
+        why = f"{spec} of the expert bytes ({format_bytes(budget)})"
+    else:
+        try:
+            budget = parse_bytes(spec)
+        except ValueError as e:
+            raise ClutorError(f"expert_cache: {e}") from None
+        why = f"as asked ({format_bytes(budget)})"
+    if budget < minimum:
+        raise BudgetError(
+            f"expert cache of {format_bytes(budget)} is too small: one layer's top-{top_k} experts need "
+            f"{format_bytes(minimum)} ({minimum} bytes, {top_k} x {slot_bytes(layout)} per expert slot)")
+    return budget, why

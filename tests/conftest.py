@@ -1,0 +1,41 @@
+"""Shared test fixtures: the committed tiny models and their llama.cpp recordings."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+FIXTURES = TESTS / "fixtures"
+GOLDEN = TESTS / "golden"
+SHARED_DATA = TESTS.parents[1] / "shared" / "data"
+
+ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
+TYPES = ("F16", "Q8_0", "Q4_K_M", "Q6_K")
+
+
+def fixture_path(arch: str, qtype: str) -> Path:
+    return FIXTURES / f"tiny-{arch}-{qtype}.gguf"
+
+
+def golden(arch: str, qtype: str) -> dict:
+    path = GOLDEN / f"tiny-{arch}-{qtype}.npz"
+    if not path.exists():
+        pytest.fail(f"missing golden file {path}: record it with tools/record_reference.py")
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def run(coro):
+    """Run a coroutine on a fresh loop that fails the test if the loop logged an exception."""
+    errors: list[dict] = []
+
+    async def wrapper():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        return await coro
+
+    result = asyncio.run(wrapper())
+    assert not errors, f"event loop logged: {errors}"
+    return result

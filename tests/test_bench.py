@@ -1,0 +1,241 @@
+"""clutor bench: the worker processes (smoke: valid JSON, positive speeds), the prompt, budget and
+argument parsing, the report tables on a fake result set. No timing assertions."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from clutor.bench import report as rep
+from clutor.bench.prompt import bench_prompt, prompt_digest
+from clutor.bench.runner import Budget, estimate_footprint, kv_bytes, parse_budget, parse_budgets, run_worker
+from clutor.bench.worker import _open_kwargs, to_jsonable
+from clutor.cli import bench as bench_cli
+from clutor.errors import ClutorError
+from conftest import fixture_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """The committed tiny OLMoE fixture, or one written by clutor.model.synth when it is absent."""
+    path = fixture_path("olmoe", "Q8_0")
+    if path.exists():
+        return str(path)
+    try:
+        from clutor.model.synth import write_model
+    except ImportError:
+        pytest.skip(f"no {path.name} fixture and no clutor.model.synth to make one")
+    return str(write_model(tmp_path_factory.mktemp("bench") / path.name, "tiny-olmoe", seed=0, qtype="Q8_0"))
+
+
+def _worker(module: str, model: str, args: dict) -> tuple[int, dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", module, model, "--json-args", json.dumps(args)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    lines = [l for l in p.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1, f"expected one JSON line, got stdout={p.stdout!r} stderr={p.stderr[-2000:]!r}"
+    return p.returncode, json.loads(lines[0])
+
+
+# ---- workers ---------------------------------------------------------------------------------
+
+def test_worker_prints_one_json_line_with_positive_speeds(tiny):
+    rc, d = _worker("clutor.bench.worker", tiny, {"io": "memory", "prompt_tokens": 8, "tokens": 4})
+    assert rc == 0, d
+    s = d["stats"]
+    assert s["prompt_tokens"] == 8 and s["generated_tokens"] == 4 and len(d["tokens"]) == 4
+    assert s["prefill_tps"] > 0 and s["decode_tps"] > 0
+    assert s["prefill_seconds"] > 0 and s["decode_seconds"] > 0
+    assert d["peak_rss"] > 0 and d["memory"]["ru_maxrss"] > 0
+    assert d["options"]["io"] == "memory" and d["n_ctx"] == 8 + 4 + 8
+    assert d["seconds"]["generate"] >= s["prefill_seconds"] + s["decode_seconds"] * 0.99
+
+
+def test_worker_reports_bad_input_as_json_error(tmp_path):
+    rc, d = _worker("clutor.bench.worker", str(tmp_path / "missing.gguf"), {"io": "memory"})
+    assert rc == 1 and "missing.gguf" in d["error"]
+    rc, d = _worker("clutor.bench.worker", str(tmp_path / "missing.gguf"), {"budget": "25%"})
+    assert rc == 1 and "unknown benchmark option" in d["error"] and "budget" in d["error"]
+
+
+def test_run_worker_turns_failures_into_outcomes(tmp_path):
+    o = run_worker(str(tmp_path / "nope.gguf"), "clutor", {"io": "memory"}, timeout=120)
+    assert not o.ok and o.result is None and "nope.gguf" in o.error and "\n" not in o.error
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_llama_worker_same_prompt_positive_speeds(tiny):
+    args = {"prompt_tokens": 8, "tokens": 4}
+    rc, d = _worker("clutor.bench.llama_worker", tiny, args)
+    assert rc == 0, d
+    assert d["engine"] == "llama.cpp" and d["stats"]["generated_tokens"] == 4 and len(d["tokens"]) == 4
+    assert d["stats"]["prefill_tps"] > 0 and d["stats"]["decode_tps"] > 0
+    from clutor.model.tokenizer import Tokenizer
+
+    assert d["prompt_digest"] == prompt_digest(bench_prompt(Tokenizer.from_gguf(tiny), 8, 0))
+
+
+# ---- prompt ----------------------------------------------------------------------------------
+
+def test_bench_prompt_is_deterministic_and_avoids_stop_tokens(tiny):
+    from clutor.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(tiny)
+    a, b = bench_prompt(tok, 600, seed=3), bench_prompt(tok, 600, seed=3)
+    assert a == b and len(a) == 600 and prompt_digest(a) == prompt_digest(b)
+    assert bench_prompt(tok, 600, seed=4) != a
+    body = a[1:] if tok.add_bos and tok.bos_id is not None else a
+    assert not set(body) & set(tok.stop_ids)
+    assert all(tok.token_bytes(i) for i in body)
+    assert all(0 <= i < tok.n_vocab for i in a)
+    with pytest.raises(ClutorError):
+        bench_prompt(tok, 0)
+
+
+# ---- option handling -------------------------------------------------------------------------
+
+def test_parse_budget():
+    assert parse_budget("25%") == Budget("25%", fraction=0.25)
+    assert parse_budget("25%").worker_value == "25%"
+    assert parse_budget("256MiB").nbytes == 256 << 20 and parse_budget("256MiB").worker_value == 256 << 20
+    assert parse_budget("3GiB").nbytes == 3 << 30
+    assert parse_budget("auto").worker_value is None
+    for bad in ("lots", "0%", "150%", "-5%", "0", "1.5.5GiB", "%"):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
+    assert [b.text for b in parse_budgets("10%, 25%,25%,1GiB")] == ["10%", "25%", "1GiB"]
+    with pytest.raises(ValueError):
+        parse_budgets(" , ")
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clutor")
+    bench_cli.add_parser(p.add_subparsers(dest="command"))
+    return p
+
+
+def test_cli_arguments_and_bad_input(capsys, tmp_path):
+    a = _bench_parser().parse_args(["bench", "m.gguf"])
+    assert [b.text for b in a.budgets] == ["10%", "25%", "50%", "100%"]
+    assert a.prefetch == [True, False] and a.policy == ["lru"] and a.cap == "auto"
+    a = _bench_parser().parse_args(["bench", "m.gguf", "--budgets", "256MiB,25%", "--prefetch", "off",
+                                    "--policy", "lru,lfu", "--cap", "3GiB", "--allowance", "1GiB"])
+    assert [b.worker_value for b in a.budgets] == [256 << 20, "25%"]
+    assert a.prefetch == [False] and a.policy == ["lru", "lfu"] and a.cap == 3 << 30 and a.allowance == 1 << 30
+    for bad in (["--budgets", "lots"], ["--prefetch", "maybe"], ["--cap", "big"], ["--tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            _bench_parser().parse_args(["bench", "m.gguf", *bad])
+        assert e.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+    args = _bench_parser().parse_args(["bench", str(tmp_path / "absent.gguf")])
+    with pytest.raises(ClutorError, match="absent.gguf"):
+        bench_cli.run(args)
+
+
+def test_open_kwargs_refuses_knobs_the_model_lacks():
+    async def old_open(path, *, n_ctx=None):
+        pass
+
+    async def new_open(path, *, n_ctx=None, expert_cache=None, prefetch=None, policy="lru", io="auto",
+                       direct=True):
+        pass
+
+    opts = {"n_ctx": 32, "expert_cache": "25%", "prefetch": True, "policy": "lfu", "io": "uring", "direct": True}
+    kw, ignored = _open_kwargs(new_open, opts)
+    assert kw == opts and ignored == []
+    with pytest.raises(ClutorError, match="expert_cache"):
+        _open_kwargs(old_open, opts)
+    # experts from memory ask nothing of a store, so a model without the options runs them as is
+    kw, ignored = _open_kwargs(old_open, {**opts, "io": "memory"})
+    assert kw == {"n_ctx": 32} and set(ignored) == {"expert_cache", "prefetch", "policy", "io", "direct"}
+
+
+def test_to_jsonable_keeps_derived_properties():
+    @dataclass(frozen=True)
+    class IO:
+        hit_rate: float
+
+    @dataclass(frozen=True)
+    class Stats:
+        n: int
+        seconds: float
+        io: IO | None
+
+        @property
+        def tps(self) -> float:
+            return self.n / self.seconds
+
+    d = to_jsonable(Stats(4, 2.0, IO(0.5)))
+    assert d == {"n": 4, "seconds": 2.0, "io": {"hit_rate": 0.5}, "tps": 2.0}
+    json.dumps(d)
+
+
+def test_footprint_estimate_adds_its_parts():
+    desc = {"dense_bytes": 1000, "config": {"n_layers": 2, "n_head_kv": 4, "head_dim": 8, "head_dim_v": 8}}
+    assert kv_bytes(desc, 10) == 2 * 4 * 10 * 16 * 4
+    assert estimate_footprint(desc, 5000, 10, 300) == 1000 + 5000 + kv_bytes(desc, 10) + 300
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def _fake_result(prefill, decode, *, io=None, tokens=(1, 2, 3, 4), digest="abc", peak=300 << 20, decode_read=None):
+    return {"stats": {"prompt_tokens": 8, "generated_tokens": 4, "prefill_seconds": 8 / prefill,
+                      "decode_seconds": 3 / decode, "prefill_tps": prefill, "decode_tps": decode},
+            "io": io, "tokens": list(tokens), "prompt_digest": digest, "peak_rss": peak,
+            "storage_read_bytes_by_phase": None if decode_read is None else {"prefill": 0, "decode": decode_read}}
+
+
+def _fake_report() -> dict:
+    io = {"hit_rate": 0.531, "prefetch_accuracy": 0.8, "bytes_per_token": 64 << 20, "wait_seconds": 0.5,
+          "cache_bytes": 1 << 30}
+    ok = {"ok": True, "error": None, "cgroup_peak": None,
+          "result": _fake_result(40.0, 4.0, io=io)}
+    failed = {"ok": False, "error": "expert cache of 1.00 MiB is too small", "cgroup_peak": None, "result": None}
+    llama = {"ok": True, "error": None, "cgroup_peak": 2 << 30,
+             "result": _fake_result(20.0, 2.0, tokens=(1, 2, 9, 9), decode_read=3 * (128 << 20))}
+    return {
+        "model": {"path": "m.gguf", "arch": "olmoe", "file_bytes": 7 << 30, "dense_bytes": 500 << 20,
+                  "expert_bytes_total": 6 << 30},
+        "settings": {"prompt_tokens": 8, "tokens": 4, "io": "auto", "direct": True, "threads": 2},
+        "disk": {"bytes_per_second": float(1 << 30), "note": "fio: 1.00 GiB/s"},
+        "sweep": [{"budget": "25%", "cache_bytes": None, "prefetch": True, "policy": "lru", **ok},
+                  {"budget": "1MiB", "cache_bytes": 1 << 20, "prefetch": False, "policy": "lfu", **failed}],
+        "comparison": {"rows": [{"setting": "capped", "cap": 3 << 30, "clutor_config": "25%, prefetch on, lru",
+                                 "clutor": ok, "llama_config": "mmap", "llama": llama}],
+                       "notes": ["capped: cgroup memory limit 3.00 GiB"]},
+    }
+
+
+def test_report_renders_a_fake_result_set():
+    text = rep.render_report(_fake_report())
+    for header in ("budget", "prefill tok/s", "decode tok/s", "hit rate", "prefetch acc", "read/token", "wait",
+                   "peak RSS", "disk limit", "of limit", "memory cap", "ratio"):
+        assert header in text, header
+    sweep = rep.render_sweep(_fake_report()["sweep"], float(1 << 30))
+    lines = sweep.splitlines()
+    assert len({len(lines[0]), len(lines[1]), len(lines[2])}) == 1  # header, rule and row aligned
+    row = lines[2]
+    assert "1.00 GiB" in row and "53.1%" in row and "80.0%" in row and "64.00 MiB" in row
+    assert "40.0" in row and "4.00" in row and "52.6%" in row  # wait: 0.5 s of 8/40 + 3/4 s
+    assert "16.0" in row and "25.0%" in row  # disk limit 1 GiB/s / 64 MiB = 16 tok/s; 4 / 16
+    assert "error: expert cache of 1.00 MiB is too small" in lines[3]
+    assert lines[3].startswith("1MiB")
+    assert "2.00x" in text  # 40/20 prefill and 4/2 decode
+    assert "fastest: budget 25%, prefetch on, policy lru: 4.00 tok/s decode, 25% of the disk-bound limit" in text
+    assert "greedy tokens agree for the first 2 of 4" in text and "same prompt ids" in text
+    assert "128 MiB" in text  # llama's OS-counted decode reads per token
+
+
+def test_format_table_lets_errors_run_on():
+    t = rep.format_table(["a", "bb", "c"], [["1", "2", "3"], ["x", "error: long message here"]])
+    lines = t.splitlines()
+    assert lines[0] == "a  bb  c" and lines[2] == "1   2  3" and lines[3] == "x  error: long message here"

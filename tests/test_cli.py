@@ -1,0 +1,71 @@
+"""The CLI, run in-process: generate, info, chat (scripted input), errors without tracebacks."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from clutor.cli import COMMANDS, main
+from conftest import fixture_path
+
+
+def test_every_command_has_help_with_an_example(capsys):
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "example" in out.lower(), name
+
+
+def test_info(capsys):
+    assert main(["info", str(fixture_path("qwen2moe", "Q4_K_M"))]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2moe" in out and "shared expert" in out and "Q4_K" in out
+    assert main(["info", "--json", str(fixture_path("olmoe", "Q8_0"))]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["arch"] == "olmoe"
+    assert d["expert_bytes_per_token_worst"] == d["expert_bytes_one"] * d["config"]["n_expert_used"] * d["config"]["n_layers"]
+    assert d["dense_bytes"] + d["expert_bytes_total"] <= sum(v["bytes"] for v in d["tensor_types"].values())
+
+
+def test_generate_streams_text_and_stats(capsys):
+    rc = main(["generate", str(fixture_path("olmoe", "F16")), "The quick brown fox", "-n", "6",
+               "--temperature", "0", "--ignore-eos"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() != ""
+    assert "tok/s decode" in cap.err and "6 generated" in cap.err
+
+
+def test_generate_reads_stdin(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time"))
+    assert main(["generate", str(fixture_path("qwen3moe", "Q8_0")), "-", "-n", "3", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    assert "3 generated" in capsys.readouterr().err
+
+
+def test_chat_scripted(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello!\nHow are you?\n/exit\nnot read\n"))
+    rc = main(["chat", str(fixture_path("qwen3moe", "F16")), "-n", "5", "--temperature", "0", "--ignore-eos"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("5 generated") == 2  # two replies, then /exit
+
+
+@pytest.mark.parametrize("content", [b"", b"NOPE" + b"\0" * 64, b"GGUF\x03\0\0\0" + b"\xff" * 40])
+def test_bad_file_is_a_message_not_a_traceback(capsys, tmp_path, content):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    for cmd in (["info", str(bad)], ["generate", str(bad), "hi"]):
+        assert main(cmd) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("clutor: error: ") and "bad.gguf" in err and "Traceback" not in err
+
+
+def test_missing_file(capsys, tmp_path):
+    assert main(["info", str(tmp_path / "nope.gguf")]) == 1
+    assert "nope.gguf" in capsys.readouterr().err
