@@ -1,0 +1,314 @@
+"""io_uring read backend over PyPI ``liburing``, driven by the asyncio (or uvloop) event loop.
+
+What the wrapper forces on us (see shared notes/io-uring.md):
+
+* Buffers go in as ``Iovec([memoryview])`` + ``io_uring_prep_readv``. An Iovec takes a buffer export it
+  never releases, so every Iovec pins its memoryview for the life of the process. We build one per
+  ``(buffer, start, length)`` actually used and cache it: reads of a given buffer come in a few lengths
+  (one per slab size, or the block size of a benchmark), so the cache stays small; it is bounded by
+  the number of aligned lengths a buffer can hold. ``start`` is non-zero only to finish a short read.
+* Completions: a registered non-blocking eventfd watched with ``loop.add_reader``; on wake-up we take
+  CQEs one at a time with ``io_uring_peek_cqe`` (reading ``cqe[i]`` for i > 0 is wrong here), copy
+  ``user_data`` and ``res`` at once and mark the entry seen. Never ``io_uring_wait_cqe`` in a thread:
+  it holds the GIL while it blocks.
+* The CQ size cannot be chosen, so reads owned by the kernel are capped at the SQ size (``entries``);
+  more wait in our queue, in order. Request ids are the indices of those ``entries`` slots, reused.
+* A prep call that raises after ``io_uring_get_sqe`` leaves a half-made SQE that the next submit
+  sends anyway, shifting every later completion. Everything is checked at ``submit()``, and the
+  Iovec is fetched before the SQE is taken.
+* Submissions are batched: ``submit()`` only queues and schedules one ``_flush`` per loop turn, which
+  preps every SQE it can and calls ``io_uring_submit`` once.
+
+Short reads: with O_DIRECT a read only comes back short at end of file. A short read is reported as
+end-of-file (the byte count read) when ``offset + bytes`` reaches the file's size; otherwise the
+remainder is resubmitted into the rest of the buffer (for an O_DIRECT file only when the bytes read
+keep it aligned, else it fails) and after a few tries it fails with ClutorIOError.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections import deque
+from typing import Any, Sequence
+
+from clutor.errors import ClosedError, ClutorError, ClutorIOError
+from clutor.io.backend import FileTable, ReadHandle, ReadRequest, ReadState
+from clutor.io.threads import check_buffers, check_requests
+
+__all__ = ["UringBackend", "UringUnavailable"]
+
+_MAX_SHORT_RETRIES = 3
+# Refusals that mean "no io_uring here" (kernel without it, sysctl io_uring_disabled, seccomp).
+_UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
+
+
+class UringUnavailable(ClutorError):
+    """io_uring cannot be used on this machine; ``open_backend(io="auto")`` falls back to threads."""
+
+
+def _import_liburing() -> Any:
+    try:
+        import liburing
+    except ImportError as err:  # no wheel for this platform / Python
+        raise UringUnavailable(f"io_uring unavailable: cannot import liburing ({err})") from err
+    return liburing
+
+
+class UringBackend:
+    """Backend protocol over one io_uring. Construct inside the running event loop."""
+
+    name = "uring"
+
+    def __init__(
+        self,
+        files: Sequence[str | os.PathLike],
+        buffers: Sequence[memoryview],
+        *,
+        direct: bool,
+        entries: int = 256,
+    ):
+        L = self._L = _import_liburing()
+        self._loop = asyncio.get_running_loop()
+        if not 1 <= entries <= 32768:  # 32768 is the largest ring the kernel accepts
+            raise ValueError(f"UringBackend: entries must be in [1, 32768], got {entries}")
+        self._ring: Any = None
+        self._efd = -1
+        self._files = FileTable(files, direct=direct)
+        try:
+            self._buffers = check_buffers(buffers, self._files.align)
+            ring = L.Ring()
+            try:
+                L.io_uring_queue_init(entries, ring)
+            except OSError as err:
+                if err.errno in _UNAVAILABLE:
+                    raise UringUnavailable(f"io_uring unavailable: io_uring_queue_init: {err.strerror}") from err
+                raise ClutorError(f"io_uring_queue_init({entries}) failed: {err}") from err
+            self._ring = ring
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            L.io_uring_register_eventfd(ring, self._efd)
+            self._loop.add_reader(self._efd, self._on_event)
+        except BaseException:
+            self._release()
+            raise
+        self.paths = self._files.paths
+        self.direct = self._files.direct
+        self.file_direct = self._files.file_direct
+        self.align = self._files.align
+        self.fallback_reason = self._files.fallback_reason
+        self.entries = entries
+        self._fds = self._files.fds
+        self._cqe = L.Cqe()
+        self._iovecs: dict[tuple[int, int, int], Any] = {}
+        self._pinned: list[memoryview] = []  # the memoryviews our Iovecs export (kept for clarity)
+        # Per request id (index < entries): the handle, bytes already read, short-read retries.
+        self._slot_handle: list[ReadHandle | None] = [None] * entries
+        self._slot_got = [0] * entries
+        self._slot_tries = [0] * entries
+        self._free = list(range(entries - 1, -1, -1))
+        self._pending: deque[ReadHandle] = deque()  # not yet given to the kernel; drop() works
+        self._retry: deque[int] = deque()           # request ids whose remainder must be resubmitted
+        self._flush_scheduled = False
+        self._closed = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # -- protocol -----------------------------------------------------------------------------
+    def submit(self, requests: Sequence[ReadRequest]) -> list[ReadHandle]:
+        if self._closed:
+            raise ClosedError("UringBackend: submit() after aclose()")
+        check_requests(self._files, self._buffers, requests)
+        loop = self._loop
+        handles = [ReadHandle(r, loop) for r in requests]
+        self._pending.extend(handles)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return handles
+
+    def inflight(self) -> int:
+        owned = self.entries - len(self._free)
+        return owned + sum(1 for h in self._pending if h.state is ReadState.QUEUED)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._drained = self._loop.create_future()
+            while self._pending:
+                h = self._pending.popleft()
+                if h.state is ReadState.QUEUED:
+                    h.state = ReadState.DROPPED
+                    if not h.done.done():
+                        h.done.set_exception(ClosedError("UringBackend closed before this read was submitted"))
+                        h.done.exception()  # nobody may be waiting; do not log "never retrieved"
+            self._maybe_finish()
+        await asyncio.shield(self._drained)
+
+    # -- submission ---------------------------------------------------------------------------
+    def _iovec(self, buf: int, start: int, length: int) -> Any:
+        key = (buf, start, length)
+        iov = self._iovecs.get(key)
+        if iov is None:
+            mv = self._buffers[buf]
+            if start or length != len(mv):
+                mv = mv[start:start + length]
+            iov = self._L.Iovec([mv])
+            self._pinned.append(mv)
+            self._iovecs[key] = iov
+        return iov
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        ring = self._ring
+        if ring is None:
+            return
+        L = self._L
+        get_sqe, prep_readv = L.io_uring_get_sqe, L.io_uring_prep_readv
+        fds, iovecs = self._fds, self._iovecs
+        while self._retry:
+            rid = self._retry[0]
+            h = self._slot_handle[rid]
+            r = h.request
+            got = self._slot_got[rid]
+            iov = self._iovec(r.buf, got, r.length - got)
+            sqe = get_sqe(ring)
+            if sqe is None:
+                break
+            self._retry.popleft()
+            prep_readv(sqe, fds[r.file], iov, r.offset + got)
+            sqe.user_data = rid
+        pending, free, handles = self._pending, self._free, self._slot_handle
+        QUEUED, INFLIGHT = ReadState.QUEUED, ReadState.INFLIGHT
+        while pending and free:
+            h = pending[0]
+            if h.state is not QUEUED or h.done.cancelled():
+                pending.popleft()
+                if h.state is QUEUED:  # its future was cancelled directly: same as drop()
+                    h.state = ReadState.DROPPED
+                continue
+            r = h.request
+            iov = iovecs.get((r.buf, 0, r.length)) or self._iovec(r.buf, 0, r.length)
+            sqe = get_sqe(ring)
+            if sqe is None:
+                break
+            pending.popleft()
+            rid = free.pop()
+            prep_readv(sqe, fds[r.file], iov, r.offset)
+            sqe.user_data = rid
+            handles[rid] = h
+            self._slot_got[rid] = 0
+            self._slot_tries[rid] = 0
+            h.state = INFLIGHT
+        ready = L.io_uring_sq_ready(ring)
+        if ready:
+            try:
+                sent = L.io_uring_submit(ring)
+            except OSError:  # EAGAIN/EBUSY/EINTR
+                sent = 0
+            if (sent or 0) < ready:
+                # The rest stay in the SQ ring and go with the next submit; make sure there is one.
+                self._loop.call_later(0.001, self._schedule_flush)
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    # -- completion ---------------------------------------------------------------------------
+    def _on_event(self) -> None:
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        ring, cqe, L = self._ring, self._cqe, self._L
+        if ring is None:
+            return
+        peek, seen = L.io_uring_peek_cqe, L.io_uring_cqe_seen
+        n = 0
+        while True:
+            try:
+                peek(ring, cqe)
+            except BlockingIOError:
+                break
+            c = cqe[0]
+            rid = c.user_data
+            try:
+                res = c.res
+            except OSError as err:  # negative res arrives as an exception
+                res = -(err.errno or errno.EIO)
+            seen(ring, c)
+            self._on_cqe(rid, res)
+            n += 1
+        if self._pending or self._retry:
+            self._flush()
+        if self._closed:
+            self._maybe_finish()
+        elif n and not self._flush_scheduled:
+            # Done-callbacks just scheduled by set_result run before this flush in the same loop
+            # turn, so a read they submit in reply to a completion goes out without waiting a turn.
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _on_cqe(self, rid: int, res: int) -> None:
+        h = self._slot_handle[rid]
+        r = h.request
+        if res < 0:
+            reason = f"{os.strerror(-res)} (errno {-res})"
+            self._finish(rid, 0, ClutorIOError(self.paths[r.file], r.offset, r.length, reason))
+            return
+        got = self._slot_got[rid] + res
+        if got >= r.length or res == 0:  # complete, or nothing more: end of file
+            self._finish(rid, got, None)
+            return
+        # Short read: end of file, or a transfer cut short that we finish ourselves.
+        try:
+            at_eof = r.offset + got >= self._files.size(r.file)
+        except OSError as err:
+            self._finish(rid, 0, ClutorIOError(self.paths[r.file], r.offset, r.length, f"fstat: {err.strerror}"))
+            return
+        if at_eof:
+            self._finish(rid, got, None)
+            return
+        tries = self._slot_tries[rid] + 1
+        misaligned = self.file_direct[r.file] and got % self.align
+        if misaligned or tries > _MAX_SHORT_RETRIES:
+            why = "not block aligned" if misaligned else f"after {tries} attempts"
+            reason = f"short read: {got} of {r.length} bytes, not at end of file ({why})"
+            self._finish(rid, 0, ClutorIOError(self.paths[r.file], r.offset, r.length, reason))
+            return
+        self._slot_got[rid] = got
+        self._slot_tries[rid] = tries
+        self._retry.append(rid)
+
+    def _finish(self, rid: int, nbytes: int, err: ClutorIOError | None) -> None:
+        h = self._slot_handle[rid]
+        self._slot_handle[rid] = None
+        self._free.append(rid)
+        h.state = ReadState.DONE
+        fut = h.done
+        if not fut.done():
+            if err is None:
+                fut.set_result(nbytes)
+            else:
+                fut.set_exception(err)
+
+    # -- teardown -----------------------------------------------------------------------------
+    def _maybe_finish(self) -> None:
+        if len(self._free) != self.entries or self._retry or self._drained is None or self._drained.done():
+            return
+        self._release()
+        self._drained.set_result(None)
+
+    def _release(self) -> None:
+        """Free the ring, eventfd and files. Only once no read is owned by the kernel."""
+        if self._efd >= 0:
+            self._loop.remove_reader(self._efd)
+        if self._ring is not None:
+            ring, self._ring = self._ring, None
+            self._L.io_uring_queue_exit(ring)
+        if self._efd >= 0:
+            efd, self._efd = self._efd, -1
+            os.close(efd)
+        self._files.close()
+
+    def __repr__(self) -> str:
+        return f"UringBackend(files={len(self.paths)}, direct={self.direct}, entries={self.entries})"
