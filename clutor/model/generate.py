@@ -10,7 +10,68 @@ import numpy as np
 from ..errors import ClutorError
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["GenerationChunk", "GenerationStats", "generate"]
+__all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
+
+
+def peak_rss() -> int:
+    """VmHWM of this process (what the kernel reports as its peak resident set), bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def _io_report(before, after, seconds: float) -> IOReport | None:
+    if before is None or after is None:
+        return None
+    d = {k: getattr(after, k) - getattr(before, k) for k in (
+        "accesses", "hits", "misses", "prefetch_issued", "prefetch_late", "prefetch_wasted",
+        "bytes_demand", "bytes_prefetch", "wait_seconds")}
+    reads = d["misses"] + d["prefetch_issued"]
+    avg = (d["bytes_demand"] + d["bytes_prefetch"]) / reads if reads else 0
+    return IOReport(
+        backend=after.backend, mode=after.mode, cache_bytes=after.arena_bytes, accesses=d["accesses"],
+        hits=d["hits"], misses=d["misses"], prefetch_issued=d["prefetch_issued"],
+        prefetch_late=d["prefetch_late"], prefetch_wasted=d["prefetch_wasted"],
+        bytes_read=d["bytes_demand"] + d["bytes_prefetch"], bytes_wasted=int(d["prefetch_wasted"] * avg),
+        wait_seconds=d["wait_seconds"], compute_seconds=max(seconds - d["wait_seconds"], 0.0),
+    )
+
+
+@dataclass(frozen=True)
+class IOReport:
+    """What the expert store did during one generation (differences of its counters)."""
+
+    backend: str                 # "uring" | "threads"
+    mode: str                    # "direct" | "buffered"
+    cache_bytes: int             # the arena: the expert cache's whole memory
+    accesses: int                # experts demanded (per layer, per step)
+    hits: int
+    misses: int
+    prefetch_issued: int
+    prefetch_late: int           # demanded while their prefetch read was still in flight
+    prefetch_wasted: int         # prefetched and dropped or evicted unused
+    bytes_read: int              # demand + prefetch bytes transferred
+    bytes_wasted: int            # an estimate: wasted prefetches x average expert bytes read
+    wait_seconds: float          # the model waited for reads
+    compute_seconds: float       # everything else in prefill + decode
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        """Share of demanded experts that were already resident or on their way (hits + late prefetches)."""
+        return (self.hits + self.prefetch_late) / self.accesses if self.accesses else 0.0
 
 
 @dataclass(frozen=True)
@@ -20,6 +81,14 @@ class GenerationStats:
     prefill_seconds: float
     decode_seconds: float
     stop_reason: str  # "eos" | "stop" | "length"
+    io: IOReport | None = None   # None when experts are mapped from the file
+    peak_rss: int = 0            # the process's peak resident set (VmHWM), bytes
+    cache_note: str = ""         # how the expert cache size was chosen
+
+    @property
+    def bytes_per_token(self) -> float:
+        n = self.prompt_tokens + max(self.generated_tokens - 1, 0)
+        return self.io.bytes_read / n if self.io and n else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -97,6 +166,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     stream = tok.stream()
     stopper = _StopMatcher(stop)
     history = list(ids)
+    io_before = model.io_stats()
     t0 = time.perf_counter()
     logits = await model.forward(seq, ids)  # [1, V]
     t_prefill = time.perf_counter() - t0
@@ -121,5 +191,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         logits = await model.forward(seq, [token])
     t_decode = time.perf_counter() - t1
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
-    stats = GenerationStats(len(ids), n_gen, t_prefill, t_decode, reason)
+    stats = GenerationStats(len(ids), n_gen, t_prefill, t_decode, reason,
+                            io=_io_report(io_before, model.io_stats(), t_prefill + t_decode),
+                            peak_rss=peak_rss(), cache_note=model.cache_note)
     yield GenerationChunk(tail, None, stats)

@@ -13,12 +13,14 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from .._util import AwaitableContext
-from ..errors import ClosedError, ClutorError
+from ..io.trace import TraceHeader, TraceWriter
+from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import read_config
 from .config import ModelConfig
 from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from .quants import matmul
+from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
 from .weights import DenseWeights, LayerWeights, load_dense
@@ -51,14 +53,38 @@ class Model:
         self._experts = experts
         self._rope = Rope(cfg.n_rot, cfg.rope_base, n_ctx)
         self._closed = False
+        self._prefetch = False
+        self._trace: TraceWriter | None = None
+        # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
+        # served in chunks, leaving room for other sequences and for the next layer's prefetch.
+        room = getattr(experts, "n_slots", 0) + getattr(experts, "n_spare", 0)
+        self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self.options = ModelOptions(n_ctx=n_ctx, io="memory")
+        self.cache_note = "all experts mapped from the file"
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None) -> AwaitableContext["Model"]:
-        return AwaitableContext(lambda: cls._open(os.fspath(path), n_ctx=n_ctx))
+    def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
+             prefetch: bool | None = None, policy: str = "lru", io: str = "auto", direct: bool = True,
+             trace: str | os.PathLike | None = None) -> AwaitableContext["Model"]:
+        """Open a GGUF MoE model.
+
+        n_ctx: context length (default min(model's, 4096)).
+        expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
+            half of the memory available after the dense weights (capped at what all experts need).
+        prefetch: read the experts predicted for layer l+1 while layer l computes (default: on).
+        policy: cache replacement policy (see clutor.io.policies.POLICIES).
+        io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
+        direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).
+        trace: write the routing of every token to this JSONL file (the simulator's format).
+        """
+        opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
+                            direct=direct, trace=os.fspath(trace) if trace is not None else None)
+        return AwaitableContext(lambda: cls._open(os.fspath(path), opts))
 
     @classmethod
-    async def _open(cls, path: str, *, n_ctx: int | None) -> "Model":
+    async def _open(cls, path: str, opts: ModelOptions) -> "Model":
+        n_ctx = opts.n_ctx
         # Parsing and reading the dense weights are blocking file I/O: keep them off the event loop.
         def load():
             f = GGUFFile.open(path)
@@ -66,7 +92,6 @@ class Model:
                 cfg = read_config(f)
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
-                    from ..errors import ModelFileError
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
                 dense = load_dense(f, cfg)
                 layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
@@ -80,12 +105,26 @@ class Model:
         if not 1 <= ctx <= cfg.n_ctx_train:
             f.close()
             raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
-        return cls(path, f, cfg, dense, tok, InMemoryExperts(layout), ctx)
+        try:
+            experts, why = await _open_experts(layout, cfg, dense, opts)
+        except BaseException:
+            f.close()
+            raise
+        model = cls(path, f, cfg, dense, tok, experts, ctx)
+        model.options = opts
+        model.cache_note = why
+        model._prefetch = opts.prefetch is not False and opts.io != "memory"
+        if opts.trace:
+            model._trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used,
+                                                               layout.max_expert_bytes))
+        return model
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._trace is not None:
+            self._trace.close()
         await self._experts.aclose()
         self._file.close()
 
@@ -116,8 +155,7 @@ class Model:
         x = self._w.tok_embd.rows(ids)  # [T, D]
         for l, lw in enumerate(self._w.layers):
             x = x + self._attention(lw, l, x, seq, p0)
-            h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [T, D]
-            x = x + await self._moe(lw, l, h)
+            x = x + await self._moe(l, x, p0)
         seq.kv.n = p0 + T
         if not all_logits:
             x = x[-1:]
@@ -141,26 +179,51 @@ class Model:
         o = attention(q, seq.kv, l, p0, 1.0 / np.sqrt(cfg.head_dim))  # [T, H*hdv]
         return lw.wo(o)
 
-    async def _moe(self, lw: LayerWeights, l: int, h: np.ndarray) -> np.ndarray:
-        """Routed experts (+ qwen2moe's shared expert) on h [T, D] -> [T, D]."""
-        cfg = self.config
+    async def _moe(self, l: int, x: np.ndarray, p0: int) -> np.ndarray:
+        """Routed experts (+ qwen2moe's shared expert) on the residual x [T, D] -> the MoE output [T, D]."""
+        cfg, lw = self.config, self._w.layers[l]
         D, F = cfg.n_embd, cfg.n_ff_exp
+        h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [T, D]
         sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
-        wanted = np.unique(sel)  # each expert read once per layer per batch
+        if self._trace is not None:
+            for t in range(len(sel)):
+                self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist())
+        wanted, counts = np.unique(sel, return_counts=True)  # each expert read once per layer per batch
+        wanted = wanted[np.argsort(-counts, kind="stable")].tolist()
         out = np.zeros_like(h)  # [T, D]
         et = lw.experts
-        with await self._experts.get(l, wanted.tolist()) as batch:
-            for view in batch:
-                rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
-                xe = h[rows]  # [n, D]
-                a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
-                y = matmul(view.down, et.down, D, F, a)  # [n, D]
-                out[rows] += w[rows, slots, None] * y
+        for i in range(0, len(wanted), self._max_batch):
+            chunk = wanted[i : i + self._max_batch]
+            get = asyncio.ensure_future(self._experts.get(l, chunk))
+            if i == 0 and self._prefetch and l + 1 < cfg.n_layers:
+                # Let get() pin this layer's experts and submit its misses first, then queue the
+                # experts layer l+1's router would pick from the current hidden state.
+                await asyncio.sleep(0)
+                self._experts.prefetch(l + 1, self._predict(l + 1, x))
+            with await get as batch:
+                for view in batch:
+                    rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
+                    xe = h[rows]  # [n, D]
+                    a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
+                    y = matmul(view.down, et.down, D, F, a)  # [n, D]
+                    out[rows] += w[rows, slots, None] * y
         if cfg.n_ff_shexp:
             g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [T]
             s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [T, D]
             out += g[:, None].astype(np.float32) * s
         return out
+
+    def _predict(self, l: int, x: np.ndarray) -> list[int]:
+        """Experts layer l will likely want: its router on the current residual, most-voted first."""
+        cfg, lw = self.config, self._w.layers[l]
+        sel, _ = route(rmsnorm(x, lw.ffn_norm, cfg.eps), lw.router, cfg.n_expert_used, cfg.norm_topk)
+        ids, counts = np.unique(sel, return_counts=True)
+        return ids[np.argsort(-counts, kind="stable")][: self._max_batch].tolist()
+
+    def io_stats(self):
+        """The expert store's counters (None when experts are mapped from the file)."""
+        stats = getattr(self._experts, "stats", None)
+        return stats() if stats is not None else None
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **options) -> AsyncIterator["GenerationChunk"]:
@@ -169,3 +232,15 @@ class Model:
 
         self._check_open()
         return generate(self, prompt, **options)
+
+
+async def _open_experts(layout, cfg: ModelConfig, dense: DenseWeights, opts: ModelOptions) -> tuple[ExpertSource, str]:
+    """The expert source the options ask for, and a sentence saying how its memory was chosen."""
+    if opts.io == "memory":
+        return InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
+    from ..io.store import ExpertStore
+
+    budget, why = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense.nbytes)
+    store = await ExpertStore.open(layout, budget, policy=opts.policy, io=opts.io, direct=opts.direct,
+                                   prefetch_slots=0 if opts.prefetch is False else None)
+    return store, why

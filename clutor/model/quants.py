@@ -51,19 +51,11 @@ def dequantize_rows(raw: np.ndarray, qtype: int, n_cols: int, rows: np.ndarray) 
     return dequantize(picked.reshape(-1), qtype, (len(rows), n_cols))
 
 
-def round_f16(x: np.ndarray) -> np.ndarray:
-    """llama.cpp's CPU backend converts activations to F16 before an F16 weight's dot products;
-    doing the same keeps F16 models within a few thousandths of its logits."""
-    return x.astype(np.float16).astype(np.float32)
-
-
 def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray) -> np.ndarray:
     """x @ W.T for W stored as raw bytes (numpy shape (n_rows, n_cols)); x float32 [T, n_cols] -> [T, n_rows]."""
     from . import kernels  # late: kernels import numba, which is slow to import
 
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if qtype == QT.F16:
-        x = round_f16(x)
     if kernels.has_kernel(qtype):
         return kernels.matmul(raw, qtype, n_rows, n_cols, x)
     w = dequantize(raw, qtype, (n_rows, n_cols))  # [N, K]
@@ -98,8 +90,7 @@ class Weight:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Apply as a linear layer: x float32 [T, n_cols] -> [T, n_rows]."""
         if self._f32 is not None:
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            return (round_f16(x) if self.qtype == QT.F16 else x) @ self._f32.T
+            return np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
         return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x)
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
