@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Record llama.cpp's outputs on the tiny fixtures, as the reference the forward pass is tested against.
+
+    python tools/record_reference.py [FIXTURE.gguf ...] [--out tests/golden]
+
+For each fixture (default: every tests/fixtures/*.gguf) this writes tests/golden/<stem>.npz with
+  prompt_text          0-d str array: the fixed prompt text
+  greedy_prompt_ids    [Tp] int32    llama.cpp's tokenization of prompt_text (no BOS, no special parsing)
+  mixed_ids            [Tm] int32    40 ids of every kind (byte tokens, merges, specials, unused ids)
+  prompt_ids           [T]  int32    greedy_prompt_ids followed by mixed_ids, evaluated as one sequence
+  logits               [T, V] f32    llama.cpp's logits at every position of prompt_ids
+  greedy_ids           [24] int32    llama.cpp's greedy continuation of greedy_prompt_ids (its own
+                                     sampler: top_k 1, temperature 0, no repeat penalty, EOS ignored)
+  greedy_logits        [24, V] f32   the logits each greedy token was chosen from
+  router_margin        [T] f32       per position, min over layers of the gap between the k-th and
+  greedy_router_margin [24] f32      (k+1)-th router logit, from the float64 reference below
+  tok_texts            [N] str       strings tokenized with the fixture's own vocab by llama.cpp
+  tok_ids, tok_offsets               their ids, flat; text i is tok_ids[tok_offsets[i]:tok_offsets[i+1]]
+  llama_cpp_version    0-d str       llama-cpp-python version
+
+llama.cpp runs with 2 threads, n_ctx 512, and an F32 KV cache (its default F16 cache adds rounding
+that has nothing to do with the model file).
+
+Near-ties in the router are the one thing that makes two correct implementations disagree by a
+whole expert's output: if the k-th and (k+1)-th router logits are closer than the rounding error,
+either expert may win. So this tool also runs its own float64 forward pass (written from
+shared/notes/gguf-moe.md, independent of clutor) to (1) pick the mixed ids one by one so that no
+position has a router gap under MIN_MARGIN, (2) record the gaps, and (3) check llama.cpp's logits
+against it. The per-fixture summary printed at the end gives the median top-1/top-2 logit gap, the
+smallest router gap, and max |llama.cpp - reference|.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROMPT_TEXT = "The miller watched the river in 1961.\nx = 3.14 * r ** 2  # café 東京"
+
+TOK_TEXTS = [
+    "Hello world",
+    " Hello world",
+    "  two leading spaces and trailing   ",
+    "line one\nline two\n\n\tindented\r\nwindows",
+    "don't it's we'll they're I'm you've he'd",
+    "DON'T IT'S WE'LL",
+    "digits 0 12 345 6789 1234567890 3.14159 -42 1e-5",
+    "for (int i = 0; i < n; i++) { sum += a[i]; }",
+    "x = {'a': [1, 2, 3], \"b\": None}  # comment",
+    "Français: « où est la gare ? » Deutsch: Straße, Größe",
+    "Русский текст и ελληνικά",
+    "日本語のテキストと中文",
+    "emoji 🙂🎉👩‍🔬 and symbols ∑ √2 ≈ 1.414 ½",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|endoftext|>",
+    "!!! ??? ... --- ***",
+    "a",
+    "",
+]
+
+N_MIXED = 40
+N_GREEDY = 24
+# Router gaps below this are treated as ties (llama.cpp's router logits differ from float64 ones by
+# about 1e-3 on F16 files and a few 1e-2 on quantised files, where it rounds activations to 8 bits
+# before every quantised dot product). The same holds for the final top-1/top-2 logit gap.
+MIN_MARGIN = {"F16": 0.05, "F32": 0.05}
+MIN_MARGIN_QUANT = 0.2
+MIN_LOGIT_GAP = {"F16": 0.05, "F32": 0.05}
+MIN_LOGIT_GAP_QUANT = 0.4
+GGML_TYPE_F32 = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# An independent float64 reference forward pass (olmoe / qwen2moe / qwen3moe), one token at a time.
+
+
+@dataclass(frozen=True)
+class _Hparams:
+    arch: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_used: int
+    eps: float
+    rope_base: float
+
+
+class Reference:
+    """Dequantised float64 weights and a KV cache; ``step`` appends one token, ``undo`` removes it."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        r = GGUFReader(path)
+
+        def kv(key: str, default=None):
+            f = r.fields.get(key)
+            if f is None:
+                return default
+            if f.types[0].name == "STRING":
+                return bytes(f.parts[-1]).decode()
+            return f.parts[f.data[0]][0].item()
+
+        arch = kv("general.architecture")
+        n_embd, n_head = kv(f"{arch}.embedding_length"), kv(f"{arch}.attention.head_count")
+        self.hp = _Hparams(
+            arch=arch,
+            n_layer=kv(f"{arch}.block_count"),
+            n_head=n_head,
+            n_head_kv=kv(f"{arch}.attention.head_count_kv", n_head),
+            head_dim=kv(f"{arch}.attention.key_length", n_embd // n_head),
+            n_used=kv(f"{arch}.expert_used_count"),
+            eps=kv(f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_base=kv(f"{arch}.rope.freq_base", 10000.0),
+        )
+        self.w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64) for t in r.tensors}
+        self.w.setdefault("output.weight", self.w["token_embd.weight"])  # tied
+        self.k: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]  # [L][t] -> [Hkv, hd]
+        self.v: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]
+
+    def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hp.eps) * w
+
+    def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, hd], NEOX pairs (i, i + hd/2)
+        half = x.shape[-1] // 2
+        theta = pos * self.hp.rope_base ** (-2.0 * np.arange(half) / x.shape[-1])
+        c, s = np.cos(theta), np.sin(theta)
+        a, b = x[:, :half], x[:, half:]
+        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+    def step(self, token: int) -> tuple[np.ndarray, float]:
+        """Logits [V] after ``token`` and the smallest k-th/(k+1)-th router gap over the layers."""
+        hp, w = self.hp, self.w
+        pos = len(self.k[0])
+        x = w["token_embd.weight"][token].copy()  # [D]
+        margin = np.inf
+        for il in range(hp.n_layer):
+            b = f"blk.{il}."
+            h = self._rms(x, w[b + "attn_norm.weight"])
+            q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
+            if hp.arch == "qwen2moe":
+                q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
+            if hp.arch == "olmoe":  # QK-norm over the whole vectors
+                q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
+            q = q.reshape(hp.n_head, hp.head_dim)
+            k = k.reshape(hp.n_head_kv, hp.head_dim)
+            v = v.reshape(hp.n_head_kv, hp.head_dim)
+            if hp.arch == "qwen3moe":  # QK-norm per head
+                q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            self.k[il].append(k)
+            self.v[il].append(v)
+            K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, Hkv, hd]
+            group = hp.n_head // hp.n_head_kv
+            K, V = np.repeat(K, group, axis=1), np.repeat(V, group, axis=1)  # [T, H, hd]
+            s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hp.head_dim)  # [H, T]
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            x = x + w[b + "attn_output.weight"] @ np.einsum("ht,thd->hd", p, V).reshape(-1)
+
+            h2 = self._rms(x, w[b + "ffn_norm.weight"])
+            r = w[b + "ffn_gate_inp.weight"] @ h2  # [E]
+            order = np.argsort(-r)
+            margin = min(margin, r[order[hp.n_used - 1]] - r[order[hp.n_used]])
+            prob = np.exp(r - r.max())
+            prob /= prob.sum()
+            sel = order[: hp.n_used]
+            gate = prob[sel]
+            if hp.arch == "qwen3moe":
+                gate = gate / gate.sum()
+            y = np.zeros_like(x)
+            for e, g in zip(sel, gate):
+                a = w[b + "ffn_gate_exps.weight"][e] @ h2
+                u = w[b + "ffn_up_exps.weight"][e] @ h2
+                y += g * (w[b + "ffn_down_exps.weight"][e] @ (a / (1 + np.exp(-a)) * u))
+            if hp.arch == "qwen2moe":
+                a = w[b + "ffn_gate_shexp.weight"] @ h2
+                u = w[b + "ffn_up_shexp.weight"] @ h2
+                shared = w[b + "ffn_down_shexp.weight"] @ (a / (1 + np.exp(-a)) * u)
+                y += shared / (1 + np.exp(-(w[b + "ffn_gate_inp_shexp.weight"] @ h2)))
+            x = x + y
+        logits = w["output.weight"] @ self._rms(x, w["output_norm.weight"])
+        return logits, float(margin)
+
+    def undo(self) -> None:
+        for il in range(self.hp.n_layer):
+            self.k[il].pop()
+            self.v[il].pop()
+
+    def reset(self) -> None:
+        for il in range(self.hp.n_layer):
+            self.k[il].clear()
+            self.v[il].clear()
+
+    def run(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Logits [T, V] and router margins [T] of ``ids`` from an empty cache."""
+        self.reset()
+        out = [self.step(t) for t in ids]
+        return np.stack([o[0] for o in out]), np.array([o[1] for o in out])
+
+
+def pick_mixed_ids(
+    ref: Reference, prefix: list[int], n_vocab: int, min_margin: float, min_gap: float, n: int = N_MIXED
+) -> list[int]:
+    """``n`` ids of every kind, appended after ``prefix``, each chosen so that neither the router
+    nor the final argmax is near a tie at its position. Candidates: byte tokens, the last ids
+    (specials, unused), then a fixed pseudo-random spread; a candidate that makes a near-tie is skipped."""
+    rng = np.random.default_rng(1234)
+    wanted = [0, 1, 10, 32, 65, 97, 200, 255, 256, 257, n_vocab - 1, n_vocab - 2, n_vocab - 3, n_vocab - 4]
+    candidates = wanted + rng.integers(0, n_vocab, size=50 * n).tolist()
+    ref.run(prefix)
+    picked: list[int] = []
+    for tok in candidates:
+        logits, margin = ref.step(int(tok))
+        top2 = np.sort(logits)[-2:]
+        if margin >= min_margin and top2[1] - top2[0] >= min_gap:
+            picked.append(int(tok))
+            if len(picked) == n:
+                return picked
+        else:
+            ref.undo()
+    raise SystemExit(f"could not find {n} ids without near-ties (router {min_margin}, logits {min_gap})")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(llm, n: int) -> np.ndarray:
+    return np.array(llm.scores[:n], dtype=np.float32, copy=True)  # [n, V]
+
+
+def _qtype_of(path: Path) -> str:
+    return path.stem.rsplit("-", 1)[-1]
+
+
+def record(path: Path, out_dir: Path) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, seed=0,
+        type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    ref = Reference(path)
+    min_margin = MIN_MARGIN.get(_qtype_of(path), MIN_MARGIN_QUANT)
+    min_gap = MIN_LOGIT_GAP.get(_qtype_of(path), MIN_LOGIT_GAP_QUANT)
+
+    text_ids = llm.tokenize(PROMPT_TEXT.encode("utf-8"), add_bos=False, special=False)
+    mixed = pick_mixed_ids(ref, text_ids, n_vocab, min_margin, min_gap)
+    prompt = text_ids + mixed
+
+    llm.reset()
+    llm.eval(prompt)
+    logits = _rows(llm, len(prompt))  # [T, V]
+
+    # Greedy continuation through llama.cpp's own sampler; every yielded token but the last is
+    # evaluated, so the scores then hold the logits each one was picked from.
+    greedy: list[int] = []
+    gen = llm.generate(text_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+    for tok in gen:
+        greedy.append(int(tok))
+        if len(greedy) == N_GREEDY:
+            break
+    gen.close()
+    greedy_logits = _rows(llm, len(text_ids) + N_GREEDY - 1)[len(text_ids) - 1 :]  # [N_GREEDY, V]
+    chain = greedy_logits.argmax(-1).tolist()
+    if chain != greedy:
+        raise SystemExit(f"{path}: llama.cpp's greedy tokens {greedy} differ from the argmax of its logits {chain}")
+
+    tok_ids: list[int] = []
+    offsets = [0]
+    for text in TOK_TEXTS:
+        tok_ids += llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        offsets.append(len(tok_ids))
+    llm.close()
+
+    ref_logits, margins = ref.run(prompt)
+    ref_greedy, greedy_margins = ref.run(text_ids + greedy[:-1])
+    ref_greedy, greedy_margins = ref_greedy[len(text_ids) - 1 :], greedy_margins[len(text_ids) - 1 :]
+
+    all_rows = np.concatenate([logits, greedy_logits])
+    top2 = np.sort(all_rows, axis=-1)[:, -2:]
+    out = out_dir / f"{path.stem}.npz"
+    np.savez_compressed(
+        out,
+        prompt_text=np.array(PROMPT_TEXT),
+        greedy_prompt_ids=np.array(text_ids, dtype=np.int32),
+        mixed_ids=np.array(mixed, dtype=np.int32),
+        prompt_ids=np.array(prompt, dtype=np.int32),
+        logits=logits,
+        greedy_ids=np.array(greedy, dtype=np.int32),
+        greedy_logits=greedy_logits,
+        router_margin=margins.astype(np.float32),
+        greedy_router_margin=greedy_margins.astype(np.float32),
+        tok_texts=np.array(TOK_TEXTS),
+        tok_ids=np.array(tok_ids, dtype=np.int32),
+        tok_offsets=np.array(offsets, dtype=np.int64),
+        llama_cpp_version=np.array(llama_cpp.__version__),
+    )
+    return {
+        "file": out,
+        "T": len(prompt),
+        "Tp": len(text_ids),
+        "V": n_vocab,
+        "median_gap": float(np.median(top2[:, 1] - top2[:, 0])),
+        "min_router_margin": float(min(margins.min(), greedy_margins.min())),
+        "max_diff": float(max(np.abs(logits - ref_logits).max(), np.abs(greedy_logits - ref_greedy).max())),
+        "argmax_agree": float(np.mean(np.concatenate([logits.argmax(-1) == ref_logits.argmax(-1),
+                                                      greedy_logits.argmax(-1) == ref_greedy.argmax(-1)]))),
+        "greedy": greedy,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("fixtures", nargs="*", type=Path)
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "golden")
+    args = ap.parse_args(argv)
+    fixtures = args.fixtures or sorted((ROOT / "tests" / "fixtures").glob("*.gguf"))
+    if not fixtures:
+        print("no fixtures found", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"{'fixture':26s} {'T':>4s} {'Tp':>3s}  top1-top2 median  min router gap  max|llama-ref|  argmax agree")
+    for path in fixtures:
+        r = record(path, args.out)
+        print(f"{path.name:26s} {r['T']:4d} {r['Tp']:3d}  {r['median_gap']:16.3f}  {r['min_router_margin']:14.3f}"
+              f"  {r['max_diff']:14.4f}  {r['argmax_agree']:12.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
