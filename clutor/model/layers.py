@@ -53,8 +53,8 @@ class Rope:
 class KVCache:
     """Preallocated keys and values of one sequence: never reallocated or copied while decoding.
 
-    Stored as float32 but rounded through float16 on write, as llama.cpp's default F16 cache does, so
-    attention sees the same keys and values as the reference.
+    float32, allocated zeroed (calloc): pages become resident only as positions are written, so a
+    large n_ctx costs memory in proportion to the tokens actually held.
     """
 
     def __init__(self, n_layers: int, n_head_kv: int, n_ctx: int, head_dim: int, head_dim_v: int):
@@ -70,8 +70,8 @@ class KVCache:
     def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k [T, Hkv, hd], v [T, Hkv, hdv] at positions p0..p0+T-1."""
         T = k.shape[0]
-        self.k[layer, :, p0 : p0 + T] = k.astype(np.float16).transpose(1, 0, 2)
-        self.v[layer, :, p0 : p0 + T] = v.astype(np.float16).transpose(1, 0, 2)
+        self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
+        self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
 
 
 def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) -> np.ndarray:
