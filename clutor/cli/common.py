@@ -26,6 +26,20 @@ def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = 0.8) -
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
+    g = p.add_argument_group("expert streaming")
+    g.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="memory for routed experts: bytes, '4GiB' or '25%%' of the expert bytes "
+                        "(default: half the available memory after the dense weights)")
+    g.add_argument("--prefetch", choices=("on", "off"), default=None,
+                   help="read the next layer's predicted experts while this one computes (default: on)")
+    g.add_argument("--policy", default="lru", help="expert cache replacement policy")
+    g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
+                   help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
+    d = g.add_mutually_exclusive_group()
+    d.add_argument("--direct", dest="direct", action="store_true", default=True,
+                   help="O_DIRECT reads that bypass the page cache (default)")
+    d.add_argument("--buffered", dest="direct", action="store_false", help="reads through the page cache")
+    g.add_argument("--trace", default=None, metavar="FILE", help="record routing to FILE (JSONL, see `clutor simulate`)")
 
 
 def sampling_kwargs(args) -> dict:
@@ -35,12 +49,31 @@ def sampling_kwargs(args) -> dict:
 
 
 def model_kwargs(args) -> dict:
-    return dict(n_ctx=args.n_ctx)
+    prefetch = None if args.prefetch is None else args.prefetch == "on"
+    return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
+                io=args.io, direct=args.direct, trace=args.trace)
 
 
 def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
-    print(
+    """The per-run report: speed, then (when experts stream) what the cache and the disk did."""
+    from ..units import format_bytes
+
+    lines = [
         f"\n[{stats.prompt_tokens} prompt tokens, {stats.prefill_tps:.1f} tok/s prefill | "
-        f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]",
-        file=file,
-    )
+        f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
+    ]
+    io = stats.io
+    if io is not None:
+        total = io.wait_seconds + io.compute_seconds
+        lines += [
+            f"[experts: {io.backend} {io.mode}, cache {format_bytes(io.cache_bytes)} ({stats.cache_note}) | "
+            f"hit rate {io.hit_rate:.1%}, prefetch accuracy {io.prefetch_accuracy:.1%} "
+            f"({io.prefetch_issued} prefetched, {io.prefetch_wasted} wasted = {format_bytes(io.bytes_wasted)})]",
+            f"[read {format_bytes(io.bytes_read)} = {format_bytes(stats.bytes_per_token)}/token | "
+            f"time: waiting on disk {io.wait_seconds:.2f}s ({io.wait_seconds / total:.0%}), "
+            f"computing {io.compute_seconds:.2f}s | peak RSS {format_bytes(stats.peak_rss)}]"
+            if total > 0 else f"[read {format_bytes(io.bytes_read)} | peak RSS {format_bytes(stats.peak_rss)}]",
+        ]
+    else:
+        lines.append(f"[experts mapped from the file | peak RSS {format_bytes(stats.peak_rss)}]")
+    print("\n".join(lines), file=file)

@@ -15,6 +15,8 @@ def add_parser(sub):
     p.add_argument("-n", "--max-tokens", type=int, default=48)
     p.add_argument("--prompt", default="Once upon a time, in a land of many experts,")
     p.add_argument("--cache-dir", default=None, help="where the demo model is written (default: user cache dir)")
+    p.add_argument("--expert-cache", default="256MiB", help="memory for routed experts (the model has ~900 MB)")
+    p.add_argument("--io", choices=("auto", "uring", "threads"), default="auto")
     return p
 
 
@@ -26,7 +28,7 @@ async def run(args) -> int:
 
     path = await asyncio.to_thread(ensure_demo_model, args.cache_dir)
     print(f"demo model: {path}", file=sys.stderr)
-    async with Model.open(path) as model:
+    async with Model.open(path, expert_cache=args.expert_cache, io=args.io) as model:
         print(args.prompt, end="", flush=True)
         async for out in model.generate(args.prompt, max_tokens=args.max_tokens, temperature=0.8, seed=0,
                                         ignore_eos=True):

@@ -50,16 +50,29 @@ class Rope:
         return out
 
 
+def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros in an anonymous mapping (zero pages until written), without huge pages."""
+    import mmap
+
+    nbytes = int(np.prod(shape)) * 4
+    m = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
+
+
 class KVCache:
     """Preallocated keys and values of one sequence: never reallocated or copied while decoding.
 
-    float32, allocated zeroed (calloc): pages become resident only as positions are written, so a
-    large n_ctx costs memory in proportion to the tokens actually held.
+    float32 in anonymous mappings with huge pages refused: pages become resident only as positions
+    are written, so a large n_ctx costs memory in proportion to the tokens actually held. (numpy's own
+    allocator asks for transparent huge pages, and then writing one position of each (layer, head)
+    row made every row's 2 MiB page resident: 250 MiB for the first token of a small model.)
     """
 
     def __init__(self, n_layers: int, n_head_kv: int, n_ctx: int, head_dim: int, head_dim_v: int):
-        self.k = np.zeros((n_layers, n_head_kv, n_ctx, head_dim), np.float32)    # [L, Hkv, n_ctx, hd]
-        self.v = np.zeros((n_layers, n_head_kv, n_ctx, head_dim_v), np.float32)  # [L, Hkv, n_ctx, hdv]
+        self.k = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim))    # [L, Hkv, n_ctx, hd]
+        self.v = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim_v))  # [L, Hkv, n_ctx, hdv]
         self.n_ctx = n_ctx
         self.n = 0  # positions filled (advanced by the model after the last layer)
 
