@@ -42,8 +42,9 @@ class SequenceState:
 class Model:
     """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
 
-    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, dense: DenseWeights,
-                 tokenizer: Tokenizer, experts: ExpertSource, n_ctx: int):
+    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, dense: DenseWeights, tokenizer: Tokenizer,
+                 experts: ExpertSource, n_ctx: int, *, options: ModelOptions, cache_note: str,
+                 trace: TraceWriter | None = None):
         self.path = path
         self.config = cfg
         self.tokenizer = tokenizer
@@ -53,14 +54,14 @@ class Model:
         self._experts = experts
         self._rope = Rope(cfg.n_rot, cfg.rope_base, n_ctx)
         self._closed = False
-        self._prefetch = False
-        self._trace: TraceWriter | None = None
+        self.options = options
+        self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
+        self._prefetch = options.prefetch is not False and options.io != "memory"
+        self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = getattr(experts, "n_slots", 0) + getattr(experts, "n_spare", 0)
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
-        self.options = ModelOptions(n_ctx=n_ctx, io="memory")
-        self.cache_note = "all experts mapped from the file"
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -110,14 +111,12 @@ class Model:
         except BaseException:
             f.close()
             raise
-        model = cls(path, f, cfg, dense, tok, experts, ctx)
-        model.options = opts
-        model.cache_note = why
-        model._prefetch = opts.prefetch is not False and opts.io != "memory"
+        trace = None
         if opts.trace:
-            model._trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used,
-                                                               layout.max_expert_bytes))
-        return model
+            # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
+            slot = getattr(experts, "slot_bytes", layout.max_expert_bytes)
+            trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot))
+        return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -188,8 +187,7 @@ class Model:
         if self._trace is not None:
             for t in range(len(sel)):
                 self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist())
-        wanted, counts = np.unique(sel, return_counts=True)  # each expert read once per layer per batch
-        wanted = wanted[np.argsort(-counts, kind="stable")].tolist()
+        wanted = _by_votes(sel)  # each expert read once per layer per batch
         out = np.zeros_like(h)  # [T, D]
         et = lw.experts
         for i in range(0, len(wanted), self._max_batch):
@@ -217,8 +215,7 @@ class Model:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
         cfg, lw = self.config, self._w.layers[l]
         sel, _ = route(rmsnorm(x, lw.ffn_norm, cfg.eps), lw.router, cfg.n_expert_used, cfg.norm_topk)
-        ids, counts = np.unique(sel, return_counts=True)
-        return ids[np.argsort(-counts, kind="stable")][: self._max_batch].tolist()
+        return _by_votes(sel)[: self._max_batch]
 
     def io_stats(self):
         """The expert store's counters (None when experts are mapped from the file)."""
@@ -232,6 +229,15 @@ class Model:
 
         self._check_open()
         return generate(self, prompt, **options)
+
+
+def _by_votes(sel: np.ndarray) -> list[int]:
+    """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
+    so a one-token step asks for its experts exactly in the order the router ranked them."""
+    flat = sel.reshape(-1)
+    ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
+    order = np.lexsort((first, -counts))  # by count descending, then first appearance
+    return ids[order].tolist()
 
 
 async def _open_experts(layout, cfg: ModelConfig, dense: DenseWeights, opts: ModelOptions) -> tuple[ExpertSource, str]:
