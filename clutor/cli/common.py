@@ -54,7 +54,7 @@ def model_kwargs(args) -> dict:
                 io=args.io, direct=args.direct, trace=args.trace)
 
 
-def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
+def print_stats(stats: GenerationStats, file=None) -> None:
     """The per-run report: speed, then (when experts stream) what the cache and the disk did."""
     from ..units import format_bytes
 
@@ -76,4 +76,4 @@ def print_stats(stats: GenerationStats, file=sys.stderr) -> None:
         ]
     else:
         lines.append(f"[experts mapped from the file | peak RSS {format_bytes(stats.peak_rss)}]")
-    print("\n".join(lines), file=file)
+    print("\n".join(lines), file=file or sys.stderr)

@@ -1,0 +1,686 @@
+"""ExpertStore: routed experts streamed from disk into a byte-bounded cache.
+
+Composes an Arena (one page-aligned mapping of ``n_slots`` expert slots + a few spare buffers), a
+read Backend (io_uring or a thread pool), and an ExpertCache with a replacement policy::
+
+    store = await ExpertStore.open(layout, budget=3 << 30, policy="lrfu")
+    with await store.get(layer, expert_ids) as batch:   # views into the arena, pinned
+        ...compute with batch[i].gate / .up / .down...
+    store.prefetch(layer + 1, predicted_ids)             # never blocks
+
+Memory: ``slot_bytes`` is the largest expert with each of its 3 slabs widened to block alignment,
+and ``(n_slots + n_spare) * slot_bytes <= budget`` always; nothing else grows with the model.
+
+Ordering: the misses of one get() go to the backend as ONE batch (3 reads per expert), ahead of any
+prefetch read the backend has not started (those are withdrawn and re-queued behind). The store
+itself hands at most ``PREFETCH_DEPTH`` prefetched experts to the backend at a time, so a demand
+read never waits behind more than that.
+
+Prefetch lifetime (the rule): a layer's prefetch lasts until the next ``get()`` of that layer, the
+next ``prefetch()`` of that layer, or ``cancel_prefetch(layer)``. Then each expert it brought that was
+not demanded is given up: dropped if its read was not yet handed to the backend, otherwise left as
+an ordinary cache entry (its bytes are valid; the policy decides) instead of a protected staged one.
+A prefetched expert that leaves the cache without serving a demand counts as wasted.
+
+Ownership: a slot whose read is in flight belongs to the backend until that read's completion,
+whatever happens to the task that wanted it; completions are handled by callbacks, not by the
+awaiting task, so a cancelled get() leaves a normal READY entry behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Generator, Sequence
+
+from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError
+from ..units import format_bytes
+from .arena import Arena, widen
+from .backend import DEFAULT_ALIGN, Backend, ReadHandle, ReadRequest, ReadState
+from .cache import ExpertCache, Grant, SlotState
+from .layout import PARTS, ExpertLayout
+from .policies import Policy, make_policy
+from .views import ExpertBatch, ExpertView
+
+__all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "split_slots"]
+
+# Opens a backend over (files, buffers); the default calls open_backend with the store's io/direct.
+BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
+
+PREFETCH_DEPTH = 4  # prefetched experts handed to the backend at once (3 reads each)
+_MAX_SPARES = 4     # spare buffers for bypass reads, carved out of the budget
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    accesses: int        # experts asked for by get() (a duplicate within one call counts once)
+    hits: int            # ... found READY: no wait
+    staging_hits: int    # ... of which the first use of a completed prefetch
+    misses: int          # ... that waited for a read: their own, another caller's, or a late prefetch
+    bypass_reads: int    # ... of which read into a spare buffer because every slot was pinned or loading
+    prefetch_issued: int  # experts queued for prefetch
+    prefetch_late: int   # prefetched experts demanded before their read had finished (counted in misses)
+    prefetch_wasted: int  # prefetched experts dropped or evicted without serving any demand
+    prefetch_skipped: int  # prefetch requests refused: no slot could be staged
+    evictions: int       # entries the policy evicted to make room (staged prefetches given up count as wasted)
+    bytes_demand: int    # bytes read for get() (aligned reads, as transferred)
+    bytes_prefetch: int  # bytes read for prefetch()
+    read_seconds: float  # sum over reads of submit-to-completion time
+    wait_seconds: float  # time get() callers spent awaiting reads
+    backend: str         # "uring" | "threads" | a wrapper's name
+    mode: str            # "direct" (O_DIRECT) | "buffered" (page cache)
+    n_slots: int
+    slot_bytes: int
+    arena_bytes: int     # slots + spares; never more than the budget
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+
+def split_slots(n_total: int, spare_slots: int | None = None) -> tuple[int, int]:
+    """How the store divides ``n_total`` expert-sized buffers: (cache slots, spare buffers for bypass).
+
+    Spares default to one per 8 buffers, at least 1 and at most 4, and never the last buffer."""
+    if n_total <= 1:
+        return max(n_total, 0), 0
+    n_spare = min(_MAX_SPARES, max(1, n_total // 8)) if spare_slots is None else max(0, min(spare_slots, n_total - 1))
+    return n_total - n_spare, n_spare
+
+
+class _Counters:
+    __slots__ = (
+        "accesses", "hits", "staging_hits", "misses", "bypass_reads", "prefetch_issued", "prefetch_late",
+        "prefetch_skipped", "bytes_demand", "bytes_prefetch", "read_seconds", "wait_seconds",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One slab's read: aligned bounds in its file, and where the wanted bytes sit in the buffer."""
+
+    file: int      # index into layout.files
+    offset: int    # aligned read offset
+    length: int    # aligned read length
+    skip: int      # the slab starts this many bytes into the buffer
+    nbytes: int    # slab length
+    slab_offset: int
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    align: int
+    region: tuple[int, int, int]  # bytes reserved in a slot for gate, up, down (multiples of align)
+    start: tuple[int, int, int]   # where each region starts inside the slot
+    slot_bytes: int
+
+
+def _geometry(layout: ExpertLayout, align: int) -> _Geometry:
+    region = [0, 0, 0]
+    for tensors in layout.layers:
+        for p, t in enumerate(tensors):
+            if t.slab_bytes <= 0:
+                raise ClutorError(f"{t.path}: expert slab of {t.slab_bytes} bytes at offset {t.offset}")
+            if t.slab_bytes % align == 0:
+                experts = (0,)  # every expert has the same misalignment as expert 0
+            else:
+                experts = range(layout.n_experts)
+            for e in experts:
+                region[p] = max(region[p], widen(t.offset + e * t.slab_bytes, t.slab_bytes, align)[1])
+    start = (0, region[0], region[0] + region[1])
+    return _Geometry(align, tuple(region), start, sum(region))
+
+
+class _Load:
+    """One expert being read into a slot (or a spare): 3 reads, one future for whoever waits."""
+
+    __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "done", "released")
+
+    def __init__(self, key, slot: int | None, spare: int | None, prefetch: bool, loop: asyncio.AbstractEventLoop):
+        self.key = key
+        self.slot = slot
+        self.spare = spare
+        self.prefetch = prefetch       # still a prefetch (not promoted by a demand)
+        self.handles: list[ReadHandle] | None = None  # None until handed to the backend
+        self.remaining = 0             # reads submitted and not yet completed
+        self.error: BaseException | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.released = False          # (spare loads) the batch that owns the spare let go of it
+
+
+class _Opening:
+    """What ExpertStore.open returns: await it, or use it with ``async with``."""
+
+    def __init__(self, factory: Callable[[], Awaitable["ExpertStore"]]):
+        self._factory = factory
+        self._store: ExpertStore | None = None
+
+    def __await__(self) -> Generator[object, None, "ExpertStore"]:
+        return self._factory().__await__()
+
+    async def __aenter__(self) -> "ExpertStore":
+        self._store = await self._factory()
+        return self._store
+
+    async def __aexit__(self, *exc) -> None:
+        if self._store is not None:
+            await self._store.aclose()
+
+
+class ExpertStore:
+    """The disk-streaming ExpertSource. Build with ``await ExpertStore.open(...)``."""
+
+    @classmethod
+    def open(
+        cls,
+        layout: ExpertLayout,
+        budget: int,
+        *,
+        policy: str | Policy = "lru",
+        io: str = "auto",
+        direct: bool = True,
+        prefetch_slots: int | None = None,
+        spare_slots: int | None = None,
+        backend: BackendFactory | None = None,
+    ) -> _Opening:
+        """Open a store over ``layout`` holding at most ``budget`` bytes of experts.
+
+        ``policy``: a name from clutor.io.policies.POLICIES or a Policy instance. ``io``/``direct``
+        are passed to open_backend; ``backend`` replaces it by a factory ``(files, buffers) -> Backend``
+        (tests wrap a real backend this way). ``prefetch_slots``: most slots prefetches may hold at
+        once (default a quarter of the slots; 0 turns prefetch off). ``spare_slots``: buffers for
+        bypass reads, taken from the budget (default n/8, at most 4).
+        Raises BudgetError when the budget does not hold one expert.
+        """
+        return _Opening(lambda: cls._open(layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend))
+
+    @classmethod
+    async def _open(cls, layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend) -> "ExpertStore":
+        if backend is None:
+            from .open_backend import open_backend  # imported late: it pulls in liburing when present
+
+            def backend(files, buffers):
+                return open_backend(files, buffers, io=io, direct=direct)
+
+        files = layout.files
+        align = DEFAULT_ALIGN
+        for _ in range(2):
+            geo = _geometry(layout, align)
+            n_total = budget // geo.slot_bytes
+            if n_total < 1:
+                raise BudgetError(
+                    f"expert cache budget of {budget} bytes ({format_bytes(budget)}) holds no expert: "
+                    f"the largest expert needs a slot of {geo.slot_bytes} bytes ({format_bytes(geo.slot_bytes)}); "
+                    f"the minimum budget is {geo.slot_bytes} bytes"
+                )
+            n_slots, n_spare = split_slots(n_total, spare_slots)
+            arena = Arena(n_slots, geo.slot_bytes, n_spare=n_spare, align=align)
+            try:
+                buffers = [
+                    arena.region(i, geo.start[p], geo.region[p]) for i in range(arena.n_buffers) for p in range(3)
+                ]
+                be = backend(files, buffers)
+            except BaseException:
+                arena.close()
+                raise
+            if be.align <= align and align % be.align == 0:
+                break
+            # A device with blocks larger than we assumed: lay the slots out again for its alignment.
+            await be.aclose()
+            arena.close()
+            align = be.align
+        else:
+            raise ClutorError(f"{files[0]}: backend alignment {be.align} not met after re-layout")
+        return cls(layout, budget, geo, arena, be, policy, prefetch_slots)
+
+    def __init__(self, layout, budget, geo: _Geometry, arena: Arena, backend: Backend, policy, prefetch_slots):
+        # Use ExpertStore.open(); this wires already-opened parts together.
+        self.layout = layout
+        self.budget = budget
+        self.backend = backend
+        self._geo = geo
+        self._arena = arena
+        self._loop = asyncio.get_running_loop()
+        self.n_slots = arena.n_slots
+        self.n_spare = arena.n_spare
+        self.slot_bytes = geo.slot_bytes
+        staging = self.n_slots // 4 if prefetch_slots is None else prefetch_slots
+        self.cache = ExpertCache(self.n_slots, make_policy(policy, self.n_slots), max_staging=staging)
+        self._files = {path: i for i, path in enumerate(layout.files)}
+        self._parts: dict[tuple[int, int], tuple[_Part, _Part, _Part]] = {}
+        self._loads: dict[int, _Load] = {}            # slot -> load while the slot is LOADING
+        self._pf: dict[int, dict[tuple[int, int], _Load]] = {}  # layer -> its prefetches not yet demanded
+        self._pq: deque[_Load] = deque()               # prefetches not yet handed to the backend
+        self._pf_submitted: set[_Load] = set()          # prefetches handed to the backend, not finished
+        self._spares = list(range(self.n_spare - 1, -1, -1))
+        self._outstanding = 0                          # loads with reads submitted and not finished
+        self._drained: asyncio.Future[None] | None = None
+        self._freed = asyncio.Event()                  # something was released: a waiting get() may retry
+        self._c = _Counters()
+        self._closed = False
+
+    # -- ExpertSource ----------------------------------------------------------------------------
+    async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+        """The experts' bytes as views into the arena, pinned until ``batch.release()``."""
+        self._check_open()
+        keys = self._keys(layer, experts)
+        if len(keys) > self.n_slots + self.n_spare:
+            raise BudgetError(
+                f"get() of {len(keys)} distinct experts cannot fit: the store has {self.n_slots} slots "
+                f"and {self.n_spare} spare buffers of {self.slot_bytes} bytes (budget {format_bytes(self.budget)})"
+            )
+        while True:
+            grants = self._reserve(keys)
+            if grants is not None:
+                break
+            # Every slot and spare is held by other callers: wait for a release, then try again.
+            self._freed.clear()
+            await self._freed.wait()
+            self._check_open()
+
+        c = self._c
+        c.accesses += len(keys)
+        slots: list[int] = []        # pinned slots to unpin at release
+        spares: list[_Load] = []     # spare loads to give back at release
+        where: dict[tuple[int, int], int] = {}  # key -> arena buffer holding it
+        wait: list[_Load] = []
+        submit: list[_Load] = []
+        layer_pf = self._pf.get(layer)
+        for key, grant in zip(keys, grants):
+            if layer_pf is not None:
+                layer_pf.pop(key, None)  # demanded: no longer the prefetcher's
+            if grant is None:
+                load = _Load(key, None, self._spares.pop(), False, self._loop)
+                spares.append(load)
+                submit.append(load)
+                wait.append(load)
+                c.misses += 1
+                c.bypass_reads += 1
+                where[key] = self.n_slots + load.spare
+                continue
+            slots.append(grant.slot)
+            where[key] = grant.slot
+            if grant.state is SlotState.READY:
+                c.hits += 1
+                c.staging_hits += grant.prefetched
+                continue
+            c.misses += 1
+            if grant.state is SlotState.FREE:
+                load = _Load(key, grant.slot, None, False, self._loop)
+                self._loads[grant.slot] = load
+                submit.append(load)
+            else:  # LOADING: a read is already on its way (a prefetch's, or another caller's)
+                load = self._loads[grant.slot]
+                c.prefetch_late += grant.prefetched
+                if load.prefetch:  # demanded now: never withdrawn again, no longer counts as prefetch
+                    load.prefetch = False
+                    self._pf_submitted.discard(load)
+                    if load.handles is None:  # still in our queue: it goes now, with the demand
+                        self._pq.remove(load)
+                        submit.append(load)
+            wait.append(load)
+        self._end_prefetch(layer)
+
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            for slot in slots:
+                self.cache.unpin(slot)
+            for load in spares:
+                load.released = True
+                if load.done.done():  # else _finish gives the spare back when its read completes
+                    self._spares.append(load.spare)
+            self._freed.set()
+
+        if submit:
+            self._submit(submit, demand=True)
+        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
+        views = [self._view(layer, key[1], where[key]) for key in ((layer, int(e)) for e in experts)]
+        if wait:
+            t0 = time.perf_counter()
+            try:
+                for load in wait:
+                    await asyncio.shield(load.done)  # never cancels the read; raises its error
+            except BaseException:
+                release()
+                raise
+            finally:
+                c.wait_seconds += time.perf_counter() - t0
+        return ExpertBatch(views, release)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Start reading experts expected soon into staged slots. Never blocks; see the module doc for
+        how long a prefetch lasts. Experts already present, or with no slot to stage into, are skipped."""
+        self._check_open()
+        keys = self._keys(layer, experts)
+        old = self._pf.get(layer, {})
+        wanted = set(keys)
+        for key in [k for k in old if k not in wanted]:
+            self._give_up(old.pop(key))
+        cache = self.cache
+        for key in keys:
+            if key in cache:
+                continue
+            grant = cache.acquire(key, for_prefetch=True)
+            if grant is None:
+                self._c.prefetch_skipped += 1
+                continue
+            load = _Load(key, grant.slot, None, True, self._loop)
+            self._loads[grant.slot] = load
+            self._pq.append(load)
+            old[key] = load
+            self._c.prefetch_issued += 1
+        if old:
+            self._pf[layer] = old
+        self._pump()
+
+    def cancel_prefetch(self, layer: int | None = None) -> None:
+        """Give up the prefetch of ``layer`` (of every layer when None), as described in the module doc."""
+        for l in list(self._pf) if layer is None else [layer]:
+            self._end_prefetch(l)
+
+    async def aclose(self) -> None:
+        """Wait for every read in flight, then release the backend and the arena. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._freed.set()  # wake waiting get()s so they see the store is closed
+        for layer in list(self._pf):
+            self._end_prefetch(layer)
+        while self._pq:  # prefetches of layers already ended but never submitted
+            self._drop_queued(self._pq[0])
+        if self._outstanding:
+            self._drained = self._loop.create_future()
+            await asyncio.shield(self._drained)
+        await self.backend.aclose()
+        self._arena.close()
+
+    async def __aenter__(self) -> "ExpertStore":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # -- queries ---------------------------------------------------------------------------------
+    def resident(self, layer: int, expert: int) -> bool:
+        """The expert's bytes are in the cache now (a get() would not wait)."""
+        return self.cache.resident((layer, int(expert)))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> StoreStats:
+        c = self._c
+        return StoreStats(
+            accesses=c.accesses,
+            hits=c.hits,
+            staging_hits=c.staging_hits,
+            misses=c.misses,
+            bypass_reads=c.bypass_reads,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_late=c.prefetch_late,
+            prefetch_wasted=self.cache.prefetch_wasted,
+            prefetch_skipped=c.prefetch_skipped,
+            evictions=self.cache.evictions,
+            bytes_demand=c.bytes_demand,
+            bytes_prefetch=c.bytes_prefetch,
+            read_seconds=c.read_seconds,
+            wait_seconds=c.wait_seconds,
+            backend=self.backend.name,
+            mode="direct" if self.backend.direct else "buffered",
+            n_slots=self.n_slots,
+            slot_bytes=self.slot_bytes,
+            arena_bytes=self._arena.nbytes,
+        )
+
+    def check(self) -> None:
+        """Assert the store's bookkeeping is consistent; for tests. Raises AssertionError."""
+        cache = self.cache
+        cache.check()
+        for slot in range(self.n_slots):
+            loading = cache.state(slot) is SlotState.LOADING
+            assert loading == (slot in self._loads), f"slot {slot}: {cache.state(slot).name} but load record {slot in self._loads}"
+        for slot, load in self._loads.items():
+            assert cache.slot_of(load.key) == slot, f"load of {load.key} in slot {slot} not where the cache says"
+            assert (load.handles is None) == (load in self._pq), f"{load.key}: queued state disagrees"
+        for loads in self._pf.values():
+            for key, load in loads.items():
+                assert load.prefetch, f"{key}: demanded load still listed as a prefetch"
+        assert len(self._spares) == len(set(self._spares)) <= self.n_spare, "spare list"
+        assert self._outstanding >= 0 and len(self._pf_submitted) <= max(PREFETCH_DEPTH, 0), "counters"
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.cache)} resident"
+        return (
+            f"ExpertStore({self.n_slots} slots x {format_bytes(self.slot_bytes)}, backend={self.backend.name}, "
+            f"policy={self.cache.policy.name}, {state})"
+        )
+
+    # -- internals: reservation --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("ExpertStore used after aclose()")
+
+    def _keys(self, layer: int, experts: Sequence[int]) -> list[tuple[int, int]]:
+        layer = int(layer)
+        if not 0 <= layer < self.layout.n_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.layout.n_layers})")
+        keys = list(dict.fromkeys((layer, int(e)) for e in experts))
+        for _, e in keys:
+            if not 0 <= e < self.layout.n_experts:
+                raise IndexError(f"expert {e} out of range [0, {self.layout.n_experts}) at layer {layer}")
+        return keys
+
+    def _reserve(self, keys: list[tuple[int, int]]) -> list[Grant | None] | None:
+        """Pin present keys, assign slots to the rest (spares when none): all of them or nothing."""
+        cache = self.cache
+        grants: dict[tuple[int, int], Grant | None] = {}
+        # Pin what is present first, so assigning slots to the misses cannot evict one of them.
+        for key in keys:
+            if key in cache:
+                grants[key] = cache.acquire(key)
+        n_bypass = 0
+        for key in keys:
+            if key in grants:
+                continue
+            grant = cache.acquire(key)
+            if grant is None and self._steal_staged():
+                grant = cache.acquire(key)
+            grants[key] = grant
+            n_bypass += grant is None
+        if n_bypass > len(self._spares):
+            for grant in grants.values():  # roll back; nothing was submitted yet
+                if grant is None:
+                    continue
+                cache.unpin(grant.slot)
+                if grant.state is SlotState.FREE:
+                    cache.fail(grant.slot)  # assigned a moment ago, never read: free again
+            return None
+        return [grants[k] for k in keys]
+
+    def _steal_staged(self) -> bool:
+        """Demand outranks prefetch: free one staged slot (one not started, or one already READY)."""
+        for layer, loads in self._pf.items():
+            for key, load in loads.items():
+                slot = load.slot
+                if self.cache.slot_of(key) != slot or not self.cache.staged(slot):
+                    continue
+                if load.handles is None:
+                    del loads[key]
+                    self._drop_queued(load)
+                    return True
+                if self.cache.state(slot) is SlotState.READY and not self.cache.pins(slot):
+                    del loads[key]
+                    self.cache.discard(slot)
+                    return True
+        return False
+
+    # -- internals: prefetch lifetime -------------------------------------------------------------
+    def _end_prefetch(self, layer: int) -> None:
+        for load in self._pf.pop(layer, {}).values():
+            self._give_up(load)
+
+    def _give_up(self, load: _Load) -> None:
+        """The prefetcher no longer wants this expert: drop an unsubmitted read, else unprotect the slot."""
+        if load.handles is None and load.slot in self._loads and self._loads[load.slot] is load:
+            self._drop_queued(load)
+        elif self.cache.slot_of(load.key) == load.slot:
+            self.cache.unstage(load.slot)
+
+    def _drop_queued(self, load: _Load) -> None:
+        self._pq.remove(load)
+        del self._loads[load.slot]
+        self.cache.fail(load.slot)  # never submitted: the slot is free again; counted as wasted
+        load.done.cancel()
+
+    # -- internals: reads --------------------------------------------------------------------------
+    def _parts_of(self, key: tuple[int, int]) -> tuple[_Part, _Part, _Part]:
+        parts = self._parts.get(key)
+        if parts is None:
+            align = self._geo.align
+            out = []
+            for slab in self.layout.slabs(*key):
+                off, length, skip = widen(slab.offset, slab.nbytes, align)
+                out.append(_Part(self._files[slab.path], off, length, skip, slab.nbytes, slab.offset))
+            parts = self._parts[key] = tuple(out)
+        return parts
+
+    def _buffer_of(self, load: _Load) -> int:
+        return load.slot if load.slot is not None else self.n_slots + load.spare
+
+    def _submit(self, loads: list[_Load], demand: bool) -> None:
+        """Hand the reads of ``loads`` to the backend in one batch (demand first: see _yank)."""
+        if demand:
+            self._yank_prefetches()
+        requests = []
+        nbytes = 0
+        for load in loads:
+            buf = 3 * self._buffer_of(load)
+            for p, part in enumerate(self._parts_of(load.key)):
+                requests.append(ReadRequest(part.file, part.offset, part.length, buf + p))
+                nbytes += part.length
+        try:
+            handles = self.backend.submit(requests)
+        except Exception as err:
+            failure = err if isinstance(err, ClutorError) else ClutorIOError(
+                self.layout.files[requests[0].file], requests[0].offset, requests[0].length, f"submit failed: {err!r}"
+            )
+            for load in loads:
+                load.handles = []
+                self._outstanding += 1
+                load.error = failure
+                self._finish(load)
+            if demand:
+                self._pump()
+            return
+        if demand:
+            self._c.bytes_demand += nbytes
+        else:
+            self._c.bytes_prefetch += nbytes
+        t0 = time.perf_counter()
+        for i, load in enumerate(loads):
+            hs = handles[3 * i:3 * i + 3]
+            load.handles = hs
+            load.remaining = 3
+            self._outstanding += 1
+            if load.prefetch:
+                self._pf_submitted.add(load)
+            for p, h in enumerate(hs):
+                h.done.add_done_callback(lambda fut, load=load, p=p, h=h: self._on_read(load, p, h, t0, fut))
+        if demand:
+            self._pump()
+
+    def _yank_prefetches(self) -> None:
+        """Withdraw prefetch reads the backend has not started, to requeue them behind a demand batch."""
+        back = []
+        for load in list(self._pf_submitted):
+            hs = load.handles
+            if hs and all(h.state is ReadState.QUEUED for h in hs) and all(h.drop() for h in hs):
+                self._pf_submitted.discard(load)
+                load.handles = None
+                load.remaining = 0
+                self._outstanding -= 1
+                back.append(load)
+        if back:
+            # Re-queued first among prefetches, in their original order.
+            self._pq.extendleft(reversed(back))
+
+    def _pump(self) -> None:
+        """Hand queued prefetches to the backend, at most PREFETCH_DEPTH experts at a time."""
+        room = PREFETCH_DEPTH - len(self._pf_submitted)
+        if room <= 0 or not self._pq or self._closed:
+            return
+        batch = [self._pq.popleft() for _ in range(min(room, len(self._pq)))]
+        self._submit(batch, demand=False)
+
+    def _on_read(self, load: _Load, p: int, h: ReadHandle, t0: float, fut: asyncio.Future) -> None:
+        if load.handles is None or p >= len(load.handles) or load.handles[p] is not h:
+            return  # withdrawn and re-queued: a newer read will fill this buffer
+        self._c.read_seconds += time.perf_counter() - t0
+        part = self._parts_of(load.key)[p]
+        path = self.layout.files[part.file]
+        what = f"layer {load.key[0]} expert {load.key[1]} {PARTS[p]} slab"
+        if fut.cancelled():
+            err: BaseException | None = ClutorIOError(path, part.offset, part.length, f"read dropped ({what})")
+        else:
+            err = fut.exception()
+            if err is None:
+                got = fut.result()
+                if got < part.skip + part.nbytes:
+                    err = ClutorIOError(
+                        path, part.slab_offset, part.nbytes,
+                        f"short read: {got} of {part.length} bytes at offset {part.offset}; file ends before the {what}",
+                    )
+            elif isinstance(err, ClutorIOError):
+                err = ClutorIOError(err.path, err.offset, err.length, f"{err.reason} ({what})")
+        if err is not None and load.error is None:
+            load.error = err
+        load.remaining -= 1
+        if load.remaining == 0:
+            self._finish(load)
+
+    def _finish(self, load: _Load) -> None:
+        """All reads of ``load`` are over: publish the slot (or free it) and wake whoever waits."""
+        self._outstanding -= 1
+        self._pf_submitted.discard(load)
+        if load.slot is not None:
+            if self._loads.get(load.slot) is load:
+                del self._loads[load.slot]
+            if load.error is None:
+                self.cache.complete(load.slot)
+            else:
+                self.cache.fail(load.slot)
+                layer_pf = self._pf.get(load.key[0])
+                if layer_pf is not None and layer_pf.get(load.key) is load:
+                    del layer_pf[load.key]
+        elif load.released:
+            self._spares.append(load.spare)
+        if load.error is None:
+            load.done.set_result(None)
+        else:
+            load.done.set_exception(load.error)
+            load.done.exception()  # the waiter may have been cancelled; do not log it as unretrieved
+        self._freed.set()
+        if self._closed:
+            if self._outstanding == 0 and self._drained is not None and not self._drained.done():
+                self._drained.set_result(None)
+        else:
+            self._pump()
+
+    def _view(self, layer: int, expert: int, buffer: int) -> ExpertView:
+        arena, geo = self._arena, self._geo
+        g, u, d = (
+            arena.region_array(buffer, geo.start[p] + part.skip, part.nbytes)
+            for p, part in enumerate(self._parts_of((layer, expert)))
+        )
+        return ExpertView(layer, expert, g, u, d)

@@ -1,0 +1,269 @@
+"""Routing traces: which experts each token asked for at each layer.
+
+Shared by the model's trace recorder and the cache simulator. JSON Lines, one line per (token, layer)::
+
+    {"clutor_trace": 1, "n_layers": 16, "n_experts": 64, "top_k": 8, "expert_bytes": 6684672}   <- optional header
+    {"token": 0, "layer": 0, "experts": [12, 3, 40, 7, 1, 9, 33, 21], "weights": [0.31, ...]}      <- weights optional
+
+Records are replayed in file order. When the header is present, every record is checked against it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import IO, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import ModelFileError
+
+__all__ = [
+    "TRACE_VERSION",
+    "TraceHeader",
+    "TraceRecord",
+    "Trace",
+    "TraceWriter",
+    "iter_trace",
+    "read_trace",
+    "write_trace",
+    "synthetic_trace",
+]
+
+TRACE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    n_layers: int
+    n_experts: int
+    top_k: int
+    expert_bytes: int | None = None  # bytes of one expert (3 slabs); lets the simulator turn a byte budget into slots
+
+    def to_json(self) -> dict:
+        d = {"clutor_trace": TRACE_VERSION, "n_layers": self.n_layers, "n_experts": self.n_experts, "top_k": self.top_k}
+        if self.expert_bytes is not None:
+            d["expert_bytes"] = self.expert_bytes
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    token: int
+    layer: int
+    experts: tuple[int, ...]
+    weights: tuple[float, ...] | None = None
+
+    def to_json(self) -> dict:
+        d: dict = {"token": self.token, "layer": self.layer, "experts": list(self.experts)}
+        if self.weights is not None:
+            d["weights"] = [round(float(w), 6) for w in self.weights]
+        return d
+
+
+@dataclass(frozen=True)
+class Trace:
+    records: tuple[TraceRecord, ...]
+    header: TraceHeader | None = None
+    path: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def n_tokens(self) -> int:
+        return len({r.token for r in self.records})
+
+    def accesses(self) -> list[tuple[int, int]]:
+        """Every (layer, expert) demand access in replay order (duplicates within a record kept once)."""
+        out: list[tuple[int, int]] = []
+        for r in self.records:
+            out.extend((r.layer, e) for e in dict.fromkeys(r.experts))
+        return out
+
+
+# -- reading -------------------------------------------------------------------------------------
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_header(path: str, lineno: int, d: dict) -> TraceHeader:
+    if d.get("clutor_trace") != TRACE_VERSION:
+        raise ModelFileError(path, f"line {lineno}: clutor_trace", f"version {TRACE_VERSION}", d.get("clutor_trace"))
+    fields = {}
+    for name in ("n_layers", "n_experts", "top_k"):
+        v = d.get(name)
+        if not _is_int(v) or v < 1:
+            raise ModelFileError(path, f"line {lineno}: {name}", "a positive integer", v)
+        fields[name] = v
+    eb = d.get("expert_bytes")
+    if eb is not None and (not _is_int(eb) or eb < 1):
+        raise ModelFileError(path, f"line {lineno}: expert_bytes", "a positive integer", eb)
+    if fields["top_k"] > fields["n_experts"]:
+        raise ModelFileError(path, f"line {lineno}: top_k", f"<= n_experts ({fields['n_experts']})", fields["top_k"])
+    return TraceHeader(expert_bytes=eb, **fields)
+
+
+def _parse_record(path: str, lineno: int, d: dict, header: TraceHeader | None) -> TraceRecord:
+    where = f"line {lineno}"
+    token, layer, experts = d.get("token"), d.get("layer"), d.get("experts")
+    if not _is_int(token) or token < 0:
+        raise ModelFileError(path, f"{where}: token", "an integer >= 0", token)
+    n_layers = header.n_layers if header else None
+    if not _is_int(layer) or layer < 0 or (n_layers is not None and layer >= n_layers):
+        raise ModelFileError(path, f"{where}: layer", f"an integer in [0, {n_layers})" if n_layers else "an integer >= 0", layer)
+    n_experts = header.n_experts if header else None
+    if (
+        not isinstance(experts, list)
+        or not experts
+        or not all(_is_int(e) and e >= 0 and (n_experts is None or e < n_experts) for e in experts)
+    ):
+        rng = f"in [0, {n_experts})" if n_experts else ">= 0"
+        raise ModelFileError(path, f"{where}: experts", f"a non-empty list of integers {rng}", experts)
+    if header is not None and len(experts) != header.top_k:
+        raise ModelFileError(path, f"{where}: experts", f"{header.top_k} experts (top_k in the header)", len(experts))
+    weights = d.get("weights")
+    if weights is not None:
+        if (
+            not isinstance(weights, list)
+            or len(weights) != len(experts)
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+        ):
+            raise ModelFileError(path, f"{where}: weights", f"a list of {len(experts)} numbers", weights)
+        weights = tuple(float(w) for w in weights)
+    return TraceRecord(token, layer, tuple(experts), weights)
+
+
+def iter_trace(path: str | os.PathLike) -> Iterator[TraceHeader | TraceRecord]:
+    """Yield the header (if any) then each record, validating as it goes."""
+    path = os.fspath(path)
+    header: TraceHeader | None = None
+    with open(path, "r", encoding="utf-8") as f:
+        first = True
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ModelFileError(path, f"line {lineno}", "one JSON object", f"invalid JSON ({e.msg})") from None
+            if not isinstance(d, dict):
+                raise ModelFileError(path, f"line {lineno}", "one JSON object", type(d).__name__)
+            if "clutor_trace" in d:
+                if not first:
+                    raise ModelFileError(path, f"line {lineno}", "the header only on the first line", "a second header")
+                header = _parse_header(path, lineno, d)
+                yield header
+            else:
+                yield _parse_record(path, lineno, d, header)
+            first = False
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Load and validate a trace file; ModelFileError names the file and line of the first problem."""
+    header: TraceHeader | None = None
+    records: list[TraceRecord] = []
+    for item in iter_trace(path):
+        if isinstance(item, TraceHeader):
+            header = item
+        else:
+            records.append(item)
+    if not records:
+        raise ModelFileError(path, "records", "at least one (token, layer) line", "none")
+    return Trace(tuple(records), header, os.fspath(path))
+
+
+# -- writing -------------------------------------------------------------------------------------
+class TraceWriter:
+    """Streams records to a JSONL file as they happen (the model's recorder uses this)::
+
+        with TraceWriter(path, TraceHeader(16, 64, 8, expert_bytes)) as w:
+            w.write(token, layer, experts, weights)
+    """
+
+    def __init__(self, path: str | os.PathLike, header: TraceHeader | None = None):
+        self.path = os.fspath(path)
+        self._f: IO[str] | None = open(self.path, "w", encoding="utf-8")
+        if header is not None:
+            self._f.write(json.dumps(header.to_json()) + "\n")
+
+    def write(self, token: int, layer: int, experts: Sequence[int], weights: Sequence[float] | None = None) -> None:
+        rec = TraceRecord(
+            int(token), int(layer), tuple(int(e) for e in experts), None if weights is None else tuple(float(w) for w in weights)
+        )
+        self.write_record(rec)
+
+    def write_record(self, rec: TraceRecord) -> None:
+        if self._f is None:
+            raise ValueError(f"{self.path}: trace writer is closed")
+        self._f.write(json.dumps(rec.to_json()) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_trace(path: str | os.PathLike, records: Iterable[TraceRecord], header: TraceHeader | None = None) -> None:
+    with TraceWriter(path, header) as w:
+        for rec in records:
+            w.write_record(rec)
+
+
+# -- synthetic traces ----------------------------------------------------------------------------
+def synthetic_trace(
+    n_tokens: int,
+    n_layers: int,
+    n_experts: int,
+    top_k: int,
+    *,
+    skew: float = 1.0,
+    reuse: float = 0.4,
+    seed: int = 0,
+    expert_bytes: int | None = None,
+) -> Trace:
+    """A routing trace with the two properties real MoE routing shows.
+
+    - skew: popularity per layer is Zipf-like, p(rank r) ~ 1 / (r + 1)^skew over a random order of the
+      layer's experts (0 = uniform).
+    - reuse: each expert the previous token used at the same layer is kept with this probability
+      (real OLMoE decodes keep ~35-43% of a layer's experts from one token to the next); the rest of
+      the top-k is drawn from the popularity without replacement.
+    Weights are a random softmax, largest first.
+    """
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+    if not 0.0 <= reuse <= 1.0:
+        raise ValueError(f"reuse must be in [0, 1], got {reuse}")
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, n_experts + 1, dtype=np.float64)
+    base = ranks ** -float(skew)  # [E] popularity by rank
+    popularity = []
+    for _ in range(n_layers):
+        p = np.empty(n_experts)
+        p[rng.permutation(n_experts)] = base  # [E] popularity of each expert id
+        popularity.append(p / p.sum())
+    prev: list[list[int]] = [[] for _ in range(n_layers)]
+    records: list[TraceRecord] = []
+    for t in range(n_tokens):
+        for layer in range(n_layers):
+            kept = [e for e in prev[layer] if rng.random() < reuse]
+            need = top_k - len(kept)
+            p = popularity[layer].copy()
+            p[kept] = 0.0
+            fresh = rng.choice(n_experts, size=need, replace=False, p=p / p.sum()) if need else []
+            experts = kept + [int(e) for e in fresh]
+            order = rng.permutation(top_k)
+            experts = [experts[i] for i in order]
+            logits = rng.normal(size=top_k)
+            w = np.sort(np.exp(logits) / np.exp(logits).sum())[::-1]  # [K] descending
+            records.append(TraceRecord(t, layer, tuple(experts), tuple(float(x) for x in w)))
+            prev[layer] = experts
+    header = TraceHeader(n_layers, n_experts, top_k, expert_bytes)
+    return Trace(tuple(records), header, None)
