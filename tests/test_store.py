@@ -22,7 +22,6 @@ from clutor.io.faults import FaultyBackend
 from clutor.io.layout import ExpertLayout, ExpertTensor
 from clutor.io.open_backend import open_backend
 from clutor.io.store import PREFETCH_DEPTH, ExpertStore, StoreStats
-from clutor.io.uring import UringUnavailable
 from clutor.model.source import ExpertSource
 
 N_LAYERS, N_EXPERTS = 4, 8

@@ -21,7 +21,7 @@ import clutor
 import streaming_util as su
 from clutor import memcap
 from clutor.io.simulate import simulate, slots_for_budget
-from clutor.io.trace import Trace, TraceRecord, read_trace
+from clutor.io.trace import read_trace
 from clutor.model.arch import read_config
 from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes

@@ -9,7 +9,6 @@ JSON line (see ``run``). The warm-up uses other token ids so it does not pre-loa
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import os

@@ -175,17 +175,6 @@ def _plan_cap(args, path: str, desc: dict, n_ctx: int):
     return (cap, Budget(format_bytes(left), nbytes=left)), None
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class _Progress:
     """One "[k/n] what ... result" line per run on stderr."""
 
@@ -289,13 +278,14 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
              progress: _Progress) -> dict:
     """llama.cpp unconstrained (vs the fastest sweep row), then Clutor and llama.cpp in the same cap."""
     from ..bench.runner import preload, run_worker
+    from ..model.options import mem_available
     from ..units import format_bytes
 
     notes: list[str] = []
     rows: list[dict] = []
     best = _best(sweep)
-    avail = _mem_available()
-    if avail is not None and avail < file_bytes * 1.1:
+    avail = mem_available()
+    if avail < file_bytes * 1.1:
         notes.append(f"unconstrained: only {format_bytes(avail)} free for a {format_bytes(file_bytes)} model, "
                      f"so llama.cpp reads part of it from disk")
     progress.start("llama.cpp unconstrained (model preloaded into the page cache)")

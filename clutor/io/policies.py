@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from typing import Callable, Generator, Hashable, Iterable, Iterator, Sequence
+from typing import Generator, Hashable, Iterable, Iterator, Sequence
 
 __all__ = ["Key", "Policy", "LRU", "LFU", "LRFU", "LRU2", "Belady", "POLICIES", "make_policy"]
 

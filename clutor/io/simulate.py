@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .cache import ExpertCache, SlotState
+from .cache import ExpertCache
 from .policies import POLICIES, Belady, Policy, make_policy
 from .trace import Trace, TraceRecord
 

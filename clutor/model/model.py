@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import numpy as np
 
@@ -24,6 +23,9 @@ from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
 from .weights import DenseWeights, LayerWeights, load_dense
+
+if TYPE_CHECKING:
+    from .generate import GenerationChunk
 
 __all__ = ["Model", "SequenceState"]
 

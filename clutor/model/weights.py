@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ModelFileError
 from .config import ModelConfig
-from .quants import QT, SUPPORTED, Weight, dequantize, type_name
+from .quants import SUPPORTED, Weight, dequantize, type_name
 
 __all__ = ["LayerWeights", "ExpertTypes", "DenseWeights", "load_dense"]
 
