@@ -19,10 +19,8 @@ undone), and bytes become text only at the end (``decode``) or when a UTF-8 char
 from __future__ import annotations
 
 import codecs
-import mmap
 import os
 import re
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +30,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from ..errors import ClutorError, ModelFileError, UnsupportedError
 
-__all__ = ["Tokenizer", "StreamDecoder", "read_gguf_metadata"]
+__all__ = ["Tokenizer", "StreamDecoder"]
 
 # tokenizer.ggml.token_type values (gguf-py TokenType)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -175,7 +173,10 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         """Read the tokenizer tables of a GGUF file (a full model or a vocab-only file)."""
         path = os.fspath(path)
-        return cls.from_metadata(read_gguf_metadata(path, prefix="tokenizer."), path)
+        from .gguf import GGUFFile
+
+        with GGUFFile.open(path) as f:
+            return cls.from_metadata(f.metadata, os.fspath(path))
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, object], path: str) -> "Tokenizer":
@@ -407,114 +408,3 @@ def _strings(metadata: Mapping[str, object], key: str, path: str) -> list[str]:
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike, prefix: str = "") -> dict[str, object]:
-    """Key -> value of a GGUF file's metadata (keys starting with ``prefix``; others skipped).
-
-    Strings are ``str``, arrays are lists, numbers and bools Python scalars.
-    """
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # empty file
-            raise ModelFileError(path, "magic", "b'GGUF'", "an empty file") from e
-    try:
-        return _Reader(buf, path).metadata(prefix)
-    finally:
-        buf.close()
-
-
-class _Reader:
-    def __init__(self, buf: mmap.mmap, path: str):
-        self.buf, self.path, self.off = buf, path, 0
-
-    def _need(self, n: int, what: str) -> None:
-        if n < 0 or self.off + n > len(self.buf):
-            raise ModelFileError(self.path, what, f"{n} more bytes at offset {self.off}", "end of file")
-
-    def _scalar(self, fmt: str, what: str):
-        size = struct.calcsize(fmt)
-        self._need(size, what)
-        (v,) = struct.unpack_from(fmt, self.buf, self.off)
-        self.off += size
-        return v
-
-    def _str(self, what: str, keep: bool = True) -> str | None:
-        n = self._scalar("<Q", what)
-        self._need(n, what)
-        raw = self.buf[self.off : self.off + n]  # bytes copy: no buffer export outlives the mmap
-        self.off += n
-        if not keep:
-            return None
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ModelFileError(self.path, what, "UTF-8 text", e) from e
-
-    def _strings(self, count: int, key: str, keep: bool) -> list[str] | None:
-        # The hot loop for 150k-entry token / merge tables: locals only, no per-item method calls.
-        buf, off, end = self.buf, self.off, len(self.buf)
-        unpack = struct.Struct("<Q").unpack_from
-        out: list[bytes] = []
-        for k in range(count):
-            if off + 8 > end:
-                self.off = off
-                self._need(8, f"{key}[{k}]")
-            (n,) = unpack(buf, off)
-            off += 8
-            if off + n > end:
-                self.off = off
-                self._need(n, f"{key}[{k}]")
-            if keep:
-                out.append(buf[off : off + n])
-            off += n
-        self.off = off
-        if not keep:
-            return None
-        try:
-            return [b.decode("utf-8") for b in out]
-        except UnicodeDecodeError as e:
-            raise ModelFileError(self.path, key, "UTF-8 strings", e) from e
-
-    def _value(self, vtype: int, key: str, keep: bool):
-        if vtype == _STRING:
-            return self._str(key, keep)
-        if vtype in _SCALARS:
-            v = self._scalar(_SCALARS[vtype], key)
-            return v if keep else None
-        if vtype != _ARRAY:
-            raise ModelFileError(self.path, key, "a GGUF value type 0..12", vtype)
-        etype = self._scalar("<I", key)
-        count = self._scalar("<Q", key)
-        if etype == _STRING:
-            return self._strings(count, key, keep)
-        if etype in _SCALARS:
-            dt = np.dtype(_SCALARS[etype])
-            self._need(count * dt.itemsize, key)
-            raw = self.buf[self.off : self.off + count * dt.itemsize]
-            self.off += count * dt.itemsize
-            return np.frombuffer(raw, dtype=dt).tolist() if keep else None
-        return [self._value(etype, f"{key}[{k}]", keep) for k in range(count)]
-
-    def metadata(self, prefix: str) -> dict[str, object]:
-        self._need(4, "magic")
-        magic = self.buf[0:4]
-        self.off = 4
-        if magic != b"GGUF":
-            raise ModelFileError(self.path, "magic", "b'GGUF'", magic)
-        version = self._scalar("<I", "version")
-        if version not in (2, 3):
-            raise UnsupportedError(self.path, "version", "GGUF version 2 or 3 (little-endian)", version)
-        self._scalar("<Q", "tensor_count")
-        n_kv = self._scalar("<Q", "kv_count")
-        out: dict[str, object] = {}
-        for _ in range(n_kv):
-            key = self._str("metadata key")
-            vtype = self._scalar("<I", key)
-            keep = key.startswith(prefix)
-            value = self._value(vtype, key, keep)
-            if keep:
-                out[key] = value
-        return out
