@@ -1,0 +1,353 @@
+"""Matrix products computed straight from GGUF-quantised bytes.
+
+    y = matmul(w, qtype, n_rows, n_cols, x)      # x f32 [T, n_cols] -> y f32 [T, n_rows] == x @ W.T
+
+w is the raw bytes of a 2-D weight (numpy shape (n_rows, n_cols), blocks along n_cols) exactly as in
+the file or an expert-cache slot. Types: F32 (BLAS), F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+IQ4_NL, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
+
+- "q8" activations (x86 with AVX2; CLUTOR_ACTIVATIONS=q8 or set_activation_mode("q8")): each row
+  of x is rounded to int8 blocks with one float scale per 32 (Q8_0-style) or per 256 (K-quants,
+  Q8_K-style) elements, then int8 x int8 dot products run block by block, as llama.cpp does on
+  CPUs. Error bound, per output element r of token t:
+      |y_q8 - y| <= ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| / 254)**2)   (+ float rounding)
+  because rounding moves each element of block b (n_b elements) by at most max|x_tb| / 254. For
+  Gaussian-like x the actual error is ~0.5-1.5% of max|y|. tests/test_kernels.py checks the bound.
+- "f32" activations (the default): the weight is dequantised on the fly (bit-identical to gguf-py's
+  dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available.
+- T >= set_blas_min_tokens' threshold (32 in f32 mode, 96 in q8 mode): rows are dequantised in
+  chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm.
+Below that, the row kernels take tokens four at a time (each weight block unpacked once per four).
+
+Threads: the numba kernels split rows over ``threads()`` threads (default: the CPUs this process
+may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so it is
+applied on every call. OMP_WAIT_POLICY defaults to PASSIVE here (see below). BLAS has its own
+pool: a caller running kernels from several threads at once should cap BLAS threads (e.g.
+OPENBLAS_NUM_THREADS=1 or threadpoolctl) and ``set_threads`` so the total stays at the core count.
+
+Compilation: every kernel is compiled once and cached on disk (numba cache=True); ``warmup()``
+loads or compiles all of them (~30 s the first time, <1 s from the cache) so that no token pays.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+
+from ...errors import ClutorError
+
+__all__ = [
+    "has_kernel", "matmul", "warmup", "dequantize",
+    "set_activation_mode", "activation_mode", "set_threads", "threads", "set_blas_min_tokens",
+    "info", "KernelInfo",
+]
+
+# GGML type ids -> (elements per block, bytes per block). F32 goes straight to BLAS.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = 12, 13, 14, 20, 30
+_BLOCKS: dict[int, tuple[int, int]] = {
+    F32: (1, 4), F16: (32, 64), BF16: (32, 64),
+    Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), IQ4_NL: (32, 18),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+_Q8_BLOCK = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, IQ4_NL: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+
+# Token counts from which dequantise-then-BLAS is used (tools/bench_kernels.py --sweep-t, 2 cores).
+# On a quiet machine BLAS wins from T ~ 16 (f32 mode) and T ~ 32 (Q8_0) to ~96 (Q4_K) with int8
+# activations; on a loaded one, alternating numba's and OpenBLAS's thread pools made the BLAS path
+# 10-50x slower at the median while the row kernels stayed within 2x. Hence the high q8 setting.
+_DEFAULT_BLAS_MIN_T = (32, 96)  # (f32 mode, q8 mode)
+_BLAS_MIN_T_F32, _BLAS_MIN_T_Q8 = _DEFAULT_BLAS_MIN_T
+# Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
+_CHUNK_BYTES = 4 << 20
+_PARALLEL_MIN_BYTES = 128 << 10
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    backend: str            # "x86-avx512vnni" | "x86-avx2" | "portable"
+    activation_mode: str    # "q8" | "f32" (what matmul will use for T below the BLAS threshold)
+    threads: int
+    blas_min_tokens_f32: int
+    blas_min_tokens_q8: int
+    types: tuple[str, ...]
+
+
+def _guard_cache() -> None:
+    """numba's on-disk cache only watches each function's own file; the drivers are compiled from
+    IR written in sibling modules. Drop the drivers' cache when any kernel source changed."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha1(os.environ.get("CLUTOR_KERNELS_ISA", "").encode())
+    for p in sorted(here.glob("*.py")):
+        digest.update(p.name.encode() + p.read_bytes())
+    cache_dir = here / "__pycache__"
+    stamp = cache_dir / "kernels-sources.sha1"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return
+        cache_dir.mkdir(exist_ok=True)
+        for f in cache_dir.glob("*.nb[ic]"):
+            f.unlink()
+        stamp.write_text(digest.hexdigest())
+    except OSError:  # read-only install: numba then caches elsewhere or not at all
+        pass
+
+
+_guard_cache()
+
+# numba's OpenMP threads would otherwise spin for milliseconds after each kernel, fighting BLAS's
+# own threads (and any other process) for the cores: on the shared 2-core test machine a
+# decode-shaped loop (tools: 16 layers x 4 dense + 24 expert products) took 420-740 ms per token
+# with spinning, 120-160 ms without. Sleeping threads cost ~10-15 us to wake per kernel call; on a
+# dedicated machine OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 measured ~25% faster on that loop.
+# An explicit user setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from . import _ir  # noqa: E402  (after the cache guard, before numba compiles anything)
+from . import drivers as _drv  # noqa: E402
+
+# f32 by default: with q8, prefill and one-token decode of the same prompt differ by more than
+# float rounding (a last-bit difference in x can flip an int8 rounding), which the model's
+# exactness tests reject; q8 is the faster choice once its tolerance is accepted.
+_mode = os.environ.get("CLUTOR_ACTIVATIONS", "f32")
+if _mode not in ("q8", "f32"):
+    _mode = "f32"
+try:
+    _threads = len(os.sched_getaffinity(0))
+except AttributeError:  # not Linux
+    _threads = os.cpu_count() or 1
+_tls = threading.local()
+# numba's "workqueue" threading layer (used when neither TBB nor OpenMP is available) aborts the
+# process if two threads launch parallel kernels at once; then launches are serialised.
+_serial_lock: threading.Lock | None = None
+_layer_checked = False
+
+
+def _max_numba_threads() -> int:
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+_threads = max(1, min(_threads, _max_numba_threads()))
+
+
+# F16 on x86 without F16C: vector half conversion would need a runtime library numba does not link.
+_SUPPORTED = frozenset(q for q in _BLOCKS if not (q == F16 and _ir.X86_WITHOUT_F16C))
+
+
+def has_kernel(qtype: int) -> bool:
+    """True when matmul accepts this GGML type id."""
+    return int(qtype) in _SUPPORTED
+
+
+def set_activation_mode(mode: str) -> None:
+    """"q8" (int8 activations, faster; needs x86 AVX2, else f32 is used) or "f32" (exact float path).
+    Process-wide."""
+    global _mode
+    if mode not in ("q8", "f32"):
+        raise ClutorError(f"kernels.set_activation_mode: expected 'q8' or 'f32', got {mode!r}")
+    _mode = mode
+
+
+def activation_mode() -> str:
+    """The mode decode-sized products really use (q8 falls back to f32 without int8 SIMD)."""
+    return "q8" if _mode == "q8" and _ir.HAVE_INT8_SIMD else "f32"
+
+
+def set_threads(n: int) -> None:
+    """Threads the numba kernels use (clamped to 1..NUMBA_NUM_THREADS)."""
+    global _threads
+    _threads = max(1, min(int(n), _max_numba_threads()))
+
+
+def threads() -> int:
+    return _threads
+
+
+def set_blas_min_tokens(f32: int | None, q8: int | None) -> None:
+    """Token counts from which matmul dequantises and calls BLAS (None: the measured default).
+    For tuning and tests; the defaults come from tools/bench_kernels.py --sweep-t."""
+    global _BLAS_MIN_T_F32, _BLAS_MIN_T_Q8
+    _BLAS_MIN_T_F32 = _DEFAULT_BLAS_MIN_T[0] if f32 is None else max(1, int(f32))
+    _BLAS_MIN_T_Q8 = _DEFAULT_BLAS_MIN_T[1] if q8 is None else max(1, int(q8))
+
+
+def info() -> KernelInfo:
+    names = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
+             Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+    return KernelInfo(_ir.BACKEND, activation_mode(), _threads, _BLAS_MIN_T_F32, _BLAS_MIN_T_Q8,
+                      tuple(names[q] for q in _BLOCKS if has_kernel(q)))
+
+
+def _apply_threads(n: int | None = None) -> None:
+    """numba's thread count is per calling thread; remember what this thread last set, because
+    numba.get_num_threads() alone costs ~1 us."""
+    n = _threads if n is None else n
+    if getattr(_tls, "nthreads", None) != n:
+        numba.set_num_threads(n)
+        _tls.nthreads = n
+
+
+def _launch(fn, *args) -> None:
+    """Run a parallel driver, serialised when the threading layer needs it."""
+    global _serial_lock, _layer_checked
+    if _serial_lock is not None:
+        with _serial_lock:
+            fn(*args)
+        return
+    fn(*args)
+    if not _layer_checked:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel region has started yet
+            return
+        _layer_checked = True
+        if layer == "workqueue":
+            _serial_lock = threading.Lock()
+
+
+def _scratch(name: str, n: int, dtype) -> np.ndarray:
+    """A per-thread, grow-only buffer of at least n elements (no allocation once warm)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.size < n:
+        buf = bufs[name] = np.empty(max(n, 1), dtype=dtype)
+    return buf[:n]
+
+
+def _act_buffers(n_tok: int, n_cols: int, block: int) -> tuple[np.ndarray, ...]:
+    """Per-thread int8-activation scratch for this shape: xq [T, K], xd [T, K/block], xs32, xs16."""
+    cache = getattr(_tls, "act", None)
+    if cache is None:
+        cache = _tls.act = {}
+    key = (n_tok, n_cols, block)
+    bufs = cache.get(key)
+    if bufs is None:
+        if len(cache) > 64:  # many shapes seen (prefill lengths): start over rather than grow
+            cache.clear()
+        bufs = cache[key] = (np.empty((n_tok, n_cols), np.int8), np.empty((n_tok, n_cols // block), np.float32),
+                             np.empty((n_tok, n_cols // 32), np.int32), np.empty((n_tok, n_cols // 16), np.int16))
+    return bufs
+
+
+def _row_bytes(qtype: int, n_cols: int) -> int:
+    elems, nbytes = _BLOCKS[qtype]
+    if n_cols <= 0 or n_cols % elems:
+        raise ClutorError(f"kernels: a {_name(qtype)} row must hold a positive multiple of {elems} "
+                          f"elements, got {n_cols}")
+    return n_cols // elems * nbytes
+
+
+def _name(qtype: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+        return GGMLQuantizationType(qtype).name
+    except (ImportError, ValueError):
+        return f"type {qtype}"
+
+
+def _check(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
+    """-> bytes per row, after checking the weight matches (type, shape)."""
+    if qtype not in _SUPPORTED:
+        raise ClutorError(f"kernels: no kernel for {_name(qtype)}; check has_kernel() first")
+    rb = _row_bytes(qtype, n_cols)
+    if w.dtype != np.uint8 or w.ndim != 1 or not w.flags.c_contiguous:
+        raise ClutorError(f"kernels: weight must be C-contiguous 1-D uint8, got {w.dtype} {w.shape}")
+    if w.size != n_rows * rb:
+        raise ClutorError(f"kernels: {_name(qtype)} weight ({n_rows}, {n_cols}) needs {n_rows * rb} bytes, "
+                          f"got {w.size}")
+    return rb
+
+
+def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The whole weight as float32 [n_rows, n_cols] (bit-identical to gguf.quants.dequantize)."""
+    qtype = int(qtype)
+    rb = _check(w, qtype, n_rows, n_cols)
+    if out is None:
+        out = np.empty((n_rows, n_cols), np.float32)
+    if qtype == F32:
+        out[...] = w.view(np.float32).reshape(n_rows, n_cols)
+        return out
+    _apply_threads()
+    _launch(_drv.dequantize_rows, w, qtype, rb, 0, n_rows, n_cols, out)
+    return out
+
+
+def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """x @ W.T. w: uint8 [n_rows * row_bytes]; x: f32 [T, n_cols] (or [n_cols]); out: f32 [T, n_rows].
+
+    Returns `out` when given (nothing allocated on the hot path)."""
+    qtype = int(qtype)
+    n_rows = int(n_rows)
+    n_cols = int(n_cols)
+    rb = _check(w, qtype, n_rows, n_cols)
+    squeeze = x.ndim == 1
+    x2 = x.reshape(1, -1) if squeeze else x
+    if x2.dtype != np.float32 or x2.ndim != 2 or x2.shape[1] != n_cols or not x2.flags.c_contiguous:
+        raise ClutorError(f"kernels: x must be C-contiguous float32 [T, {n_cols}], got {x.dtype} {x.shape}")
+    if not x2.flags.writeable:  # a read-only x would make numba compile a second variant
+        xc = _scratch("xcopy", x2.size, np.float32).reshape(x2.shape)
+        xc[...] = x2
+        x2 = xc
+    n_tok = x2.shape[0]
+    if out is None:
+        out = np.empty((n_rows,) if squeeze else (n_tok, n_rows), np.float32)
+    out2 = out.reshape(1, -1) if out.ndim == 1 else out
+    if out2.dtype != np.float32 or out2.shape != (n_tok, n_rows) or not out2.flags.c_contiguous:
+        raise ClutorError(f"kernels: out must be C-contiguous float32 [{n_tok}, {n_rows}], got {out.dtype} {out.shape}")
+    if n_tok == 0:
+        return out
+
+    if qtype == F32:
+        np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
+        return out
+    # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
+    _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _threads)
+    q8 = _mode == "q8" and _ir.HAVE_INT8_SIMD and qtype in _Q8_BLOCK
+    if n_tok >= (_BLAS_MIN_T_Q8 if q8 else _BLAS_MIN_T_F32):
+        _blas(w, qtype, rb, n_rows, n_cols, x2, out2)
+    elif q8:
+        block = _Q8_BLOCK[qtype]
+        xq, xd, xs32, xs16 = _act_buffers(n_tok, n_cols, block)
+        _launch(_drv.matmul_q8, w, qtype, rb, n_rows, n_cols, x2, block, xq, xd, xs32, xs16, out2)
+    else:
+        _launch(_drv.matmul_f32, w, qtype, rb, n_rows, n_cols, x2, out2)
+    return out
+
+
+def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
+    rows = max(1, min(n_rows, _CHUNK_BYTES // (4 * n_cols)))
+    buf = _scratch("wf32", rows * n_cols, np.float32)
+    for r0 in range(0, n_rows, rows):
+        r1 = min(n_rows, r0 + rows)
+        wc = buf[: (r1 - r0) * n_cols].reshape(r1 - r0, n_cols)  # [R, K]
+        _launch(_drv.dequantize_rows, w, qtype, rb, r0, r1, n_cols, wc)
+        np.matmul(x2, wc.T, out=out2[:, r0:r1])
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) every kernel, for writable and read-only weights.
+
+    The weight type is a runtime argument of each compiled driver, so one call per driver and
+    weight flavour covers every type."""
+    _apply_threads()
+    n_cols = 256
+    x = np.zeros((1, n_cols), np.float32)
+    out = np.zeros((1, 1), np.float32)
+    wf = np.zeros((1, n_cols), np.float32)
+    w = np.zeros(n_cols // 32 * 34, np.uint8)  # one Q8_0 row
+    ro = w.copy()
+    ro.flags.writeable = False
+    xq, xd, xs32, xs16 = _act_buffers(1, n_cols, 32)
+    for ww in (w, ro):
+        _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
+        _launch(_drv.matmul_f32, ww, Q8_0, w.size, 1, n_cols, x, out)
+        if _drv.matmul_q8 is not None:
+            _launch(_drv.matmul_q8, ww, Q8_0, w.size, 1, n_cols, x, 32, xq, xd, xs32, xs16, out)

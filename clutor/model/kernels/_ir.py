@@ -1,0 +1,409 @@
+"""LLVM IR building blocks for the kernels, and the generator of per-type row functions.
+
+Why the hot loops are written as LLVM IR (through numba ``@intrinsic`` + llvmlite) instead of plain
+numba: measured on this project's machine, numba's own code for these loops stayed scalar
+(0.9-3 GB/s): it promotes every integer product to int64, every slice of the weight bytes costs a
+reference-count call, and LLVM's vectoriser gives up on the byte-to-float loops (it cannot prove
+the weight bytes and the output do not overlap). Written as explicit vector IR — load 32 quants,
+unpack nibbles with vector and/shift, convert, fused multiply-add — the same row runs 5-10x faster,
+and on x86 the int8 path uses the instructions llama.cpp relies on (``vpmaddubsw``/``vpmaddwd``,
+AVX512-VNNI ``vpdpbusd``). numba keeps what it is good at: the thread-parallel loop over rows.
+
+A weight type is described by a ``Format`` (block size, how to unpack a block to float vectors, how
+to dot a block with int8 activations); ``row_intrinsics(fmt)`` turns it into three row functions:
+
+- ``deq(w, base, nblocks, buf, boff)``: dequantise ``nblocks`` blocks starting at byte ``base`` of w
+  into buf f32 at element ``boff`` — bit-identical to gguf-py's reference (same float operations);
+- ``fdot(w, base, nblocks, x, xoff) -> f32``: the row times float activations x at element xoff;
+- ``idot(w, base, nblocks, xq, xd, xs32, xs16, xe) -> f32``: the row times int8 activations
+  (activations.py) whose row starts at element xe; x86 with AVX2 only (``HAVE_INT8_SIMD``).
+
+Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
+lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD``.
+No bounds checks: callers derive every offset from validated shapes.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from llvmlite import binding as _llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "HAVE_INT8_SIMD", "HAVE_VNNI", "HAVE_F16C", "PREFETCH_BYTES", "BACKEND",
+    "Format", "row_intrinsics", "load_f16",
+]
+
+_IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_features = _llvm.get_host_cpu_features() if _IS_X86 else {}
+# CLUTOR_KERNELS_ISA=avx2|portable generates the code a lesser CPU would get (to test fallbacks).
+ISA_OVERRIDE = os.environ.get("CLUTOR_KERNELS_ISA", "")
+HAVE_F16C: bool = bool(_features.get("f16c", False))
+X86_WITHOUT_F16C: bool = _IS_X86 and not HAVE_F16C
+HAVE_INT8_SIMD: bool = bool(_features.get("avx2", False)) and HAVE_F16C and ISA_OVERRIDE != "portable"
+HAVE_VNNI: bool = (HAVE_INT8_SIMD and bool(_features.get("avx512vnni", False))
+                   and bool(_features.get("avx512vl", False)) and ISA_OVERRIDE != "avx2")
+BACKEND: str = "x86-avx512vnni" if HAVE_VNNI else "x86-avx2" if HAVE_INT8_SIMD else "portable"
+
+# Software prefetch distance for the weight stream. One core reading one contiguous slab left the
+# int8 Q8_0 kernel at ~8 GB/s from DRAM with the hardware prefetcher alone; asking for lines a few
+# KiB ahead raised it to ~11 GB/s per core (see tools/bench_kernels.py).
+PREFETCH_BYTES = 4096
+
+i1, i8, i16, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+f32 = ir.FloatType()
+V16i8 = ir.VectorType(i8, 16)
+V32i8 = ir.VectorType(i8, 32)
+V16i16 = ir.VectorType(i16, 16)
+V32i16 = ir.VectorType(i16, 32)
+V8i32 = ir.VectorType(i32, 8)
+V32i32 = ir.VectorType(i32, 32)
+V8f = ir.VectorType(f32, 8)
+V32f = ir.VectorType(f32, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small IR helpers
+
+def fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def data(context, b: ir.IRBuilder, aty, aval, elt: ir.Type = i8) -> ir.Value:
+    """Pointer (to `elt`) at the first element of a numba array."""
+    ptr = cgutils.create_struct_proxy(aty)(context, b, value=aval).data
+    return b.bitcast(ptr, elt.as_pointer())
+
+
+def c64(v: int) -> ir.Constant:
+    return ir.Constant(i64, v)
+
+
+def vconst(ty: ir.VectorType, v) -> ir.Constant:
+    return ir.Constant(ty, [v] * ty.count if not isinstance(v, (list, tuple)) else list(v))
+
+
+def at(b: ir.IRBuilder, base: ir.Value, off: ir.Value, k: int = 0) -> ir.Value:
+    """base + off + k (in base's element units)."""
+    return b.gep(base, [off if k == 0 else b.add(off, c64(k))])
+
+
+def load(b: ir.IRBuilder, p: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
+    return b.load(b.bitcast(p, ty.as_pointer()), align=align)
+
+
+def store(b: ir.IRBuilder, v: ir.Value, p: ir.Value, align: int = 4) -> None:
+    b.store(v, b.bitcast(p, v.type.as_pointer()), align=align)
+
+
+def half(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+    """IEEE half at byte address p -> float."""
+    if HAVE_F16C or not _IS_X86:
+        return b.fpext(load(b, p, ir.HalfType()), f32)
+    return _half_soft(b, p)
+
+
+def _half_soft(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+    """Bit-level half -> float for x86 CPUs without F16C (LLVM would emit a libcall numba lacks)."""
+    h = b.zext(load(b, p, i16), i32)
+    k = lambda v: ir.Constant(i32, v)  # noqa: E731
+    sign = b.shl(b.and_(h, k(0x8000)), k(16))
+    exp = b.and_(b.lshr(h, k(10)), k(0x1F))
+    man = b.and_(h, k(0x3FF))
+    normal = b.or_(b.shl(b.add(exp, k(112)), k(23)), b.shl(man, k(13)))
+    infnan = b.or_(k(0x7F800000), b.shl(man, k(13)))
+    sub = b.bitcast(b.fmul(b.uitofp(man, f32), ir.Constant(f32, 2.0 ** -24)), i32)  # exact
+    mag = b.select(b.icmp_unsigned("==", exp, k(0)), sub,
+                   b.select(b.icmp_unsigned("==", exp, k(31)), infnan, normal))
+    return b.bitcast(b.or_(mag, sign), f32)
+
+
+def splat(b: ir.IRBuilder, v: ir.Value, vty: ir.VectorType) -> ir.Value:
+    one = b.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(i32, 0))
+    return b.shuffle_vector(one, ir.Constant(vty, ir.Undefined), vconst(ir.VectorType(i32, vty.count), 0))
+
+
+def band(b: ir.IRBuilder, v: ir.Value, m: int) -> ir.Value:
+    return b.and_(v, vconst(v.type, m))
+
+
+def lshr(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    return v if n == 0 else b.lshr(v, vconst(v.type, n))
+
+
+def shl(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    return v if n == 0 else b.shl(v, vconst(v.type, n))
+
+
+def concat(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+    n = lo.type.count
+    return b.shuffle_vector(lo, hi, vconst(ir.VectorType(i32, 2 * n), list(range(2 * n))))
+
+
+def nibbles16(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+    """16 bytes at p -> <32 x u8>: low nibbles are elements 0..15, high nibbles 16..31."""
+    v = load(b, p, V16i8)
+    return concat(b, band(b, v, 0x0F), lshr(b, v, 4))
+
+
+def bits32(b: ir.IRBuilder, p: ir.Value, value: int) -> ir.Value:
+    """4 bytes at p = 32 flags (element j's is bit j) -> <32 x i8>: `value` where set, else 0."""
+    word = splat(b, load(b, p, i32), V8i32)
+    sel = b.shuffle_vector(b.bitcast(word, V32i8), ir.Constant(V32i8, ir.Undefined),
+                           vconst(ir.VectorType(i32, 32), [j // 8 for j in range(32)]))
+    hit = b.icmp_unsigned("!=", b.and_(sel, vconst(V32i8, [1 << (j % 8) for j in range(32)])),
+                          ir.Constant(V32i8, None))
+    return b.select(hit, vconst(V32i8, value), ir.Constant(V32i8, None))
+
+
+def lookup16(b: ir.IRBuilder, table: tuple[int, ...], idx: ir.Value) -> ir.Value:
+    """<32 x i8> indices in 0..15 -> table values (signed bytes)."""
+    tv = [v & 0xFF for v in table]
+    if HAVE_INT8_SIMD:
+        f = fn(b, "llvm.x86.avx2.pshuf.b", V32i8, [V32i8, V32i8])
+        return b.call(f, [vconst(V32i8, tv * 2), idx])
+    const = vconst(V16i8, tv)
+    out = ir.Constant(V32i8, ir.Undefined)
+    for j in range(32):
+        e = b.extract_element(idx, ir.Constant(i32, j))
+        out = b.insert_element(out, b.extract_element(const, e), ir.Constant(i32, j))
+    return out
+
+
+def to_f32(b: ir.IRBuilder, q: ir.Value, signed: bool) -> ir.Value:
+    vty = ir.VectorType(f32, q.type.count)
+    return b.sitofp(q, vty) if signed else b.uitofp(q, vty)
+
+
+def fma(b: ir.IRBuilder, a: ir.Value, c: ir.Value, acc: ir.Value) -> ir.Value:
+    n = a.type.count
+    f = fn(b, f"llvm.fma.v{n}f32", a.type, [a.type, a.type, a.type])
+    return b.call(f, [a, c, acc])
+
+
+def hsum_f(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    n = v.type.count
+    f = fn(b, f"llvm.vector.reduce.fadd.v{n}f32", f32, [f32, v.type])
+    return b.call(f, [ir.Constant(f32, 0.0), v], fastmath=("reassoc", "nsz"))
+
+
+def hsum_i(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    f = fn(b, f"llvm.vector.reduce.add.v{v.type.count}i32", i32, [v.type])
+    return b.call(f, [v])
+
+
+def prefetch(b: ir.IRBuilder, p: ir.Value) -> None:
+    f = fn(b, "llvm.prefetch.p0", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
+    b.call(f, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+# -- x86 int8 dot products (only emitted when HAVE_INT8_SIMD) -----------------------------------
+
+def maddubs(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+    """<32 x u8> * <32 x s8> -> <16 x i16> sums of adjacent pairs (saturating; callers keep every
+    pair below 2**15: u <= 128 with |s| <= 127)."""
+    return b.call(fn(b, "llvm.x86.avx2.pmadd.ub.sw", V16i16, [V32i8, V32i8]), [u, s])
+
+
+def madd(b: ir.IRBuilder, p: ir.Value, q: ir.Value) -> ir.Value:
+    """<16 x i16> * <16 x i16> -> <8 x i32> sums of adjacent pairs."""
+    return b.call(fn(b, "llvm.x86.avx2.pmadd.wd", V8i32, [V16i16, V16i16]), [p, q])
+
+
+def dot_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+    """<32 x u8> . <32 x s8> -> <8 x i32> (each lane the sum of 4 products)."""
+    if HAVE_VNNI:
+        f = fn(b, "llvm.x86.avx512.vpdpbusd.256", V8i32, [V8i32, V8i32, V8i32])
+        return b.call(f, [ir.Constant(V8i32, None), b.bitcast(u, V8i32), b.bitcast(s, V8i32)])
+    return madd(b, maddubs(b, u, s), vconst(V16i16, 1))
+
+
+def dot_s8s8(b: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
+    """signed . signed: move w's sign onto x so the unsigned-by-signed instruction applies."""
+    aw = b.call(fn(b, "llvm.abs.v32i8", V32i8, [V32i8, i1]), [w, ir.Constant(i1, 0)])
+    sx = b.select(b.icmp_signed("<", w, ir.Constant(V32i8, None)), b.neg(x), x)
+    return dot_u8s8(b, aw, sx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Portable scalar intrinsic
+
+@intrinsic
+def load_f16(typingctx, arr, off):
+    """IEEE half at byte offset `off` of a uint8 array, as float32."""
+    sig = types.float32(arr, off)
+
+    def codegen(context, b, signature, args):
+        return half(b, at(b, data(context, b, signature.args[0], args[0]), args[1]))
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Row functions from a block description
+
+@dataclass(frozen=True)
+class IEnv:
+    """What an int8 block function needs: pointers and the element index of its first element."""
+    wp: ir.Value   # i8* weights
+    xq: ir.Value   # i8* int8 activations
+    xd: ir.Value   # f32* activation scales, one per `Format.elems` elements
+    xs32: ir.Value  # i32* sums of xq per 32
+    xs16: ir.Value  # i16* sums of xq per 16
+    xe: ir.Value   # i64 element index (into xq) of the block's first element
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one weight type's blocks turn into numbers.
+
+    fvals(b, wp, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
+        dequantises it, 32 elements per vector.
+    iprep(b, wp, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
+    itok(b, state, env) -> ([(ivec <8 x i32>, scale f32), ...], corr f32 | None): ... with one
+        token's activations: sum(hsum(ivec) * scale) + corr. The horizontal sums happen once per
+        row, not per block. None when the type has no int8 kernel.
+    """
+    name: str
+    elems: int      # elements per block (32 or 256); int8 activations use one scale per block
+    nbytes: int     # bytes per block
+    unroll: int     # blocks per loop step (steps of 256 elements)
+    fvals: Callable
+    iprep: Callable | None = None
+    itok: Callable | None = None
+
+
+def _blocks_loop(b: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value], None],
+                 wp: ir.Value, base: ir.Value) -> None:
+    """body(block_index) for every block: unrolled steps of fmt.unroll blocks, then the tail."""
+    u = fmt.unroll
+    nsteps = b.sdiv(nblocks, c64(u)) if u > 1 else nblocks
+    with cgutils.for_range(b, nsteps) as loop:
+        first = b.mul(loop.index, c64(u)) if u > 1 else loop.index
+        start = b.add(base, b.mul(first, c64(fmt.nbytes)))
+        for k in range(0, u * fmt.nbytes, 64):
+            prefetch(b, at(b, wp, start, PREFETCH_BYTES + k))
+        for k in range(u):
+            body(b.add(first, c64(k)) if k else first)
+    if u > 1:
+        with cgutils.for_range(b, nblocks, start=b.mul(nsteps, c64(u))) as loop:
+            body(loop.index)
+
+
+def _result(context, b: ir.IRBuilder, values: list[ir.Value], rtype):
+    return values[0] if len(values) == 1 else context.make_tuple(b, rtype, values)
+
+
+def row_intrinsics(fmt: Format, ntok: int = 1):
+    """-> (deq, fdot, idot) numba intrinsics for one weight type (idot None without int8 code).
+
+    With ntok > 1, fdot/idot take `ntok` consecutive activation rows (xstride elements apart) and
+    return a UniTuple of ntok float32: each block is unpacked once for all of them."""
+    rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
+    if ntok > 1:  # the token loop already multiplies the code per block; keep compile time sane
+        fmt = replace(fmt, unroll=max(1, fmt.unroll // ntok))
+
+    @intrinsic
+    def deq(typingctx, w, base, nblocks, buf, boff):
+        sig = types.void(w, base, nblocks, buf, boff)
+
+        def codegen(context, b, signature, args):
+            wa, bs, nb, ba, bo = args
+            wp = data(context, b, signature.args[0], wa)
+            bp = b.gep(data(context, b, signature.args[3], ba, f32), [bo])
+
+            def body(blk):
+                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
+                e0 = b.mul(blk, c64(fmt.elems))
+                for s, v in enumerate(fmt.fvals(b, wp, off)):
+                    store(b, v, at(b, bp, e0, 32 * s))
+
+            _blocks_loop(b, fmt, nb, body, wp, bs)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def fdot(typingctx, w, base, nblocks, x, xoff, xstride):
+        sig = rtype(w, base, nblocks, x, xoff, xstride)
+
+        def codegen(context, b, signature, args):
+            wa, bs, nb, xa, xo, xs = args
+            wp = data(context, b, signature.args[0], wa)
+            x0 = data(context, b, signature.args[3], xa, f32)
+            xps = [b.gep(x0, [b.add(xo, b.mul(xs, c64(t)))]) for t in range(ntok)]
+            accs = [cgutils.alloca_once_value(b, ir.Constant(V32f, None)) for _ in range(ntok)]
+
+            def body(blk):
+                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
+                e0 = b.mul(blk, c64(fmt.elems))
+                vals = fmt.fvals(b, wp, off)
+                for xp, acc in zip(xps, accs):
+                    a = b.load(acc)
+                    for s, v in enumerate(vals):
+                        a = fma(b, v, load(b, at(b, xp, e0, 32 * s), V32f, 4), a)
+                    b.store(a, acc)
+
+            _blocks_loop(b, fmt, nb, body, wp, bs)
+            return _result(context, b, [hsum_f(b, b.load(acc)) for acc in accs], rtype)
+
+        return sig, codegen
+
+    if fmt.iprep is None or not HAVE_INT8_SIMD:
+        return deq, fdot, None
+
+    @intrinsic
+    def idot(typingctx, w, base, nblocks, xq, xd, xs32, xs16, xe, xstride):
+        sig = rtype(w, base, nblocks, xq, xd, xs32, xs16, xe, xstride)
+
+        def codegen(context, b, signature, args):
+            wa, bs, nb, qa, da, s32a, s16a, xe0, xst = args
+            sa = signature.args
+            wp = data(context, b, sa[0], wa)
+            xq = data(context, b, sa[3], qa)
+            xd = data(context, b, sa[4], da, f32)
+            xs32 = data(context, b, sa[5], s32a, i32)
+            xs16 = data(context, b, sa[6], s16a, i16)
+            starts = [b.add(xe0, b.mul(xst, c64(t))) for t in range(ntok)]
+            accs = [cgutils.alloca_once_value(b, ir.Constant(V8f, None)) for _ in range(ntok)]
+            corrs = [cgutils.alloca_once_value(b, ir.Constant(f32, 0.0)) for _ in range(ntok)]
+
+            def body(blk):
+                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
+                state = fmt.iprep(b, wp, off)
+                for x_start, acc, corr in zip(starts, accs, corrs):
+                    env = IEnv(wp, xq, xd, xs32, xs16, b.add(x_start, b.mul(blk, c64(fmt.elems))))
+                    parts, c = fmt.itok(b, state, env)
+                    a = b.load(acc)
+                    for ivec, scale in parts:
+                        a = fma(b, b.sitofp(ivec, V8f), splat(b, scale, V8f), a)
+                    b.store(a, acc)
+                    if c is not None:
+                        b.store(b.fadd(b.load(corr), c), corr)
+
+            _blocks_loop(b, fmt, nb, body, wp, bs)
+            vals = [b.fadd(hsum_f(b, b.load(acc)), b.load(corr)) for acc, corr in zip(accs, corrs)]
+            return _result(context, b, vals, rtype)
+
+        return sig, codegen
+
+    return deq, fdot, idot
+
+
+def xscale(b: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
+    """The activation scale of the block starting at env.xe (one scale per `elems`)."""
+    return b.load(b.gep(env.xd, [b.sdiv(env.xe, c64(elems))]))
+
+
+def xsum(b: ir.IRBuilder, env: IEnv, group: int, k: int = 0) -> ir.Value:
+    """Sum of xq over the k-th `group` (16 or 32) elements from env.xe, as int32."""
+    idx = b.add(b.sdiv(env.xe, c64(group)), c64(k))
+    if group == 32:
+        return b.load(b.gep(env.xs32, [idx]))
+    return b.sext(b.load(b.gep(env.xs16, [idx])), i32)

@@ -1,0 +1,223 @@
+"""clutor.model.kernels against gguf-py's reference dequantisation.
+
+f32 mode and the BLAS path must equal x @ dequantize(W).T up to float32 rounding; q8 mode must stay
+inside the bound stated in the kernels' docstring (rounding each activation block to int8 moves an
+element by at most max|x_b| / 254, so |error_r| <= ||W_r|| * ||x - x_hat||).
+"""
+from __future__ import annotations
+
+import threading
+import zlib
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import quants
+
+from clutor.errors import ClutorError
+from clutor.model import kernels
+
+TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+TYPES_256 = ("Q4_K", "Q5_K", "Q6_K")
+TYPES_FLOAT = ("F16", "BF16", "F32")
+TOKENS = (1, 2, 3, 7, 16, 33)
+ROWS = (1, 3, 17, 255)
+F32_RTOL = 1e-5  # of ||W_r|| * ||x_t||: float32 rounding of a 2048-long dot is far below this
+Q8_BLOCK = {**{t: 32 for t in TYPES_32}, **{t: 256 for t in TYPES_256}}
+
+
+def _cases():
+    for name in TYPES_32 + TYPES_256 + TYPES_FLOAT:
+        cols = (256, 512, 2048) + ((544,) if name in TYPES_32 + ("F16", "BF16") else ())  # 544: 17 blocks, a tail
+        for n_cols in cols:
+            yield name, n_cols
+
+
+@lru_cache(maxsize=None)
+def weight(name: str, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (raw bytes uint8 [n_rows * row_bytes], reference float32 [n_rows, n_cols])."""
+    qt = QT[name]
+    rng = np.random.default_rng(zlib.crc32(f"{name}/{n_rows}/{n_cols}".encode()))
+    if name == "F32":
+        wf = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        return wf.view(np.uint8).reshape(-1), wf
+    if name == "F16":
+        raw = rng.standard_normal((n_rows, n_cols)).astype(np.float16).view(np.uint8).reshape(-1)
+    elif name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
+        wf = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        raw = quants.quantize(wf, qt).reshape(-1)
+    else:
+        # no quantiser in gguf-py: random bytes are valid blocks once the f16 scales are finite
+        block, nbytes = GGML_QUANT_SIZES[qt]
+        blocks = rng.integers(0, 256, size=(n_rows * n_cols // block, nbytes), dtype=np.uint8)
+        f16_at = {"IQ4_NL": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
+        for at in f16_at:
+            d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16)
+            blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(-1)
+    ref = quants.dequantize(raw.reshape(n_rows, -1), qt).astype(np.float32).reshape(n_rows, n_cols)
+    return raw, ref
+
+
+def activations(n_tok: int, n_cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
+    x[:, rng.integers(0, n_cols, size=3)] *= 20.0  # a few outlier channels, as real activations have
+    return x
+
+
+def q8_bound(x: np.ndarray, block: int) -> np.ndarray:
+    """Per token: an upper bound of ||x - x_hat||_2 when each block is rounded to int8."""
+    amax = np.abs(x.reshape(x.shape[0], -1, block)).max(axis=2)  # [T, K/block]
+    return np.sqrt((block * (amax / 254.0) ** 2).sum(axis=1))  # [T]
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    mode, thr = kernels.activation_mode(), kernels.threads()
+    yield
+    kernels.set_activation_mode(mode)
+    kernels.set_threads(thr)
+    kernels.set_blas_min_tokens(None, None)
+
+
+@pytest.mark.parametrize("name,n_cols", list(_cases()))
+def test_matmul_matches_reference(name: str, n_cols: int) -> None:
+    qt = int(QT[name])
+    assert kernels.has_kernel(qt)
+    for n_rows in ROWS:
+        raw, ref = weight(name, n_rows, n_cols)
+        wnorm = np.linalg.norm(ref.astype(np.float64), axis=1)  # [N]
+        for n_tok in TOKENS:
+            x = activations(n_tok, n_cols, seed=n_rows * 100 + n_tok)
+            want = x.astype(np.float64) @ ref.T.astype(np.float64)  # [T, N]
+            scale = np.linalg.norm(x.astype(np.float64), axis=1)[:, None] * wnorm[None, :]  # [T, N]
+            # row kernels (BLAS threshold out of reach), then the dequantise + BLAS path
+            for blas_from in (10**9, 1):
+                kernels.set_blas_min_tokens(blas_from, blas_from)
+                for mode in ("f32", "q8"):
+                    kernels.set_activation_mode(mode)
+                    out = np.full((n_tok, n_rows), np.nan, np.float32)
+                    got = kernels.matmul(raw, qt, n_rows, n_cols, x, out=out)
+                    assert got is out
+                    err = np.abs(got.astype(np.float64) - want)
+                    where = f"{name} N={n_rows} K={n_cols} T={n_tok} mode={mode} blas_from={blas_from}"
+                    q8_used = kernels.activation_mode() == "q8" and name in Q8_BLOCK and blas_from > n_tok
+                    if q8_used:
+                        limit = wnorm[None, :] * q8_bound(x, Q8_BLOCK[name])[:, None] + F32_RTOL * scale
+                        assert (err <= limit).all(), f"{where}: q8 error above bound by {(err / limit).max():.3f}x"
+                        # and it really is the rounded path, not an exact one
+                        assert err.max() > 0, where
+                    else:
+                        assert (err <= F32_RTOL * scale).all(), f"{where}: rel err {(err / scale).max():.2e}"
+
+
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + ("F16", "BF16"))
+def test_dequantize_is_bit_identical(name: str) -> None:
+    raw, ref = weight(name, 17, 512)
+    out = np.empty((17, 512), np.float32)
+    got = kernels.dequantize(raw, int(QT[name]), 17, 512, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + ("F16", "BF16"))
+def test_token_tiles_equal_single_tokens(name: str) -> None:
+    """Tokens go four at a time through the row kernels; each must get what it gets alone."""
+    raw, _ = weight(name, 17, 512)
+    rng = np.random.default_rng(5)
+    x = activations(7, 512, seed=5) * rng.uniform(0.1, 10.0, size=(7, 1)).astype(np.float32)  # scales differ
+    for mode in ("f32", "q8"):
+        kernels.set_activation_mode(mode)
+        together = kernels.matmul(raw, int(QT[name]), 17, 512, x)
+        alone = np.stack([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 1])[0] for t in range(7)])
+        # equal up to the order of a few float additions (Q4_0 / Q5_0 offset terms)
+        np.testing.assert_allclose(together, alone, rtol=0, atol=1e-6 * np.abs(alone).max(), err_msg=f"{name} {mode}")
+
+
+def test_read_only_and_offset_views() -> None:
+    raw, ref = weight("Q4_K", 17, 512)
+    arena = np.zeros(raw.size + 4096 + 7, np.uint8)  # a slot inside a bigger buffer, odd offset
+    view = arena[7 : 7 + raw.size]
+    view[:] = raw
+    view.flags.writeable = False
+    x = activations(2, 512, seed=1)
+    x.flags.writeable = False
+    for mode in ("f32", "q8"):
+        kernels.set_activation_mode(mode)
+        a = kernels.matmul(view, int(QT.Q4_K), 17, 512, x)
+        b = kernels.matmul(raw, int(QT.Q4_K), 17, 512, x)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_one_dimensional_x() -> None:
+    raw, ref = weight("Q8_0", 17, 256)
+    x = activations(1, 256, seed=2)
+    kernels.set_activation_mode("f32")
+    y = kernels.matmul(raw, int(QT.Q8_0), 17, 256, x[0])
+    assert y.shape == (17,)
+    np.testing.assert_allclose(y, (x @ ref.T)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_thread_count_does_not_change_results() -> None:
+    raw, _ = weight("Q6_K", 255, 2048)
+    x = activations(3, 2048, seed=3)
+    for mode in ("f32", "q8"):
+        kernels.set_activation_mode(mode)
+        kernels.set_threads(1)
+        one = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x)
+        kernels.set_threads(2)
+        two = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x)
+        np.testing.assert_array_equal(one, two)
+
+
+def test_concurrent_callers() -> None:
+    """Kernels release the GIL; calls from several threads at once must not interfere."""
+    raw, ref = weight("Q8_0", 255, 2048)
+    xs = [activations(1, 2048, seed=10 + i) for i in range(4)]
+    kernels.set_activation_mode("f32")
+    expect = [kernels.matmul(raw, int(QT.Q8_0), 255, 2048, x) for x in xs]
+    results: dict[int, list[np.ndarray]] = {i: [] for i in range(4)}
+
+    def work(i: int) -> None:
+        out = np.empty((1, 255), np.float32)
+        for _ in range(20):
+            results[i].append(kernels.matmul(raw, int(QT.Q8_0), 255, 2048, xs[i], out=out).copy())
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for i in range(4):
+        assert len(results[i]) == 20
+        for r in results[i]:
+            np.testing.assert_array_equal(r, expect[i])
+
+
+def test_unsupported_and_bad_arguments() -> None:
+    for qt in (QT.Q2_K, QT.Q3_K, QT.IQ4_XS, 99):
+        assert not kernels.has_kernel(int(qt))
+    raw, _ = weight("Q8_0", 3, 256)
+    x = activations(1, 256, seed=4)
+    with pytest.raises(ClutorError, match="Q2_K"):
+        kernels.matmul(raw, int(QT.Q2_K), 3, 256, x)
+    with pytest.raises(ClutorError, match="bytes"):
+        kernels.matmul(raw[:-1], int(QT.Q8_0), 3, 256, x)
+    with pytest.raises(ClutorError, match="multiple of 32"):
+        kernels.matmul(raw, int(QT.Q8_0), 3, 250, x[:, :250].copy())
+    with pytest.raises(ClutorError, match="x must be"):
+        kernels.matmul(raw, int(QT.Q8_0), 3, 256, x.astype(np.float64))
+    with pytest.raises(ClutorError, match="out must be"):
+        kernels.matmul(raw, int(QT.Q8_0), 3, 256, x, out=np.empty((1, 4), np.float32))
+    with pytest.raises(ClutorError, match="q8"):
+        kernels.set_activation_mode("int4")
+
+
+def test_warmup_and_info() -> None:
+    kernels.warmup()
+    info = kernels.info()
+    assert info.threads == kernels.threads() >= 1
+    assert info.activation_mode in ("q8", "f32")
+    assert {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"} <= set(info.types)
