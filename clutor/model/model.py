@@ -18,6 +18,7 @@ from .arch import read_config
 from .config import ModelConfig
 from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
+from . import kernels
 from .quants import matmul
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
@@ -97,6 +98,8 @@ class Model:
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
                 dense = load_dense(f, cfg)
+                # compile (first run on this machine) or load the cached kernels now, not in the first token
+                kernels.warmup()
                 layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
             except BaseException:
                 f.close()
