@@ -126,7 +126,7 @@ def _bench_parser() -> argparse.ArgumentParser:
 def test_cli_arguments_and_bad_input(capsys, tmp_path):
     a = _bench_parser().parse_args(["bench", "m.gguf"])
     assert [b.text for b in a.budgets] == ["10%", "25%", "50%", "100%"]
-    assert a.prefetch == [True, False] and a.policy == ["lru"] and a.cap == "auto"
+    assert a.prefetch == [True, False] and a.policy == ["lrfu"] and a.cap == "auto"
     a = _bench_parser().parse_args(["bench", "m.gguf", "--budgets", "256MiB,25%", "--prefetch", "off",
                                     "--policy", "lru,lfu", "--cap", "3GiB", "--allowance", "1GiB"])
     assert [b.worker_value for b in a.budgets] == [256 << 20, "25%"]

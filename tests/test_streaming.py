@@ -366,7 +366,7 @@ def test_simulator_predicts_the_store_exactly_on_single_token_steps(tmp_path):
     trace_path = tmp_path / "steps.jsonl"
 
     async def go():
-        async with clutor.Model.open(path, io="threads", expert_cache=8 * slot, prefetch=False,
+        async with clutor.Model.open(path, io="threads", expert_cache=8 * slot, prefetch=False, policy="lru",
                                      trace=trace_path) as model:
             seq = model.new_sequence()
             for tok in _prompt(40, seed=11):

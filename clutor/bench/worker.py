@@ -31,13 +31,13 @@ DEFAULTS: dict = {
     "n_ctx": None,           # None: prompt_tokens + tokens + 8
     "expert_cache": None,
     "prefetch": None,
-    "policy": "lru",
+    "policy": "lrfu",
     "io": "auto",
     "direct": True,
 }
 OPEN_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
-_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": "lru", "io": "memory", "direct": True}
+_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": "lrfu", "io": "memory", "direct": True}
 
 
 def to_jsonable(obj):
