@@ -1,0 +1,58 @@
+"""Every weight type the model accepts goes through quants.matmul / Weight and equals gguf-py's
+reference dequantisation followed by a float64 product (fast kernels or the fallback alike)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, quants as ref
+
+from clutor.model.quants import QT, SUPPORTED, Weight, dequantize_rows, matmul, row_bytes, type_name
+
+
+def random_weight(qtype: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid raw bytes of a (n_rows, n_cols) weight: quantised floats where gguf-py can quantise,
+    else random bytes with every f16 scale field made finite."""
+    w = rng.standard_normal((n_rows, n_cols)).astype(np.float32) * 0.5
+    if qtype == QT.F32:
+        return w.view(np.uint8).reshape(-1)
+    if qtype == QT.F16:
+        return w.astype(np.float16).view(np.uint8).reshape(-1)
+    try:
+        return np.ascontiguousarray(ref.quantize(w, QT(qtype))).view(np.uint8).reshape(-1)
+    except (NotImplementedError, ref.QuantError):
+        pass
+    block, nbytes = GGML_QUANT_SIZES[QT(qtype)]
+    raw = rng.integers(0, 256, size=(n_rows * n_cols // block, nbytes), dtype=np.uint8)
+    # K-quants and IQ4_XS keep their f16 super-block scale(s) at known places: overwrite with small
+    # finite values so no NaN/Inf appears.
+    half = np.array([0.01], dtype=np.float16).view(np.uint8)
+    scale_at = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.IQ4_XS: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2),
+                QT.Q6_K: (208,), QT.IQ4_NL: (0,)}
+    for off in scale_at.get(QT(qtype), (0,)):
+        raw[:, off], raw[:, off + 1] = half[0], half[1]
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED), ids=lambda q: type_name(q))
+@pytest.mark.parametrize("T", [1, 5])
+def test_matmul_equals_reference(qtype, T):
+    rng = np.random.default_rng(int(qtype) * 10 + T)
+    n_rows, n_cols = 7, 512
+    raw = random_weight(qtype, n_rows, n_cols, rng)
+    assert raw.nbytes == n_rows * row_bytes(qtype, n_cols)
+    if qtype == QT.BF16:
+        w_ref = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(n_rows, n_cols)
+    else:
+        w_ref = ref.dequantize(raw.reshape(n_rows, -1), QT(qtype)).astype(np.float64)
+    assert np.isfinite(w_ref).all()
+    x = rng.standard_normal((T, n_cols)).astype(np.float32)
+    want = x.astype(np.float64) @ np.asarray(w_ref, np.float64).T  # [T, n_rows]
+    got = matmul(raw, qtype, n_rows, n_cols, x)
+    tol = 1e-4 * np.abs(x).max() * np.abs(w_ref).sum(axis=1).max() + 1e-6
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    # the resident-weight path (embedding lookups and dense layers) agrees too
+    W = Weight("w", raw, qtype, (n_rows, n_cols))
+    np.testing.assert_allclose(W(x), want, rtol=0, atol=tol)
+    np.testing.assert_allclose(W.rows(np.array([3, 0])), np.asarray(w_ref, np.float32)[[3, 0]], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dequantize_rows(raw, qtype, n_cols, np.array([6])), np.asarray(w_ref, np.float32)[[6]],
+                               rtol=1e-6, atol=1e-6)
