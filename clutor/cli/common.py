@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="memory for routed experts: bytes, '4GiB' or '25%%' of the expert bytes "
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off"), default=None,
-                   help="read the next layer's predicted experts while this one computes (default: on)")
+                   help="during decode, read the next layer's predicted experts while this one computes (default: off)")
     g.add_argument("--policy", default="lrfu", choices=("lru", "lfu", "lrfu", "lru2"), help="expert cache replacement policy")
     g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
@@ -51,7 +51,29 @@ def sampling_kwargs(args) -> dict:
 def model_kwargs(args) -> dict:
     prefetch = None if args.prefetch is None else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
-                io=args.io, direct=args.direct, trace=args.trace)
+                io=args.io, direct=args.direct, trace=args.trace, progress=load_progress())
+
+
+def load_progress():
+    """A tqdm bar for loading dense weights, shown on a terminal once the load is big enough to wait for."""
+    if not sys.stderr.isatty():
+        return None
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            if total < (256 << 20):
+                return
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="dense weights",
+                       file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress
 
 
 def print_stats(stats: GenerationStats, file=None) -> None:

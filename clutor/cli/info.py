@@ -19,6 +19,7 @@ def describe(path: str) -> dict:
     """Everything `clutor info` prints, as a dict (also used by tests and other commands)."""
     from ..model.arch import read_config
     from ..model.gguf import GGUFFile
+    from ..model.options import min_budget
     from ..model.quants import type_name
 
     with GGUFFile.open(path) as f:
@@ -42,8 +43,20 @@ def describe(path: str) -> dict:
             "expert_bytes_total": layout.total_bytes,
             "expert_bytes_one": max(per_layer),
             "expert_bytes_per_token_worst": sum(b * cfg.n_expert_used for b in per_layer),
-            "min_expert_cache": max(per_layer) * cfg.n_expert_used,
+            "min_expert_cache": min_budget(layout, cfg.n_expert_used),
+            "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
         }
+
+
+def suggestions(layout, top_k: int, dense: int) -> dict[str, int]:
+    """Budgets worth trying: shares of all experts, and what this machine's default would pick."""
+    from ..model.options import min_budget, resolve_budget
+
+    out = {"minimum": min_budget(layout, top_k)}
+    for share in ("25%", "50%", "100%"):
+        out[share] = resolve_budget(share, layout, top_k, dense)[0]
+    out["default here"] = resolve_budget(None, layout, top_k, dense)[0]
+    return out
 
 
 def _fmt(n: int) -> str:
@@ -76,6 +89,8 @@ def run(args) -> int:
         f"expert bytes    {_fmt(d['expert_bytes_total'])} in all, {_fmt(d['expert_bytes_one'])} per expert",
         f"read per token  {_fmt(d['expert_bytes_per_token_worst'])} at worst (every routed expert a miss)",
         f"minimum cache   {_fmt(d['min_expert_cache'])} (one layer's top-{c['n_expert_used']})",
+        "suggested       " + ", ".join(f"{k}: {_fmt(v)}" for k, v in d["suggested_expert_cache"].items())
+        + "  (--expert-cache; more cache, fewer reads)",
     ]
     print("\n".join(lines))
     return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -59,7 +59,8 @@ class Model:
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
-        self._prefetch = options.prefetch is not False and options.io != "memory"
+        # Off unless asked: on the OLMoE-shaped benchmark (README) it did not beat demand reads alone.
+        self._prefetch = options.prefetch is True and options.io != "memory"
         self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
@@ -70,24 +71,27 @@ class Model:
     @classmethod
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
              prefetch: bool | None = None, policy: str = "lrfu", io: str = "auto", direct: bool = True,
-             trace: str | os.PathLike | None = None) -> AwaitableContext["Model"]:
+             trace: str | os.PathLike | None = None,
+             progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
         n_ctx: context length (default min(model's, 4096)).
         expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
             half of the memory available after the dense weights (capped at what all experts need).
-        prefetch: read the experts predicted for layer l+1 while layer l computes (default: on).
+        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes (default:
+            off; it did not win the OLMoE-shaped benchmark, see the README).
         policy: cache replacement policy (see clutor.io.policies.POLICIES).
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).
         trace: write the routing of every token to this JSONL file (the simulator's format).
+        progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
         """
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
                             direct=direct, trace=os.fspath(trace) if trace is not None else None)
-        return AwaitableContext(lambda: cls._open(os.fspath(path), opts))
+        return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
-    async def _open(cls, path: str, opts: ModelOptions) -> "Model":
+    async def _open(cls, path: str, opts: ModelOptions, progress=None) -> "Model":
         n_ctx = opts.n_ctx
         # Parsing and reading the dense weights are blocking file I/O: keep them off the event loop.
         def load():
@@ -97,7 +101,7 @@ class Model:
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
-                dense = load_dense(f, cfg)
+                dense = load_dense(f, cfg, _progress_of(progress, f))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup()
                 layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
@@ -198,9 +202,11 @@ class Model:
         for i in range(0, len(wanted), self._max_batch):
             chunk = wanted[i : i + self._max_batch]
             get = asyncio.ensure_future(self._experts.get(l, chunk))
-            if i == 0 and self._prefetch and l + 1 < cfg.n_layers:
-                # Let get() pin this layer's experts and submit its misses first, then queue the
-                # experts layer l+1's router would pick from the current hidden state.
+            if i == 0 and self._prefetch and len(x) == 1 and l + 1 < cfg.n_layers:
+                # Decode only: let get() pin this layer's experts and submit its misses first, then
+                # queue the experts layer l+1's router picks from the current hidden state. (In a
+                # prefill nearly every expert is demanded anyway; prefetching there only reordered
+                # reads and measured slower.)
                 await asyncio.sleep(0)
                 self._experts.prefetch(l + 1, self._predict(l + 1, x))
             with await get as batch:
@@ -236,6 +242,21 @@ class Model:
         return generate(self, prompt, **options)
 
 
+def _progress_of(progress, f) -> Callable[[int], None] | None:
+    """Adapt progress(done, total) to load_dense's per-tensor byte counts."""
+    if progress is None:
+        return None
+    total = sum(t.nbytes for name, t in f.tensors.items() if not name.endswith("_exps.weight"))
+    done = 0
+
+    def step(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress(done, total)
+
+    return step
+
+
 def _by_votes(sel: np.ndarray) -> list[int]:
     """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
     so a one-token step asks for its experts exactly in the order the router ranked them."""
@@ -253,5 +274,5 @@ async def _open_experts(layout, cfg: ModelConfig, dense: DenseWeights, opts: Mod
 
     budget, why = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense.nbytes)
     store = await ExpertStore.open(layout, budget, policy=opts.policy, io=opts.io, direct=opts.direct,
-                                   prefetch_slots=0 if opts.prefetch is False else None)
+                                   prefetch_slots=None if opts.prefetch else 0)
     return store, why

@@ -48,12 +48,17 @@ def slot_bytes(layout: ExpertLayout) -> int:
     return worst
 
 
+def min_budget(layout: ExpertLayout, top_k: int) -> int:
+    """One layer's top-k experts: the model pins them all while it computes that layer."""
+    return top_k * slot_bytes(layout)
+
+
 def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, dense_bytes: int) -> tuple[int, str]:
     """Expert-cache bytes and a sentence saying how they were chosen.
 
     The minimum is one layer's top-k experts (the model pins a layer's experts while computing it)."""
     total = layout.n_layers * layout.n_experts * slot_bytes(layout)
-    minimum = top_k * slot_bytes(layout)
+    minimum = min_budget(layout, top_k)
     if spec is None:
         # Half of what is free after the dense weights, never more than all the experts need.
         share = (mem_available() - dense_bytes) // 2
