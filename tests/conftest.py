@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -38,4 +40,24 @@ def run(coro):
 
     result = asyncio.run(wrapper())
     assert not errors, f"event loop logged: {errors}"
+    return result
+
+
+def run_on_loop(make: Callable[[], Awaitable], loop_kind: str = "asyncio"):
+    """Run make() on a fresh asyncio or uvloop loop; fail if the loop logged any exception (including
+    futures whose exception nobody retrieved, which complain when collected)."""
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    logged: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: logged.append(ctx))
+    try:
+        result = loop.run_until_complete(make())
+        gc.collect()
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert not logged, f"event loop logged: {logged}"
     return result

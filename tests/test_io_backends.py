@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import hashlib
 import os
 import random
-from typing import Awaitable, Callable
 
 import numpy as np
 import pytest
+
+from conftest import run_on_loop
 
 from clutor.errors import ClosedError, ClutorError, ClutorIOError
 from clutor.io import backend as backend_mod
@@ -30,23 +30,8 @@ FILE_SIZE = 6 * 1024 * 1024 + 12345  # deliberately not block aligned: the last 
 ALIGN = 4096
 
 
-# -- event loop with a recording exception handler ------------------------------------------------
-def run(make_coro: Callable[[], Awaitable], loop_kind: str = "asyncio"):
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        loop = uvloop.new_event_loop()
-    else:
-        loop = asyncio.new_event_loop()
-    logged: list[dict] = []
-    loop.set_exception_handler(lambda _loop, ctx: logged.append(ctx))
-    try:
-        result = loop.run_until_complete(make_coro())
-        gc.collect()  # futures whose exception nobody retrieved complain when collected
-        loop.run_until_complete(asyncio.sleep(0))
-    finally:
-        loop.close()
-    assert not logged, f"event loop logged: {logged}"
-    return result
+# -- event loop with a recording exception handler: conftest.run_on_loop
+run = run_on_loop
 
 
 # -- files on a filesystem that takes O_DIRECT --------------------------------------------------

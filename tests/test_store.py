@@ -8,13 +8,13 @@ loop logged an exception.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import random
-from typing import Awaitable, Callable
 
 import numpy as np
 import pytest
+
+from conftest import run_on_loop
 
 from clutor.errors import BudgetError, ClosedError, ClutorIOError
 from clutor.io.backend import ReadHandle, ReadState
@@ -29,23 +29,8 @@ SLAB = (5000, 5024, 7008)  # gate, up, down: none a multiple of the block size
 IOS = ("threads", "uring")
 
 
-# -- event loop with a recording exception handler ------------------------------------------------
-def run(make: Callable[[], Awaitable], loop_kind: str = "asyncio"):
-    if loop_kind == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        loop = uvloop.new_event_loop()
-    else:
-        loop = asyncio.new_event_loop()
-    logged: list[dict] = []
-    loop.set_exception_handler(lambda _loop, ctx: logged.append(ctx))
-    try:
-        result = loop.run_until_complete(make())
-        gc.collect()  # futures whose exception nobody retrieved complain when collected
-        loop.run_until_complete(asyncio.sleep(0))
-    finally:
-        loop.close()
-    assert not logged, f"event loop logged: {logged}"
-    return result
+# -- event loop with a recording exception handler: conftest.run_on_loop
+run = run_on_loop
 
 
 # -- a split model's expert tensors over two files, slabs at 32-byte but not block-aligned offsets --

@@ -7,7 +7,6 @@ Ctrl-C. Buffered rows start from an empty page cache when run as root.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -214,21 +213,10 @@ def _print_table(rows: list[dict], notes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="clutor bench-io", formatter_class=_Formatter, description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        try:
-            import uvloop  # the `clutor` command runs on uvloop where installed; measure the same
-        except ImportError:
-            return asyncio.run(run(args))
-        return uvloop.run(run(args))
-    except ClutorError as e:
-        print(f"clutor: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        return 130
+    """`python -m clutor.cli.bench_io` = `clutor bench-io`."""
+    from . import main as clutor_main
+
+    return clutor_main(["bench-io", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

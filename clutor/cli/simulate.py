@@ -143,16 +143,10 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="clutor simulate", formatter_class=_Formatter, description=DESCRIPTION, epilog=EPILOG)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except ClutorError as e:
-        print(f"clutor simulate: error: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        return 0
+    """`python -m clutor.cli.simulate` = `clutor simulate`."""
+    from . import main as clutor_main
+
+    return clutor_main(["simulate", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
