@@ -2,10 +2,11 @@
 
     python -m clutor.bench.worker MODEL --json-args '{"expert_cache": "25%", "prefetch": true, ...}'
 
-Opens the model with the given options, runs a 1-token warm-up on a different short prompt (JIT
-compilation, first allocations; excluded from the figures), then the measured greedy generation of
-``tokens`` tokens from the ``prompt_tokens``-token benchmark prompt with EOS ignored, and prints one
-JSON line (see ``run``). The warm-up uses other token ids so it does not pre-load the prompt's experts.
+Opens the model with the given options, runs a 1-token warm-up from a different prompt of the same
+length (first allocations, first page touches of a mapped model, a cache in steady state; excluded
+from the figures), then the measured greedy generation of ``tokens`` tokens from the
+``prompt_tokens``-token benchmark prompt with EOS ignored, and prints one JSON line (see ``run``).
+The warm-up uses other token ids so it does not pre-load exactly the prompt's experts.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ async def _run(path: str, opts: dict) -> dict:
         ids = bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"])
         t_warm = 0.0
         if opts["warmup"]:
-            warm = bench_prompt(model.tokenizer, min(4, opts["prompt_tokens"]), opts["seed"] + 1)
+            warm = bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 1)
             t1 = time.perf_counter()
             await _generate(model, warm, 1)
             t_warm = time.perf_counter() - t1
