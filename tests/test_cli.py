@@ -69,3 +69,15 @@ def test_bad_file_is_a_message_not_a_traceback(capsys, tmp_path, content):
 def test_missing_file(capsys, tmp_path):
     assert main(["info", str(tmp_path / "nope.gguf")]) == 1
     assert "nope.gguf" in capsys.readouterr().err
+
+
+def test_chat_keeps_going_when_the_conversation_outgrows_the_context(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    turns = "".join(f"Tell me more about topic number {i}, please.\n" for i in range(6))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(turns + "x " * 400 + "\n/exit\n"))
+    rc = main(["chat", str(fixture_path("qwen3moe", "Q8_0")), "-n", "24", "--temperature", "0", "--ignore-eos",
+               "--n-ctx", "96"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("generated") == 6  # every turn answered: old turns dropped to make room
+    assert "does not fit" in err  # the over-long message is refused, the chat goes on to /exit

@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..errors import ClutorError
 from .common import Formatter, add_model_args, add_sampling_args, model_kwargs, print_stats, sampling_kwargs
 
 PROMPT = "> "
@@ -66,15 +67,17 @@ def _read_line() -> str | None:
             print("^C", file=sys.stderr)
 
 
-async def _reply(model, prompt: str, args, out) -> tuple[str, object]:
+async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
     """Stream one assistant reply; Ctrl-C (SIGINT) cancels it and keeps what was said so far."""
     loop = asyncio.get_running_loop()
     parts: list[str] = []
     stats = None
+    options = sampling_kwargs(args)
+    options["max_tokens"] = min(options["max_tokens"], model.n_ctx - len(ids))  # the rest of the context
 
     async def stream():
         nonlocal stats
-        async for chunk in model.generate(prompt, special=True, **sampling_kwargs(args)):
+        async for chunk in model.generate(ids, **options):
             if chunk.text:
                 parts.append(chunk.text)
                 out.write(chunk.text)
@@ -103,8 +106,25 @@ async def _reply(model, prompt: str, args, out) -> tuple[str, object]:
     return "".join(parts), stats
 
 
-async def run(args) -> int:
+def _fit(model, messages: list[dict], bos: str, eos: str) -> list[int] | None:
+    """Token ids of the conversation with room for a reply: the oldest turns (never the system message
+    or the newest user turn) are dropped from `messages` until it fits; None if even that is too long."""
     from ..model.chat import render_chat
+
+    tok = model.tokenizer
+    room = max(16, model.n_ctx // 8)  # tokens kept free for the reply
+    while True:
+        prompt = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos)
+        ids = tok.encode(prompt, special=True)
+        if len(ids) + room <= model.n_ctx:
+            return ids
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        if len(messages) - first <= 1:
+            return None
+        del messages[first]
+
+
+async def run(args) -> int:
     from ..model.model import Model
 
     save_history = _setup_readline()
@@ -123,8 +143,18 @@ async def run(args) -> int:
                 if not line.strip():
                     continue
                 messages.append({"role": "user", "content": line})
-                prompt = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos)
-                reply, stats = await _reply(model, prompt, args, sys.stdout)
+                ids = _fit(model, messages, bos, eos)
+                if ids is None:
+                    messages.pop()
+                    print(f"clutor: that message does not fit the {model.n_ctx}-token context (--n-ctx)",
+                          file=sys.stderr)
+                    continue
+                try:
+                    reply, stats = await _reply(model, ids, args, sys.stdout)
+                except ClutorError as e:  # one bad turn must not end the conversation
+                    messages.pop()
+                    print(f"clutor: error: {e}", file=sys.stderr)
+                    continue
                 messages.append({"role": "assistant", "content": reply})
                 if stats is not None and not args.no_stats:
                     print_stats(stats)
