@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from .errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ModelFileError, UnsupportedError
-from .model.generate import GenerationChunk, GenerationStats
+from .model.generate import GenerationChunk, GenerationStats, IOReport
 from .model.model import Model
 from .model.sampling import SamplingParams
 from .model.tokenizer import Tokenizer
@@ -19,6 +19,7 @@ __all__ = [
     "Tokenizer",
     "GenerationChunk",
     "GenerationStats",
+    "IOReport",
     "SamplingParams",
     "ClutorError",
     "ModelFileError",

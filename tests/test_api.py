@@ -1,0 +1,13 @@
+"""The public surface is exactly clutor.__all__; everything else is implementation."""
+import clutor
+
+
+def test_public_api_is_pinned():
+    assert sorted(clutor.__all__) == sorted([
+        "Model", "Tokenizer", "GenerationChunk", "GenerationStats", "IOReport", "SamplingParams",
+        "ClutorError", "ModelFileError", "UnsupportedError", "ClutorIOError", "BudgetError", "ClosedError",
+    ])
+    for name in clutor.__all__:
+        assert getattr(clutor, name) is not None
+    for err in ("ModelFileError", "UnsupportedError", "ClutorIOError", "BudgetError", "ClosedError"):
+        assert issubclass(getattr(clutor, err), clutor.ClutorError)
