@@ -121,3 +121,18 @@ def test_generate_options_and_stop():
         stext = "".join(o.text for o in stopped)
         assert stop not in stext and text.startswith(stext)
         assert stopped[-1].stats.stop_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"policy": "bogus"}, "policy must be one of"),
+    ({"trace": "/nonexistent-dir/trace.jsonl"}, "cannot write the routing trace"),
+    ({"n_ctx": 10**9}, "n_ctx must be between"),
+    ({"expert_cache": "lots"}, "expert_cache"),
+])
+def test_bad_options_are_clear_errors(kwargs, words):
+    async def go():
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), **kwargs):
+            pass
+
+    with pytest.raises(clutor.ClutorError, match=words):
+        run(go())

@@ -20,6 +20,7 @@ from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from . import kernels
 from .quants import matmul
+from ..io.policies import POLICIES
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
@@ -92,8 +93,8 @@ class Model:
 
     @classmethod
     async def _open(cls, path: str, opts: ModelOptions, progress=None) -> "Model":
-        n_ctx = opts.n_ctx
         # Parsing and reading the dense weights are blocking file I/O: keep them off the event loop.
+        # Everything that can be refused (file, context, budget) is checked before the dense read.
         def load():
             f = GGUFFile.open(path)
             try:
@@ -101,30 +102,48 @@ class Model:
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
+                layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+                ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)
+                if not 1 <= ctx <= cfg.n_ctx_train:
+                    raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
+                budget = None
+                if opts.io != "memory":
+                    dense_bytes = sum(t.nbytes for n, t in f.tensors.items() if not n.endswith("_exps.weight"))
+                    budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes)
                 dense = load_dense(f, cfg, _progress_of(progress, f))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup()
-                layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
             except BaseException:
                 f.close()
                 raise
-            return f, cfg, tok, dense, layout
+            return f, cfg, tok, dense, layout, ctx, budget
 
-        f, cfg, tok, dense, layout = await asyncio.to_thread(load)
-        ctx = min(cfg.n_ctx_train, 4096) if n_ctx is None else int(n_ctx)
-        if not 1 <= ctx <= cfg.n_ctx_train:
-            f.close()
-            raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
+        if opts.io != "memory" and opts.policy not in POLICIES:
+            raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {opts.policy!r}")
+        f, cfg, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
+        experts: ExpertSource | None = None
         try:
-            experts, why = await _open_experts(layout, cfg, dense, opts)
+            if budget is None:
+                experts, why = InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
+            else:
+                from ..io.store import ExpertStore
+
+                experts = await ExpertStore.open(layout, budget[0], policy=opts.policy, io=opts.io,
+                                                 direct=opts.direct, prefetch_slots=None if opts.prefetch else 0)
+                why = budget[1]
+            trace = None
+            if opts.trace:
+                # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
+                slot = getattr(experts, "slot_bytes", layout.max_expert_bytes)
+                try:
+                    trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot))
+                except OSError as e:
+                    raise ClutorError(f"{opts.trace}: cannot write the routing trace: {e.strerror}") from None
         except BaseException:
+            if experts is not None:
+                await experts.aclose()
             f.close()
             raise
-        trace = None
-        if opts.trace:
-            # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
-            slot = getattr(experts, "slot_bytes", layout.max_expert_bytes)
-            trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot))
         return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
 
     async def aclose(self) -> None:
@@ -264,15 +283,3 @@ def _by_votes(sel: np.ndarray) -> list[int]:
     ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.lexsort((first, -counts))  # by count descending, then first appearance
     return ids[order].tolist()
-
-
-async def _open_experts(layout, cfg: ModelConfig, dense: DenseWeights, opts: ModelOptions) -> tuple[ExpertSource, str]:
-    """The expert source the options ask for, and a sentence saying how its memory was chosen."""
-    if opts.io == "memory":
-        return InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
-    from ..io.store import ExpertStore
-
-    budget, why = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense.nbytes)
-    store = await ExpertStore.open(layout, budget, policy=opts.policy, io=opts.io, direct=opts.direct,
-                                   prefetch_slots=None if opts.prefetch else 0)
-    return store, why
