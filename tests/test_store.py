@@ -569,3 +569,43 @@ def test_open_as_context_manager_and_closed_errors(model):
         with pytest.raises(ClosedError):
             await store.get(0, [0])
     run(main)
+
+
+def test_get_each_yields_cached_first_exact_bytes_and_releases(model, io):
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        bad = model.layout.slabs(2, 6)[2]
+
+        def fail(req):
+            aligned = bad.offset - bad.offset % 4096
+            return "injected EIO" if req.offset == aligned and made[0].paths[req.file] == bad.path else None
+
+        async with ExpertStore.open(model.layout, 12 * sb, backend=probe_factory(io, made, fail=fail)) as store:
+            with await store.get(1, [5]):
+                pass
+            got = [v.expert async for v in _checked(store.get_each(1, [3, 5, 3, 0]), model)]
+            assert got[0] == 5 and sorted(got) == [0, 3, 5]  # the cached one first, each distinct once
+            st = store.stats()
+            assert (st.accesses, st.hits, st.misses) == (4, 1, 3)
+            # leaving early releases every pin, reads in flight included
+            each = store.get_each(1, [1, 2])
+            first = await each.__anext__()
+            assert model.matches(first)
+            await each.aclose()
+            # a failing read ends the iteration with its error; the store stays usable
+            with pytest.raises(ClutorIOError):
+                async for v in store.get_each(2, [6, 1]):
+                    assert model.matches(v)
+            await settle(store, made[0])
+            assert_consistent(store, model)
+            with await store.get(2, [1]) as batch:
+                assert model.matches(batch[0])
+            assert_stats_add_up(store.stats())
+    run(main)
+
+
+async def _checked(each, model):
+    async for view in each:
+        assert model.matches(view)
+        yield view

@@ -32,7 +32,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Generator, Sequence
 
 from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError
 from ..units import format_bytes
@@ -267,6 +267,52 @@ class ExpertStore:
     # -- ExpertSource ----------------------------------------------------------------------------
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """The experts' bytes as views into the arena, pinned until ``batch.release()``."""
+        views, wait, release = await self._begin(layer, experts)
+        if wait:
+            t0 = time.perf_counter()
+            try:
+                for load in wait:
+                    await asyncio.shield(load.done)  # never cancels the read; raises its error
+            except BaseException:
+                release()
+                raise
+            finally:
+                self._c.wait_seconds += time.perf_counter() - t0
+        return ExpertBatch([views[int(e)] for e in experts], release)
+
+    async def get_each(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertView]:
+        """Like get() (reserved and submitted as one batch), but each distinct expert is yielded as soon
+        as its bytes are there, cached ones first, so the caller computes while the rest is read.
+        Views stay valid until the iteration ends or the generator is closed; then all are released."""
+        views, wait, release = await self._begin(layer, experts)
+        pending: dict[asyncio.Future, tuple[int, int]] = {}
+        try:
+            waiting = {load.key for load in wait}
+            for e, view in views.items():
+                if (layer, e) not in waiting:
+                    yield view
+            pending.update((asyncio.shield(load.done), load.key) for load in wait)  # shield: never cancel a read
+            while pending:
+                t0 = time.perf_counter()
+                try:
+                    finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._c.wait_seconds += time.perf_counter() - t0
+                for fut in finished:
+                    key = pending.pop(fut)
+                    fut.result()  # the read's error, if any
+                    yield views[key[1]]
+        finally:
+            for fut in pending:
+                if not fut.done():
+                    fut.cancel()  # cancels only our shield wrapper; the read itself goes on
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: a second failed read is not logged as unhandled
+            release()
+
+    async def _begin(self, layer: int, experts: Sequence[int]):
+        """Reserve slots for the experts (hits pinned, misses placed) and submit the misses as one batch.
+        Returns ({expert: view}, loads to wait for, release callback)."""
         self._check_open()
         keys = self._keys(layer, experts)
         if len(keys) > self.n_slots + self.n_spare:
@@ -344,18 +390,8 @@ class ExpertStore:
         if submit:
             self._submit(submit, demand=True)
         # Views now, while the arena is surely open; the caller sees them only once the reads are in.
-        views = [self._view(layer, key[1], where[key]) for key in ((layer, int(e)) for e in experts)]
-        if wait:
-            t0 = time.perf_counter()
-            try:
-                for load in wait:
-                    await asyncio.shield(load.done)  # never cancels the read; raises its error
-            except BaseException:
-                release()
-                raise
-            finally:
-                c.wait_seconds += time.perf_counter() - t0
-        return ExpertBatch(views, release)
+        views = {int(e): self._view(layer, int(e), where[(layer, int(e))]) for e in experts}
+        return views, wait, release
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading experts expected soon into staged slots. Never blocks; see the module doc for

@@ -218,23 +218,36 @@ class Model:
         wanted = _by_votes(sel)  # each expert read once per layer per batch
         out = np.zeros_like(h)  # [T, D]
         et = lw.experts
+        def expert_out(view) -> tuple[np.ndarray, np.ndarray]:
+            rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
+            xe = h[rows]  # [n, D]
+            a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
+            return rows, w[rows, slots, None] * matmul(view.down, et.down, D, F, a)  # [n], [n, D]
+
         for i in range(0, len(wanted), self._max_batch):
             chunk = wanted[i : i + self._max_batch]
-            get = asyncio.ensure_future(self._experts.get(l, chunk))
-            if i == 0 and self._prefetch and len(x) == 1 and l + 1 < cfg.n_layers:
-                # Decode only: let get() pin this layer's experts and submit its misses first, then
-                # queue the experts layer l+1's router picks from the current hidden state. (In a
-                # prefill nearly every expert is demanded anyway; prefetching there only reordered
-                # reads and measured slower.)
-                await asyncio.sleep(0)
-                self._experts.prefetch(l + 1, self._predict(l + 1, x))
-            with await get as batch:
-                for view in batch:
-                    rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
-                    xe = h[rows]  # [n, D]
-                    a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
-                    y = matmul(view.down, et.down, D, F, a)  # [n, D]
-                    out[rows] += w[rows, slots, None] * y
+            # Reserved and submitted as one batch, but each expert is computed as soon as its bytes are
+            # there while the others are still read; the sums are taken afterwards in a fixed order, so
+            # the result never depends on which read finished first.
+            each = self._experts.get_each(l, chunk)
+            ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            try:
+                async for view in each:
+                    if not ys and i == 0 and self._prefetch and len(x) == 1 and l + 1 < cfg.n_layers:
+                        # Decode only: this layer's experts are pinned and its misses submitted; now
+                        # queue the experts layer l+1's router picks from the current hidden state.
+                        # (In a prefill nearly every expert is demanded anyway; it measured slower.)
+                        self._experts.prefetch(l + 1, self._predict(l + 1, x))
+                    ys[view.expert] = expert_out(view)
+            finally:
+                await each.aclose()
+            # Yield once: another sequence waiting for the slots just released gets its turn before
+            # this one reserves again (without it, a sequence whose next layer is all hits never
+            # suspends and can starve the other).
+            await asyncio.sleep(0)
+            for e in chunk:
+                rows, y = ys[e]
+                out[rows] += y
         if cfg.n_ff_shexp:
             g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [T]
             s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [T, D]

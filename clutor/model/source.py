@@ -6,7 +6,7 @@ the in-memory source below both implement it, so the model never knows where exp
 from __future__ import annotations
 
 import mmap
-from typing import Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -19,6 +19,7 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 @runtime_checkable
 class ExpertSource(Protocol):
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
+    def get_each(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertView]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
     async def aclose(self) -> None: ...
 
@@ -45,6 +46,10 @@ class InMemoryExperts:
             g, u, d = self.layout.slabs(layer, int(e))
             views.append(ExpertView(layer, int(e), self._slab(g), self._slab(u), self._slab(d)))
         return ExpertBatch(views)
+
+    async def get_each(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertView]:
+        for view in await self.get(layer, list(dict.fromkeys(int(e) for e in experts))):
+            yield view
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
