@@ -136,6 +136,11 @@ def _geometry(layout: ExpertLayout, align: int) -> _Geometry:
     return _Geometry(align, tuple(region), start, sum(region))
 
 
+def slot_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> int:
+    """Arena bytes one expert slot takes for this layout: what a budget is divided by."""
+    return _geometry(layout, align).slot_bytes
+
+
 class _Load:
     """One expert being read into a slot (or a spare): 3 reads, one future for whoever waits."""
 

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 from ..errors import BudgetError, ClutorError
 from ..io.layout import ExpertLayout
+from ..io.store import slot_bytes  # the store owns slot geometry; budgets are counted in its slots
 from ..units import format_bytes, parse_bytes
 
 __all__ = ["ModelOptions", "resolve_budget", "mem_available"]
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
-ALIGN = 4096  # O_DIRECT widening of each slab (offset down, end up): the slot size must allow it
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,6 @@ def mem_available() -> int:
     except OSError:
         pass
     return 4 << 30
-
-
-def slot_bytes(layout: ExpertLayout) -> int:
-    """Arena bytes one expert needs: each slab widened to O_DIRECT alignment."""
-    worst = 0
-    for l in range(layout.n_layers):
-        worst = max(worst, sum(-(-t.slab_bytes // ALIGN) * ALIGN + ALIGN for t in layout.layers[l]))
-    return worst
 
 
 def min_budget(layout: ExpertLayout, top_k: int) -> int:
