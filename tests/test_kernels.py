@@ -124,16 +124,50 @@ def test_dequantize_is_bit_identical(name: str) -> None:
 
 @pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + ("F16", "BF16"))
 def test_token_tiles_equal_single_tokens(name: str) -> None:
-    """Tokens go four at a time through the row kernels; each must get what it gets alone."""
+    """Tokens share tiles (8/4/2 in f32 mode, 4 in q8 mode); each must get what it gets alone, up to
+    the order of float additions. In f32 mode tiles of 2 or more tokens sum in one order, so a
+    token's result is bit-identical whichever multi-token tile it landed in."""
     raw, _ = weight(name, 17, 512)
     rng = np.random.default_rng(5)
-    x = activations(7, 512, seed=5) * rng.uniform(0.1, 10.0, size=(7, 1)).astype(np.float32)  # scales differ
+    x = activations(15, 512, seed=5) * rng.uniform(0.1, 10.0, size=(15, 1)).astype(np.float32)  # scales differ
     for mode in ("f32", "q8"):
         kernels.set_activation_mode(mode)
-        together = kernels.matmul(raw, int(QT[name]), 17, 512, x)
-        alone = np.stack([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 1])[0] for t in range(7)])
+        together = kernels.matmul(raw, int(QT[name]), 17, 512, x)  # tiles 8 + 4 + 2 + 1
+        alone = np.stack([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 1])[0] for t in range(15)])
         # equal up to the order of a few float additions (Q4_0 / Q5_0 offset terms)
         np.testing.assert_allclose(together, alone, rtol=0, atol=1e-6 * np.abs(alone).max(), err_msg=f"{name} {mode}")
+        if mode == "f32":
+            pairs = np.concatenate([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 2]) for t in range(0, 14, 2)])
+            np.testing.assert_array_equal(together[:14], pairs, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
+    """matmul_jobs: experts on their own rows of x, q/k/v side by side; mixed types, a job big
+    enough for the BLAS path, an empty job. Each block of out equals matmul of that job alone."""
+    kernels.set_activation_mode(mode)
+    kernels.set_blas_min_tokens(12, 12)
+    specs = [("Q8_0", 33, 0, 5), ("Q4_K", 17, 5, 1), ("Q6_K", 64, 6, 13), ("F16", 3, 19, 2), ("Q5_0", 255, 21, 0),
+             ("F32", 7, 21, 3)]
+    n_cols = 512
+    x = activations(24, n_cols, seed=9)  # [S, K]
+    jobs, col = [], 0
+    for name, n_rows, t0, n_tok in specs:
+        raw, _ = weight(name, n_rows, n_cols)
+        jobs.append(kernels.Job(raw, int(QT[name]), n_rows, t0, n_tok, col))
+        col += n_rows
+    out = np.full((24, col), np.nan, np.float32)
+    assert kernels.matmul_jobs(jobs, n_cols, x, out) is out
+    for j in jobs:
+        alone = kernels.matmul(j.w, j.qtype, j.n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok])
+        np.testing.assert_array_equal(out[j.t0 : j.t0 + j.n_tok, j.col : j.col + j.n_rows], alone)
+    assert np.isnan(out[21:24, sum(s[1] for s in specs[:4]) : sum(s[1] for s in specs[:5])]).all()  # empty job: untouched
+    with pytest.raises(ClutorError, match="outside"):
+        kernels.matmul_jobs([kernels.Job(jobs[0].w, jobs[0].qtype, 33, 20, 5, 0)], n_cols, x, out)
+    with pytest.raises(ClutorError, match="outside"):
+        kernels.matmul_jobs([kernels.Job(jobs[0].w, jobs[0].qtype, 33, 0, 5, col - 10)], n_cols, x, out)
+    with pytest.raises(ClutorError, match="bytes"):
+        kernels.matmul_jobs([kernels.Job(jobs[0].w[:-1], jobs[0].qtype, 33, 0, 5, 0)], n_cols, x, out)
 
 
 def test_read_only_and_offset_views() -> None:

@@ -56,3 +56,21 @@ def test_matmul_equals_reference(qtype, T):
     np.testing.assert_allclose(W.rows(np.array([3, 0])), np.asarray(w_ref, np.float32)[[3, 0]], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dequantize_rows(raw, qtype, n_cols, np.array([6])), np.asarray(w_ref, np.float32)[[6]],
                                rtol=1e-6, atol=1e-6)
+
+
+def test_matmul_jobs_with_types_without_kernels():
+    """quants.matmul_jobs: a layer mixing a type with a kernel and one without (Q2_K) takes the
+    one-product-at-a-time path and gives each job's own matmul."""
+    from clutor.model.kernels import Job
+    from clutor.model.quants import matmul_jobs
+
+    rng = np.random.default_rng(7)
+    n_cols = 256
+    specs = [(QT.Q2_K, 5, 0, 3, 0), (QT.Q8_0, 9, 3, 4, 5), (QT.IQ4_XS, 4, 0, 7, 14)]
+    jobs = [Job(random_weight(q, n, n_cols, rng), int(q), n, t0, nt, col) for q, n, t0, nt, col in specs]
+    x = rng.standard_normal((7, n_cols)).astype(np.float32)
+    out = np.full((7, 18), np.nan, np.float32)
+    assert matmul_jobs(jobs, n_cols, x, out) is out
+    for j in jobs:
+        np.testing.assert_array_equal(out[j.t0 : j.t0 + j.n_tok, j.col : j.col + j.n_rows],
+                                      matmul(j.w, j.qtype, j.n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok]))

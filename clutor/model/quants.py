@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _ref
 
-__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "Weight"]
+__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight"]
 
 SUPPORTED = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -60,6 +60,19 @@ def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray)
         return kernels.matmul(raw, qtype, n_rows, n_cols, x)
     w = dequantize(raw, qtype, (n_rows, n_cols))  # [N, K]
     return x @ w.T
+
+
+def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Several products sharing x [S, n_cols] and out [S, M] (see kernels.matmul_jobs and its Job):
+    one kernel launch when every type has a kernel, else one product at a time."""
+    from . import kernels
+
+    if all(kernels.has_kernel(j.qtype) for j in jobs):
+        return kernels.matmul_jobs(jobs, n_cols, x, out)
+    for j in jobs:
+        rows = slice(j.t0, j.t0 + j.n_tok)
+        out[rows, j.col : j.col + j.n_rows] = matmul(j.w, j.qtype, j.n_rows, n_cols, x[rows])
+    return out
 
 
 @dataclass(eq=False)

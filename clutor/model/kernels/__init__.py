@@ -35,6 +35,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Sequence
 
 import numba
 import numpy as np
@@ -42,7 +43,7 @@ import numpy as np
 from ...errors import ClutorError
 
 __all__ = [
-    "has_kernel", "matmul", "warmup", "dequantize",
+    "has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize",
     "set_activation_mode", "activation_mode", "set_threads", "threads", "set_blas_min_tokens",
     "info", "KernelInfo",
 ]
@@ -318,7 +319,57 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
         xq, xd, xs32, xs16 = _act_buffers(n_tok, n_cols, block)
         _launch(_drv.matmul_q8, w, qtype, rb, n_rows, n_cols, x2, block, xq, xd, xs32, xs16, out2)
     else:
-        _launch(_drv.matmul_f32, w, qtype, rb, n_rows, n_cols, x2, out2)
+        _launch(_drv.matmul_f32, w.ctypes.data, qtype, rb, n_rows, n_cols, x2, out2)
+    return out
+
+
+class Job(NamedTuple):
+    """One product of a matmul_jobs call: rows t0 .. t0+n_tok of x times W.T into out's rows
+    t0 .. t0+n_tok, columns col .. col+n_rows."""
+    w: np.ndarray   # uint8 [n_rows * row_bytes]
+    qtype: int
+    n_rows: int
+    t0: int
+    n_tok: int
+    col: int = 0
+
+
+def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Several products sharing x [S, n_cols] and out [S, M] (C-contiguous float32), e.g. a layer's
+    experts (each on its own rows of x) or q/k/v (same rows, side by side in out).
+
+    Each (row, token) result equals what matmul() gives for that job alone. Where the float row
+    kernels apply, all jobs run in ONE parallel launch: waking the worker threads costs ~0.1 ms per
+    launch on a 2-core VM, as much as a 2 MB expert's product itself. Returns out."""
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not x.flags.c_contiguous:
+        raise ClutorError(f"kernels: x must be C-contiguous float32 [S, {n_cols}], got {x.dtype} {x.shape}")
+    if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous or out.shape[0] != x.shape[0]:
+        raise ClutorError(f"kernels: out must be C-contiguous float32 [{x.shape[0]}, M], got {out.dtype} {out.shape}")
+    if not x.flags.writeable:  # a read-only x would make numba compile a second variant
+        xc = _scratch("xcopy", x.size, np.float32).reshape(x.shape)
+        xc[...] = x
+        x = xc
+    batched: list[tuple[int, int, int, int, int, int, int]] = []
+    work = 0
+    q8 = _mode == "q8" and _ir.HAVE_INT8_SIMD
+    for j in jobs:
+        qtype, n_rows = int(j.qtype), int(j.n_rows)
+        rb = _check(j.w, qtype, n_rows, n_cols)
+        if j.t0 < 0 or j.n_tok < 0 or j.t0 + j.n_tok > x.shape[0] or j.col < 0 or j.col + n_rows > out.shape[1]:
+            raise ClutorError(f"kernels: job rows {j.t0}+{j.n_tok} / columns {j.col}+{n_rows} outside "
+                              f"x {x.shape} / out {out.shape}")
+        if j.n_tok == 0:
+            continue
+        if qtype == F32 or (q8 and qtype in _Q8_BLOCK) or j.n_tok >= _BLAS_MIN_T_F32:
+            y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok])  # [n_tok, n_rows]
+            out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
+            continue
+        batched.append((j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col))
+        work += j.w.size * j.n_tok
+    if batched:
+        ws, qts, rbs, nrs, t0s, nts, cols = (np.array(c, dtype=np.int64) for c in zip(*batched))
+        _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _threads)
+        _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
     return out
 
 
@@ -348,6 +399,9 @@ def warmup() -> None:
     xq, xd, xs32, xs16 = _act_buffers(1, n_cols, 32)
     for ww in (w, ro):
         _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
-        _launch(_drv.matmul_f32, ww, Q8_0, w.size, 1, n_cols, x, out)
+        _launch(_drv.matmul_f32, ww.ctypes.data, Q8_0, w.size, 1, n_cols, x, out)
         if _drv.matmul_q8 is not None:
             _launch(_drv.matmul_q8, ww, Q8_0, w.size, 1, n_cols, x, 32, xq, xd, xs32, xs16, out)
+    one = np.ones(1, np.int64)
+    _launch(_drv.matmul_jobs_f32, one * w.ctypes.data, one * Q8_0, one * w.size, one, n_cols, x, one * 0, one,
+            out, one * 0)
