@@ -571,7 +571,7 @@ def test_open_as_context_manager_and_closed_errors(model):
     run(main)
 
 
-def test_get_each_yields_cached_first_exact_bytes_and_releases(model, io):
+def test_get_ready_yields_cached_first_exact_bytes_and_releases(model, io):
     async def main():
         sb = await slot_bytes(model)
         made: list[Probe] = []
@@ -584,19 +584,25 @@ def test_get_each_yields_cached_first_exact_bytes_and_releases(model, io):
         async with ExpertStore.open(model.layout, 12 * sb, backend=probe_factory(io, made, fail=fail)) as store:
             with await store.get(1, [5]):
                 pass
-            got = [v.expert async for v in _checked(store.get_each(1, [3, 5, 3, 0]), model)]
-            assert got[0] == 5 and sorted(got) == [0, 3, 5]  # the cached one first, each distinct once
+            groups = [[v.expert for v in g] async for g in _checked(store.get_ready(1, [3, 5, 3, 0]), model)]
+            assert groups[0] == [5]  # the cached one first, alone: the others are still being read
+            got = [e for g in groups for e in g]
+            assert sorted(got) == [0, 3, 5]  # each distinct expert once
+            assert all(g == [e for e in (3, 0) if e in g] for g in groups[1:])  # request order within a group
             st = store.stats()
             assert (st.accesses, st.hits, st.misses) == (4, 1, 3)
+            # all cached: one group, in request order
+            groups = [[v.expert for v in g] async for g in _checked(store.get_ready(1, [0, 5, 3]), model)]
+            assert groups == [[0, 5, 3]]
             # leaving early releases every pin, reads in flight included
-            each = store.get_each(1, [1, 2])
+            each = store.get_ready(1, [1, 2])
             first = await each.__anext__()
-            assert model.matches(first)
+            assert first and all(model.matches(v) for v in first)
             await each.aclose()
             # a failing read ends the iteration with its error; the store stays usable
             with pytest.raises(ClutorIOError):
-                async for v in store.get_each(2, [6, 1]):
-                    assert model.matches(v)
+                async for g in store.get_ready(2, [6, 1]):
+                    assert all(model.matches(v) for v in g)
             await settle(store, made[0])
             assert_consistent(store, model)
             with await store.get(2, [1]) as batch:
@@ -605,7 +611,7 @@ def test_get_each_yields_cached_first_exact_bytes_and_releases(model, io):
     run(main)
 
 
-async def _checked(each, model):
-    async for view in each:
-        assert model.matches(view)
-        yield view
+async def _checked(groups, model):
+    async for group in groups:
+        assert group and all(model.matches(view) for view in group)
+        yield group

@@ -257,7 +257,7 @@ def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
 
 def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress) -> list[dict]:
     """One uncapped Clutor run per (budget, prefetch, policy)."""
-    from ..bench.runner import cache_bytes_for, run_worker
+    from ..bench.runner import cache_bytes_for, preload, run_worker
 
     sweep: list[dict] = []
     for budget, prefetch, policy in combos:
@@ -266,6 +266,11 @@ def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress) ->
             cache = None if args.io == "memory" else cache_bytes_for(args.model, desc, budget)
         except ClutorError:
             cache = None  # the worker will say why
+        if args.io == "memory" and not args.drop_caches:
+            # The same warm page cache llama.cpp's unconstrained row gets: fio's O_DIRECT reads
+            # (and earlier rows) can leave part of the file uncached, which the run would then
+            # read from disk and count as compute time.
+            preload(args.model)
         o = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy),
                        drop_caches=args.drop_caches, timeout=args.timeout)
         progress.done(o)

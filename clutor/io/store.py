@@ -285,17 +285,18 @@ class ExpertStore:
                 self._c.wait_seconds += time.perf_counter() - t0
         return ExpertBatch([views[int(e)] for e in experts], release)
 
-    async def get_each(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertView]:
-        """Like get() (reserved and submitted as one batch), but each distinct expert is yielded as soon
-        as its bytes are there, cached ones first, so the caller computes while the rest is read.
-        Views stay valid until the iteration ends or the generator is closed; then all are released."""
+    async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
+        """Like get() (reserved and submitted as one batch), but yields the distinct experts in groups
+        as their bytes arrive: first every cached one, then the reads that completed together, so the
+        caller computes (one kernel launch per group) while the rest is read. Views stay valid until
+        the iteration ends or the generator is closed; then all are released."""
         views, wait, release = await self._begin(layer, experts)
         pending: dict[asyncio.Future, tuple[int, int]] = {}
         try:
             waiting = {load.key for load in wait}
-            for e, view in views.items():
-                if (layer, e) not in waiting:
-                    yield view
+            ready = [view for e, view in views.items() if (layer, e) not in waiting]
+            if ready:
+                yield ready
             pending.update((asyncio.shield(load.done), load.key) for load in wait)  # shield: never cancel a read
             while pending:
                 t0 = time.perf_counter()
@@ -303,10 +304,11 @@ class ExpertStore:
                     finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     self._c.wait_seconds += time.perf_counter() - t0
+                keys = [pending.pop(fut) for fut in finished]
                 for fut in finished:
-                    key = pending.pop(fut)
                     fut.result()  # the read's error, if any
-                    yield views[key[1]]
+                # in request order, so a group's order does not depend on completion order
+                yield [views[e] for e in views if (layer, e) in keys]
         finally:
             for fut in pending:
                 if not fut.done():

@@ -19,7 +19,8 @@ from .config import ModelConfig
 from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from . import kernels
-from .quants import matmul
+from .kernels import Job
+from .quants import matmul_jobs
 from ..io.policies import POLICIES
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
@@ -217,30 +218,24 @@ class Model:
                 self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist())
         wanted = _by_votes(sel)  # each expert read once per layer per batch
         out = np.zeros_like(h)  # [T, D]
-        et = lw.experts
-        def expert_out(view) -> tuple[np.ndarray, np.ndarray]:
-            rows, slots = np.nonzero(sel == view.expert)  # tokens routed to this expert
-            xe = h[rows]  # [n, D]
-            a = silu(matmul(view.gate, et.gate, F, D, xe)) * matmul(view.up, et.up, F, D, xe)  # [n, F]
-            return rows, w[rows, slots, None] * matmul(view.down, et.down, D, F, a)  # [n], [n, D]
-
         for i in range(0, len(wanted), self._max_batch):
             chunk = wanted[i : i + self._max_batch]
-            # Reserved and submitted as one batch, but each expert is computed as soon as its bytes are
-            # there while the others are still read; the sums are taken afterwards in a fixed order, so
-            # the result never depends on which read finished first.
-            each = self._experts.get_each(l, chunk)
+            # Reserved and submitted as one batch, but computed group by group as the bytes arrive (all
+            # cached ones at once, then the reads that completed together) while the rest is still
+            # read; the sums are taken afterwards in a fixed order, so the result never depends on
+            # which read finished first.
+            groups = self._experts.get_ready(l, chunk)
             ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             try:
-                async for view in each:
+                async for views in groups:
                     if not ys and i == 0 and self._prefetch and len(x) == 1 and l + 1 < cfg.n_layers:
                         # Decode only: this layer's experts are pinned and its misses submitted; now
                         # queue the experts layer l+1's router picks from the current hidden state.
                         # (In a prefill nearly every expert is demanded anyway; it measured slower.)
                         self._experts.prefetch(l + 1, self._predict(l + 1, x))
-                    ys[view.expert] = expert_out(view)
+                    ys.update(self._experts_out(l, h, sel, w, views))
             finally:
-                await each.aclose()
+                await groups.aclose()
             # Yield once: another sequence waiting for the slots just released gets its turn before
             # this one reserves again (without it, a sequence whose next layer is all hits never
             # suspends and can starve the other).
@@ -253,6 +248,26 @@ class Model:
             s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [T, D]
             out += g[:, None].astype(np.float32) * s
         return out
+
+    def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                     views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Some of layer l's experts on the normed residual h [T, D]: {expert: (rows, weighted output
+        [n, D])} for the n tokens routed to it. Every expert's tokens are gathered into one array so
+        that gate and up for all of them are one kernel launch, and down another."""
+        cfg, et = self.config, self._w.layers[l].experts
+        D, F = cfg.n_embd, cfg.n_ff_exp
+        picks = [np.nonzero(sel == v.expert) for v in views]  # (token rows, top-k slots) per expert
+        counts = [len(rows) for rows, _ in picks]
+        starts = np.cumsum([0] + counts)[:-1].tolist()
+        xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = tokens summed over experts
+        gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+        matmul_jobs([job for v, t0, n in zip(views, starts, counts)
+                     for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
+        a = silu(gu[:, :F]) * gu[:, F:]  # [S, F]
+        y = np.empty((len(xg), D), np.float32)  # [S, D]
+        matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
+        y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
+        return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
 
     def _predict(self, l: int, x: np.ndarray) -> list[int]:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
