@@ -20,7 +20,7 @@ from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from . import kernels
 from .kernels import Job
-from .quants import matmul_jobs
+from .quants import apply_all, matmul_jobs
 from ..io.policies import POLICIES
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
@@ -193,7 +193,7 @@ class Model:
         cfg = self.config
         T = x.shape[0]
         h = rmsnorm(x, lw.attn_norm, cfg.eps)  # [T, D]
-        q, k, v = lw.wq(h), lw.wk(h), lw.wv(h)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hdv]
+        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hdv]
         if cfg.qkv_bias:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         if cfg.qk_norm == "full":  # olmoe: over the whole vectors, before the head split

@@ -7,12 +7,13 @@ gguf-py's reference code and uses BLAS. Nothing converts the whole model up fron
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _ref
 
-__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight"]
+__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight", "apply_all"]
 
 SUPPORTED = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -111,3 +112,18 @@ class Weight:
         if self._f32 is not None:
             return self._f32[idx]
         return dequantize_rows(self.raw, self.qtype, self.shape[1], idx)
+
+
+def apply_all(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
+    """[w(x) for w in weights] for weights sharing the input (q/k/v), in one kernel launch where
+    the types allow; the results are column blocks of one [T, sum of rows] array."""
+    from .kernels import Job
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if any(w._f32 is not None for w in weights) or len({w.shape[1] for w in weights}) != 1:
+        return [w(x) for w in weights]
+    cols = np.cumsum([0] + [w.shape[0] for w in weights]).tolist()
+    out = np.empty((len(x), cols[-1]), np.float32)  # [T, sum N]
+    matmul_jobs([Job(w.raw, w.qtype, w.shape[0], 0, len(x), c) for w, c in zip(weights, cols)], weights[0].shape[1],
+                x, out)
+    return [out[:, a:b] for a, b in zip(cols[:-1], cols[1:])]

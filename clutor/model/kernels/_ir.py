@@ -411,14 +411,15 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
 # FMA chains per row), which streamed 17.5 GB/s where one 8-float chain per row managed 13.7.
 TILE_TOKENS = (8, 4, 2, 1)
 TILE_ROWS = {8: 2, 4: 2, 2: 2, 1: 2}
+ACC_VEC = V8f  # 16-float (zmm) accumulators: not measured reliably yet (shared machine)
 _WIDE_ACC = {1}  # token counts whose tiles keep 32-float accumulators
 
 
-def _pieces(b: ir.IRBuilder, v: ir.Value) -> list[ir.Value]:
-    """<32 x float> -> four <8 x float> (free after LLVM splits the vector into registers)."""
-    idx = ir.VectorType(i32, 8)
-    return [b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), vconst(idx, list(range(8 * i, 8 * i + 8))))
-            for i in range(v.type.count // 8)]
+def _pieces(b: ir.IRBuilder, v: ir.Value, n: int) -> list[ir.Value]:
+    """<32 x float> -> <n x float> pieces (free after LLVM splits the vector into registers)."""
+    idx = ir.VectorType(i32, n)
+    return [b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), vconst(idx, list(range(n * i, n * i + n))))
+            for i in range(v.type.count // n)]
 
 
 def tile_intrinsic(formats: dict[int, Format], ntok: int):
@@ -433,7 +434,7 @@ def tile_intrinsic(formats: dict[int, Format], ntok: int):
     once per call; each case is its own tight loop."""
 
     n_rows = TILE_ROWS[ntok]
-    acc_ty = V32f if ntok in _WIDE_ACC else V8f
+    acc_ty = V32f if ntok in _WIDE_ACC else ACC_VEC
 
     @intrinsic
     def tile(typingctx, qt, w, base, rb, nrows, n_cols, x, xoff, xstride, out, ooff, ostride):
@@ -481,12 +482,12 @@ def _tile_case(b: ir.IRBuilder, fmt: Format, ntok: int, wp: ir.Value, bases: lis
         for acc in row:
             b.store(ir.Constant(acc_ty, None), acc)
     u = max(1, fmt.unroll // (ntok * len(bases)))  # blocks per step: long enough for prefetching
-    split = acc_ty.count == 8
+    split = acc_ty.count < 32
 
     def block(blk):
         e0 = b.mul(blk, c64(fmt.elems))
         boff = b.mul(blk, c64(fmt.nbytes))
-        rows = [[pc for v in fmt.fvals(b, wp, b.add(base, boff)) for pc in (_pieces(b, v) if split else [v])]
+        rows = [[pc for v in fmt.fvals(b, wp, b.add(base, boff)) for pc in (_pieces(b, v, acc_ty.count) if split else [v])]
                 for base in bases]
         for t, xp in enumerate(xps):
             xv = [load(b, at(b, xp, e0, acc_ty.count * i), acc_ty, 4) for i in range(len(rows[0]))]
