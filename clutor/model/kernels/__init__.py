@@ -14,10 +14,18 @@ IQ4_NL, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
   because rounding moves each element of block b (n_b elements) by at most max|x_tb| / 254. For
   Gaussian-like x the actual error is ~0.5-1.5% of max|y|. tests/test_kernels.py checks the bound.
 - "f32" activations (the default): the weight is dequantised on the fly (bit-identical to gguf-py's
-  dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available.
+  dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available. Tiles of
+  2 rows x 8/4/2/1 tokens unpack each block once per tile and keep one accumulator per (row,
+  token) in registers (_ir.tile_intrinsic).
 - T >= set_blas_min_tokens' threshold (32 in f32 mode, 96 in q8 mode): rows are dequantised in
   chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm.
-Below that, the row kernels take tokens four at a time (each weight block unpacked once per four).
+In q8 mode below that threshold, the row kernels take tokens four at a time.
+
+    out = matmul_jobs([Job(w, qtype, n_rows, t0, n_tok, col), ...], n_cols, x, out)
+
+runs several products that share x and out (a layer's experts on their own rows of x; q/k/v side by
+side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch here, as much as a
+2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
 Threads: the numba kernels split rows over ``threads()`` threads (default: the CPUs this process
 may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so it is

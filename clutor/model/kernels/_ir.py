@@ -10,17 +10,17 @@ and on x86 the int8 path uses the instructions llama.cpp relies on (``vpmaddubsw
 AVX512-VNNI ``vpdpbusd``). numba keeps what it is good at: the thread-parallel loop over rows.
 
 A weight type is described by a ``Format`` (block size, how to unpack a block to float vectors, how
-to dot a block with int8 activations); ``row_intrinsics(fmt)`` turns it into three row functions:
+to dot a block with int8 activations); ``row_intrinsics(fmt)`` turns it into two row functions:
 
 - ``deq(w, base, nblocks, buf, boff)``: dequantise ``nblocks`` blocks starting at byte ``base`` of w
   into buf f32 at element ``boff`` — bit-identical to gguf-py's reference (same float operations);
-- ``fdot(w, base, nblocks, x, xoff) -> f32``: the row times float activations x at element xoff;
 - ``idot(w, base, nblocks, xq, xd, xs32, xs16, xe) -> f32``: the row times int8 activations
   (activations.py) whose row starts at element xe; x86 with AVX2 only (``HAVE_INT8_SIMD``).
 
 Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
 lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD``.
-No bounds checks: callers derive every offset from validated shapes.
+``tile_intrinsic`` turns all Formats into the float-activation product of several rows by several
+tokens (the default path). No bounds checks: callers derive every offset from validated shapes.
 """
 from __future__ import annotations
 
@@ -304,10 +304,10 @@ def _result(context, b: ir.IRBuilder, values: list[ir.Value], rtype):
 
 
 def row_intrinsics(fmt: Format, ntok: int = 1):
-    """-> (deq, fdot, idot) numba intrinsics for one weight type (idot None without int8 code).
+    """-> (deq, idot) numba intrinsics for one weight type (idot None without int8 code).
 
-    With ntok > 1, fdot/idot take `ntok` consecutive activation rows (xstride elements apart) and
-    return a UniTuple of ntok float32: each block is unpacked once for all of them."""
+    With ntok > 1, idot takes `ntok` consecutive activation rows (xstride elements apart) and
+    returns a UniTuple of ntok float32: each block is unpacked once for all of them."""
     rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
     if ntok > 1:  # the token loop already multiplies the code per block; keep compile time sane
         fmt = replace(fmt, unroll=max(1, fmt.unroll // ntok))
@@ -332,34 +332,8 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
 
         return sig, codegen
 
-    @intrinsic
-    def fdot(typingctx, w, base, nblocks, x, xoff, xstride):
-        sig = rtype(w, base, nblocks, x, xoff, xstride)
-
-        def codegen(context, b, signature, args):
-            wa, bs, nb, xa, xo, xs = args
-            wp = data(context, b, signature.args[0], wa)
-            x0 = data(context, b, signature.args[3], xa, f32)
-            xps = [b.gep(x0, [b.add(xo, b.mul(xs, c64(t)))]) for t in range(ntok)]
-            accs = [cgutils.alloca_once_value(b, ir.Constant(V32f, None)) for _ in range(ntok)]
-
-            def body(blk):
-                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
-                e0 = b.mul(blk, c64(fmt.elems))
-                vals = fmt.fvals(b, wp, off)
-                for xp, acc in zip(xps, accs):
-                    a = b.load(acc)
-                    for s, v in enumerate(vals):
-                        a = fma(b, v, load(b, at(b, xp, e0, 32 * s), V32f, 4), a)
-                    b.store(a, acc)
-
-            _blocks_loop(b, fmt, nb, body, wp, bs)
-            return _result(context, b, [hsum_f(b, b.load(acc)) for acc in accs], rtype)
-
-        return sig, codegen
-
     if fmt.iprep is None or not HAVE_INT8_SIMD:
-        return deq, fdot, None
+        return deq, None
 
     @intrinsic
     def idot(typingctx, w, base, nblocks, xq, xd, xs32, xs16, xe, xstride):
@@ -396,7 +370,7 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
 
         return sig, codegen
 
-    return deq, fdot, idot
+    return deq, idot
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,9 +7,7 @@ from __future__ import annotations
 from . import _ir as R
 from ._ir import Format, ir
 
-__all__ = [
-    "FORMATS", "deq_f16", "fdot_f16", "fdot4_f16", "deq_bf16", "fdot_bf16", "fdot4_bf16",
-]
+__all__ = ["FORMATS", "deq_f16", "deq_bf16"]
 
 
 def _f16(b, wp, off):
@@ -26,7 +24,5 @@ FORMATS = {
     "BF16": Format("BF16", 32, 64, 8, _bf16),
 }
 
-deq_f16, fdot_f16, _ = R.row_intrinsics(FORMATS["F16"])
-deq_bf16, fdot_bf16, _ = R.row_intrinsics(FORMATS["BF16"])
-_, fdot4_f16, _ = R.row_intrinsics(FORMATS["F16"], 4)
-_, fdot4_bf16, _ = R.row_intrinsics(FORMATS["BF16"], 4)
+deq_f16, _ = R.row_intrinsics(FORMATS["F16"])
+deq_bf16, _ = R.row_intrinsics(FORMATS["BF16"])

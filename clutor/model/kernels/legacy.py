@@ -15,11 +15,10 @@ from . import _ir as R
 from ._ir import Format, IEnv, ir
 
 __all__ = [
-    "IQ4NL_VALUES", "FORMATS", "deq_q8_0", "fdot_q8_0", "fdot4_q8_0", "idot_q8_0", "idot4_q8_0",
-    "deq_q4_0", "fdot_q4_0", "fdot4_q4_0", "idot_q4_0", "idot4_q4_0", "deq_q4_1", "fdot_q4_1",
-    "fdot4_q4_1", "idot_q4_1", "idot4_q4_1", "deq_q5_0", "fdot_q5_0", "fdot4_q5_0", "idot_q5_0",
-    "idot4_q5_0", "deq_q5_1", "fdot_q5_1", "fdot4_q5_1", "idot_q5_1", "idot4_q5_1", "deq_iq4_nl",
-    "fdot_iq4_nl", "fdot4_iq4_nl", "idot_iq4_nl", "idot4_iq4_nl",
+    "IQ4NL_VALUES", "FORMATS", "deq_q8_0", "idot_q8_0", "idot4_q8_0",
+    "deq_q4_0", "idot_q4_0", "idot4_q4_0", "deq_q4_1", "idot_q4_1", "idot4_q4_1", "deq_q5_0", "idot_q5_0",
+    "idot4_q5_0", "deq_q5_1", "idot_q5_1", "idot4_q5_1", "deq_iq4_nl",
+    "idot_iq4_nl", "idot4_iq4_nl",
 ]
 
 # llama.cpp's kvalues_iq4nl: the 16 signed levels an IQ4_NL nibble selects.
@@ -102,15 +101,15 @@ FORMATS = {
     "IQ4_NL": _legacy("IQ4_NL", 18, _iq4_nl, signed=True),
 }
 
-deq_q8_0, fdot_q8_0, idot_q8_0 = R.row_intrinsics(FORMATS["Q8_0"])
-_, fdot4_q8_0, idot4_q8_0 = R.row_intrinsics(FORMATS["Q8_0"], 4)
-deq_q4_0, fdot_q4_0, idot_q4_0 = R.row_intrinsics(FORMATS["Q4_0"])
-_, fdot4_q4_0, idot4_q4_0 = R.row_intrinsics(FORMATS["Q4_0"], 4)
-deq_q4_1, fdot_q4_1, idot_q4_1 = R.row_intrinsics(FORMATS["Q4_1"])
-_, fdot4_q4_1, idot4_q4_1 = R.row_intrinsics(FORMATS["Q4_1"], 4)
-deq_q5_0, fdot_q5_0, idot_q5_0 = R.row_intrinsics(FORMATS["Q5_0"])
-_, fdot4_q5_0, idot4_q5_0 = R.row_intrinsics(FORMATS["Q5_0"], 4)
-deq_q5_1, fdot_q5_1, idot_q5_1 = R.row_intrinsics(FORMATS["Q5_1"])
-_, fdot4_q5_1, idot4_q5_1 = R.row_intrinsics(FORMATS["Q5_1"], 4)
-deq_iq4_nl, fdot_iq4_nl, idot_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"])
-_, fdot4_iq4_nl, idot4_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"], 4)
+deq_q8_0, idot_q8_0 = R.row_intrinsics(FORMATS["Q8_0"])
+_, idot4_q8_0 = R.row_intrinsics(FORMATS["Q8_0"], 4)
+deq_q4_0, idot_q4_0 = R.row_intrinsics(FORMATS["Q4_0"])
+_, idot4_q4_0 = R.row_intrinsics(FORMATS["Q4_0"], 4)
+deq_q4_1, idot_q4_1 = R.row_intrinsics(FORMATS["Q4_1"])
+_, idot4_q4_1 = R.row_intrinsics(FORMATS["Q4_1"], 4)
+deq_q5_0, idot_q5_0 = R.row_intrinsics(FORMATS["Q5_0"])
+_, idot4_q5_0 = R.row_intrinsics(FORMATS["Q5_0"], 4)
+deq_q5_1, idot_q5_1 = R.row_intrinsics(FORMATS["Q5_1"])
+_, idot4_q5_1 = R.row_intrinsics(FORMATS["Q5_1"], 4)
+deq_iq4_nl, idot_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"])
+_, idot4_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"], 4)
