@@ -283,15 +283,17 @@ class Format:
 
 
 def _blocks_loop(b: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value], None],
-                 wp: ir.Value, base: ir.Value) -> None:
-    """body(block_index) for every block: unrolled steps of fmt.unroll blocks, then the tail."""
-    u = fmt.unroll
+                 wp: ir.Value, bases: list[ir.Value], unroll: int | None = None) -> None:
+    """body(block_index) for every block: unrolled steps of `unroll` (default fmt.unroll) blocks,
+    each prefetching PREFETCH_BYTES ahead in every row stream starting at `bases`, then the tail."""
+    u = fmt.unroll if unroll is None else unroll
     nsteps = b.sdiv(nblocks, c64(u)) if u > 1 else nblocks
     with cgutils.for_range(b, nsteps) as loop:
         first = b.mul(loop.index, c64(u)) if u > 1 else loop.index
-        start = b.add(base, b.mul(first, c64(fmt.nbytes)))
-        for k in range(0, u * fmt.nbytes, 64):
-            prefetch(b, at(b, wp, start, PREFETCH_BYTES + k))
+        for base in bases:
+            start = b.add(base, b.mul(first, c64(fmt.nbytes)))
+            for k in range(0, u * fmt.nbytes, 64):
+                prefetch(b, at(b, wp, start, PREFETCH_BYTES + k))
         for k in range(u):
             body(b.add(first, c64(k)) if k else first)
     if u > 1:
@@ -327,7 +329,7 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
                 for s, v in enumerate(fmt.fvals(b, wp, off)):
                     store(b, v, at(b, bp, e0, 32 * s))
 
-            _blocks_loop(b, fmt, nb, body, wp, bs)
+            _blocks_loop(b, fmt, nb, body, wp, [bs])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -364,7 +366,7 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
                     if c is not None:
                         b.store(b.fadd(b.load(corr), c), corr)
 
-            _blocks_loop(b, fmt, nb, body, wp, bs)
+            _blocks_loop(b, fmt, nb, body, wp, [bs])
             vals = [b.fadd(hsum_f(b, b.load(acc)), b.load(corr)) for acc, corr in zip(accs, corrs)]
             return _result(context, b, vals, rtype)
 
@@ -471,18 +473,7 @@ def _tile_case(b: ir.IRBuilder, fmt: Format, ntok: int, wp: ir.Value, bases: lis
                     a = fma(b, pc, xi, a)
                 b.store(a, accs[k][t])
 
-    nsteps = b.sdiv(nblocks, c64(u)) if u > 1 else nblocks
-    with cgutils.for_range(b, nsteps) as loop:
-        first = b.mul(loop.index, c64(u)) if u > 1 else loop.index
-        for base in bases:
-            start = b.add(base, b.mul(first, c64(fmt.nbytes)))
-            for k in range(0, u * fmt.nbytes, 64):
-                prefetch(b, at(b, wp, start, PREFETCH_BYTES + k))
-        for k in range(u):
-            block(b.add(first, c64(k)) if k else first)
-    if u > 1:
-        with cgutils.for_range(b, nblocks, start=b.mul(nsteps, c64(u))) as loop:
-            block(loop.index)
+    _blocks_loop(b, fmt, nblocks, block, wp, bases, u)
 
 
 def xscale(b: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
