@@ -327,7 +327,7 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
         xq, xd, xs32, xs16 = _act_buffers(n_tok, n_cols, block)
         _launch(_drv.matmul_q8, w, qtype, rb, n_rows, n_cols, x2, block, xq, xd, xs32, xs16, out2)
     else:
-        _launch(_drv.matmul_f32, w.ctypes.data, qtype, rb, n_rows, n_cols, x2, out2)
+        _run_jobs([(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
     return out
 
 
@@ -375,10 +375,17 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         batched.append((j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col))
         work += j.w.size * j.n_tok
     if batched:
-        ws, qts, rbs, nrs, t0s, nts, cols = (np.array(c, dtype=np.int64) for c in zip(*batched))
         _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _threads)
-        _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
+        _run_jobs(batched, n_cols, x, out)
     return out
+
+
+def _run_jobs(jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int, x: np.ndarray,
+              out: np.ndarray) -> None:
+    """The float tile driver on checked jobs (address, type, row bytes, rows, t0, n_tok, col); the
+    caller keeps the weights alive and has set the thread count."""
+    ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
+    _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
 
 
 def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
@@ -407,9 +414,6 @@ def warmup() -> None:
     xq, xd, xs32, xs16 = _act_buffers(1, n_cols, 32)
     for ww in (w, ro):
         _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
-        _launch(_drv.matmul_f32, ww.ctypes.data, Q8_0, w.size, 1, n_cols, x, out)
         if _drv.matmul_q8 is not None:
             _launch(_drv.matmul_q8, ww, Q8_0, w.size, 1, n_cols, x, 32, xq, xd, xs32, xs16, out)
-    one = np.ones(1, np.int64)
-    _launch(_drv.matmul_jobs_f32, one * w.ctypes.data, one * Q8_0, one * w.size, one, n_cols, x, one * 0, one,
-            out, one * 0)
+    _run_jobs([(w.ctypes.data, Q8_0, w.size, 1, 0, 1, 0)], n_cols, x, out)  # addresses: one flavour

@@ -10,23 +10,24 @@ and on x86 the int8 path uses the instructions llama.cpp relies on (``vpmaddubsw
 AVX512-VNNI ``vpdpbusd``). numba keeps what it is good at: the thread-parallel loop over rows.
 
 A weight type is described by a ``Format`` (block size, how to unpack a block to float vectors, how
-to dot a block with int8 activations); ``row_intrinsics(fmt)`` turns it into two row functions:
+to dot a block with int8 activations). Three generators turn a {type id: Format} table into numba
+intrinsics whose first argument is the runtime type id (one switch per call, one tight loop per type):
 
-- ``deq(w, base, nblocks, buf, boff)``: dequantise ``nblocks`` blocks starting at byte ``base`` of w
-  into buf f32 at element ``boff`` — bit-identical to gguf-py's reference (same float operations);
-- ``idot(w, base, nblocks, xq, xd, xs32, xs16, xe) -> f32``: the row times int8 activations
-  (activations.py) whose row starts at element xe; x86 with AVX2 only (``HAVE_INT8_SIMD``).
+- ``deq_intrinsic``: dequantise a row into float32, bit-identical to gguf-py's reference (same float
+  operations);
+- ``tile_intrinsic``: several rows times several float activation rows (the default path);
+- ``idot_intrinsic``: a row times int8 activations (activations.py); x86 with AVX2 only
+  (``HAVE_INT8_SIMD``).
 
 Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
 lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD``.
-``tile_intrinsic`` turns all Formats into the float-activation product of several rows by several
-tokens (the default path). No bounds checks: callers derive every offset from validated shapes.
+No bounds checks: callers derive every offset from validated shapes.
 """
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from llvmlite import binding as _llvm
@@ -37,7 +38,7 @@ from numba.extending import intrinsic
 
 __all__ = [
     "HAVE_INT8_SIMD", "HAVE_VNNI", "HAVE_F16C", "PREFETCH_BYTES", "BACKEND",
-    "Format", "row_intrinsics", "tile_intrinsic", "TILE_ROWS", "TILE_TOKENS", "load_f16",
+    "Format", "deq_intrinsic", "idot_intrinsic", "tile_intrinsic", "TILE_ROWS", "TILE_TOKENS", "load_f16",
 ]
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -305,74 +306,98 @@ def _result(context, b: ir.IRBuilder, values: list[ir.Value], rtype):
     return values[0] if len(values) == 1 else context.make_tuple(b, rtype, values)
 
 
-def row_intrinsics(fmt: Format, ntok: int = 1):
-    """-> (deq, idot) numba intrinsics for one weight type (idot None without int8 code).
+def _switch(b: ir.IRBuilder, qv: ir.Value, formats: dict[int, Format], case: Callable[[Format], None]) -> None:
+    """Emit case(fmt) for each weight type, selected by the runtime type id qv; an id that is not
+    a key of `formats` does nothing (callers check types before any kernel runs). One switch per
+    call, each case its own tight loop."""
+    end = b.append_basic_block("qt.end")
+    switch = b.switch(qv, end)
+    for code, fmt in formats.items():
+        block = b.append_basic_block(f"qt.{fmt.name}")
+        switch.add_case(ir.Constant(qv.type, code), block)
+        b.position_at_end(block)
+        case(fmt)
+        b.branch(end)
+    b.position_at_end(end)
 
-    With ntok > 1, idot takes `ntok` consecutive activation rows (xstride elements apart) and
-    returns a UniTuple of ntok float32: each block is unpacked once for all of them."""
-    rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
-    if ntok > 1:  # the token loop already multiplies the code per block; keep compile time sane
-        fmt = replace(fmt, unroll=max(1, fmt.unroll // ntok))
+
+def deq_intrinsic(formats: dict[int, Format]):
+    """-> intrinsic deq(qt, w, base, n_cols, buf, boff): dequantise the n_cols elements of type qt at
+    byte base of w into buf (f32) from element boff, bit-identical to gguf-py's reference."""
 
     @intrinsic
-    def deq(typingctx, w, base, nblocks, buf, boff):
-        sig = types.void(w, base, nblocks, buf, boff)
+    def deq(typingctx, qt, w, base, n_cols, buf, boff):
+        sig = types.void(qt, w, base, n_cols, buf, boff)
 
         def codegen(context, b, signature, args):
-            wa, bs, nb, ba, bo = args
-            wp = data(context, b, signature.args[0], wa)
-            bp = b.gep(data(context, b, signature.args[3], ba, f32), [bo])
+            qv, wa, bs, nc, ba, bo = args
+            wp = data(context, b, signature.args[1], wa)
+            bp = b.gep(data(context, b, signature.args[4], ba, f32), [bo])
 
-            def body(blk):
-                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
-                e0 = b.mul(blk, c64(fmt.elems))
-                for s, v in enumerate(fmt.fvals(b, wp, off)):
-                    store(b, v, at(b, bp, e0, 32 * s))
+            def case(fmt: Format) -> None:
+                def body(blk):
+                    off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
+                    e0 = b.mul(blk, c64(fmt.elems))
+                    for k, v in enumerate(fmt.fvals(b, wp, off)):
+                        store(b, v, at(b, bp, e0, 32 * k))
 
-            _blocks_loop(b, fmt, nb, body, wp, [bs])
+                _blocks_loop(b, fmt, b.sdiv(nc, c64(fmt.elems)), body, wp, [bs])
+
+            _switch(b, qv, formats, case)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    if fmt.iprep is None or not HAVE_INT8_SIMD:
-        return deq, None
+    return deq
+
+
+def idot_intrinsic(formats: dict[int, Format], ntok: int):
+    """-> intrinsic idot(qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride): the row of type qt at
+    byte base of w times `ntok` int8 activation rows (activations.py) starting at element xe,
+    xstride elements apart; a float32 (ntok == 1) or a UniTuple of ntok float32. Each block is
+    unpacked once for all the tokens. Only formats with an int8 path (``iprep``); x86 AVX2 only."""
+    rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
 
     @intrinsic
-    def idot(typingctx, w, base, nblocks, xq, xd, xs32, xs16, xe, xstride):
-        sig = rtype(w, base, nblocks, xq, xd, xs32, xs16, xe, xstride)
+    def idot(typingctx, qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride):
+        sig = rtype(qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride)
 
         def codegen(context, b, signature, args):
-            wa, bs, nb, qa, da, s32a, s16a, xe0, xst = args
+            qv, wa, bs, nc, qa, da, s32a, s16a, xe0, xst = args
             sa = signature.args
-            wp = data(context, b, sa[0], wa)
-            xq = data(context, b, sa[3], qa)
-            xd = data(context, b, sa[4], da, f32)
-            xs32 = data(context, b, sa[5], s32a, i32)
-            xs16 = data(context, b, sa[6], s16a, i16)
+            wp = data(context, b, sa[1], wa)
+            xq = data(context, b, sa[4], qa)
+            xd = data(context, b, sa[5], da, f32)
+            xs32 = data(context, b, sa[6], s32a, i32)
+            xs16 = data(context, b, sa[7], s16a, i16)
             starts = [b.add(xe0, b.mul(xst, c64(t))) for t in range(ntok)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(V8f, None)) for _ in range(ntok)]
             corrs = [cgutils.alloca_once_value(b, ir.Constant(f32, 0.0)) for _ in range(ntok)]
 
-            def body(blk):
-                off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
-                state = fmt.iprep(b, wp, off)
-                for x_start, acc, corr in zip(starts, accs, corrs):
-                    env = IEnv(wp, xq, xd, xs32, xs16, b.add(x_start, b.mul(blk, c64(fmt.elems))))
-                    parts, c = fmt.itok(b, state, env)
-                    a = b.load(acc)
-                    for ivec, scale in parts:
-                        a = fma(b, b.sitofp(ivec, V8f), splat(b, scale, V8f), a)
-                    b.store(a, acc)
-                    if c is not None:
-                        b.store(b.fadd(b.load(corr), c), corr)
+            def case(fmt: Format) -> None:
+                def body(blk):
+                    off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
+                    state = fmt.iprep(b, wp, off)
+                    for x_start, acc, corr in zip(starts, accs, corrs):
+                        env = IEnv(wp, xq, xd, xs32, xs16, b.add(x_start, b.mul(blk, c64(fmt.elems))))
+                        parts, c = fmt.itok(b, state, env)
+                        a = b.load(acc)
+                        for ivec, scale in parts:
+                            a = fma(b, b.sitofp(ivec, V8f), splat(b, scale, V8f), a)
+                        b.store(a, acc)
+                        if c is not None:
+                            b.store(b.fadd(b.load(corr), c), corr)
 
-            _blocks_loop(b, fmt, nb, body, wp, [bs])
+                # the token loop already multiplies the code per block; keep compile time sane
+                _blocks_loop(b, fmt, b.sdiv(nc, c64(fmt.elems)), body, wp, [bs], max(1, fmt.unroll // ntok))
+
+            _switch(b, qv, {q: f for q, f in formats.items() if f.iprep is not None}, case)
             vals = [b.fadd(hsum_f(b, b.load(acc)), b.load(corr)) for acc, corr in zip(accs, corrs)]
             return _result(context, b, vals, rtype)
 
         return sig, codegen
 
-    return deq, idot
+    return idot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,9 +411,8 @@ def row_intrinsics(fmt: Format, ntok: int = 1):
 # by FMA latency instead: its tile takes 2 rows with a 32-float accumulator each (four independent
 # FMA chains per row), which streamed 17.5 GB/s where one 8-float chain per row managed 13.7.
 TILE_TOKENS = (8, 4, 2, 1)
-TILE_ROWS = {8: 2, 4: 2, 2: 2, 1: 2}
+TILE_ROWS = 2
 ACC_VEC = V8f  # 16-float (zmm) accumulators: not measured reliably yet (shared machine)
-_WIDE_ACC = {1}  # token counts whose tiles keep 32-float accumulators
 
 
 def _pieces(b: ir.IRBuilder, v: ir.Value, n: int) -> list[ir.Value]:
@@ -401,7 +425,7 @@ def _pieces(b: ir.IRBuilder, v: ir.Value, n: int) -> list[ir.Value]:
 def tile_intrinsic(formats: dict[int, Format], ntok: int):
     """-> intrinsic tile(qt, w, base, rb, nrows, n_cols, x, xoff, xstride, out, ooff, ostride).
 
-    For k < nrows (<= TILE_ROWS[ntok]) and t < ntok: out[ooff + t*ostride + k] = row k . token t, where
+    For k < nrows (<= TILE_ROWS) and t < ntok: out[ooff + t*ostride + k] = row k . token t, where
     row k is n_cols elements of type `qt` (a key of `formats`) starting at byte base + k*rb of w
     (an array or an address) and token t is x[xoff + t*xstride :][:n_cols] (float32). Rows past
     nrows are computed from the last valid row and not stored. Tiles of 2, 4 and 8 tokens sum every
@@ -409,8 +433,8 @@ def tile_intrinsic(formats: dict[int, Format], ntok: int):
     single-token tile sums in another order (same float rounding bound). The type is switched on
     once per call; each case is its own tight loop."""
 
-    n_rows = TILE_ROWS[ntok]
-    acc_ty = V32f if ntok in _WIDE_ACC else ACC_VEC
+    n_rows = TILE_ROWS
+    acc_ty = V32f if ntok == 1 else ACC_VEC
 
     @intrinsic
     def tile(typingctx, qt, w, base, rb, nrows, n_cols, x, xoff, xstride, out, ooff, ostride):
@@ -428,20 +452,15 @@ def tile_intrinsic(formats: dict[int, Format], ntok: int):
             xps = [b.gep(xp0, [b.add(xo, b.mul(xs, c64(t)))]) for t in range(ntok)]
             accs = [[cgutils.alloca_once_value(b, ir.Constant(acc_ty, None)) for _ in range(ntok)]
                     for _ in range(n_rows)]
-            end = b.append_basic_block("tile.end")
-            switch = b.switch(qv, end)
-            for code, fmt in formats.items():
-                case = b.append_basic_block(f"tile.{fmt.name}")
-                switch.add_case(ir.Constant(qv.type, code), case)
-                b.position_at_end(case)
+            def case(fmt: Format) -> None:
                 _tile_case(b, fmt, ntok, wp, bases, b.sdiv(nc, c64(fmt.elems)), xps, accs)
                 for k in range(n_rows):
                     with b.if_then(b.icmp_signed("<", c64(k), nr)):
                         for t in range(ntok):
                             o = b.add(oo, b.add(b.mul(ost, c64(t)), c64(k)))
                             b.store(hsum_f(b, b.load(accs[k][t])), b.gep(op, [o]))
-                b.branch(end)
-            b.position_at_end(end)
+
+            _switch(b, qv, formats, case)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -7,7 +7,7 @@ from __future__ import annotations
 from . import _ir as R
 from ._ir import Format, ir
 
-__all__ = ["FORMATS", "deq_f16", "deq_bf16"]
+__all__ = ["FORMATS"]
 
 
 def _f16(b, wp, off):
@@ -23,6 +23,3 @@ FORMATS = {
     "F16": Format("F16", 32, 64, 8, _f16),
     "BF16": Format("BF16", 32, 64, 8, _bf16),
 }
-
-deq_f16, _ = R.row_intrinsics(FORMATS["F16"])
-deq_bf16, _ = R.row_intrinsics(FORMATS["BF16"])

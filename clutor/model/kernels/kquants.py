@@ -21,10 +21,7 @@ from __future__ import annotations
 from . import _ir as R
 from ._ir import Format, IEnv, ir
 
-__all__ = [
-    "FORMATS", "deq_q4_k", "idot_q4_k", "idot4_q4_k", "deq_q5_k",
-    "idot_q5_k", "idot4_q5_k", "deq_q6_k", "idot_q6_k", "idot4_q6_k",
-]
+__all__ = ["FORMATS"]
 
 
 def _scales_mins(b, wp, off):
@@ -156,10 +153,3 @@ FORMATS = {
     "Q5_K": _k4_format("Q5_K", 176, five=True),
     "Q6_K": Format("Q6_K", 256, 210, 1, _q6_fvals, _q6_iprep, _q6_itok),
 }
-
-deq_q4_k, idot_q4_k = R.row_intrinsics(FORMATS["Q4_K"])
-_, idot4_q4_k = R.row_intrinsics(FORMATS["Q4_K"], 4)
-deq_q5_k, idot_q5_k = R.row_intrinsics(FORMATS["Q5_K"])
-_, idot4_q5_k = R.row_intrinsics(FORMATS["Q5_K"], 4)
-deq_q6_k, idot_q6_k = R.row_intrinsics(FORMATS["Q6_K"])
-_, idot4_q6_k = R.row_intrinsics(FORMATS["Q6_K"], 4)

@@ -14,12 +14,8 @@ from __future__ import annotations
 from . import _ir as R
 from ._ir import Format, IEnv, ir
 
-__all__ = [
-    "IQ4NL_VALUES", "FORMATS", "deq_q8_0", "idot_q8_0", "idot4_q8_0",
-    "deq_q4_0", "idot_q4_0", "idot4_q4_0", "deq_q4_1", "idot_q4_1", "idot4_q4_1", "deq_q5_0", "idot_q5_0",
-    "idot4_q5_0", "deq_q5_1", "idot_q5_1", "idot4_q5_1", "deq_iq4_nl",
-    "idot_iq4_nl", "idot4_iq4_nl",
-]
+__all__ = ["IQ4NL_VALUES", "FORMATS"]
+
 
 # llama.cpp's kvalues_iq4nl: the 16 signed levels an IQ4_NL nibble selects.
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -100,16 +96,3 @@ FORMATS = {
     "Q5_1": _legacy("Q5_1", 24, _q5_1, has_min=True),
     "IQ4_NL": _legacy("IQ4_NL", 18, _iq4_nl, signed=True),
 }
-
-deq_q8_0, idot_q8_0 = R.row_intrinsics(FORMATS["Q8_0"])
-_, idot4_q8_0 = R.row_intrinsics(FORMATS["Q8_0"], 4)
-deq_q4_0, idot_q4_0 = R.row_intrinsics(FORMATS["Q4_0"])
-_, idot4_q4_0 = R.row_intrinsics(FORMATS["Q4_0"], 4)
-deq_q4_1, idot_q4_1 = R.row_intrinsics(FORMATS["Q4_1"])
-_, idot4_q4_1 = R.row_intrinsics(FORMATS["Q4_1"], 4)
-deq_q5_0, idot_q5_0 = R.row_intrinsics(FORMATS["Q5_0"])
-_, idot4_q5_0 = R.row_intrinsics(FORMATS["Q5_0"], 4)
-deq_q5_1, idot_q5_1 = R.row_intrinsics(FORMATS["Q5_1"])
-_, idot4_q5_1 = R.row_intrinsics(FORMATS["Q5_1"], 4)
-deq_iq4_nl, idot_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"])
-_, idot4_iq4_nl = R.row_intrinsics(FORMATS["IQ4_NL"], 4)
