@@ -103,6 +103,32 @@ class LRU(Policy):
         return len(self._order)
 
 
+def _lazy_heap_push(heap: list, current: dict[Key, int], entry: tuple, live: int) -> None:
+    """Push (score, seq, key), the key's live entry; rebuild the heap in place once stale entries
+    (superseded seqs, removed keys) outnumber the `live` ones."""
+    heapq.heappush(heap, entry)
+    if len(heap) > 2 * live + 64:
+        heap[:] = [e for e in heap if current.get(e[2]) == e[1]]
+        heapq.heapify(heap)
+
+
+def _lazy_heap_order(heap: list, current: dict[Key, int]) -> Generator[Key, None, None]:
+    """Keys from a lazily deleted heap of (score, seq, key), lowest score first, skipping stale
+    entries; when the caller stops, every live entry it looked at and did not remove goes back."""
+    taken: list[tuple] = []
+    try:
+        while heap:
+            entry = heapq.heappop(heap)
+            if current.get(entry[2]) != entry[1]:
+                continue  # stale
+            taken.append(entry)
+            yield entry[2]
+    finally:
+        for entry in taken:
+            if current.get(entry[2]) == entry[1]:
+                heapq.heappush(heap, entry)
+
+
 class _ScoredPolicy(Policy):
     """Policies that evict the lowest score, where a key's score changes only on its own events.
 
@@ -126,10 +152,7 @@ class _ScoredPolicy(Policy):
             return
         self._seq += 1
         self._current[key] = self._seq
-        heapq.heappush(self._heap, (self._score(key), self._seq, key))
-        if len(self._heap) > 2 * len(self._current) + 64:
-            self._heap = [e for e in self._heap if self._current.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
+        _lazy_heap_push(self._heap, self._current, (self._score(key), self._seq, key), len(self._current))
 
     def on_insert(self, key: Key) -> None:
         self._current[key] = -1
@@ -139,20 +162,7 @@ class _ScoredPolicy(Policy):
         del self._current[key]  # its heap entries are now stale
 
     def victims(self) -> Iterator[Key]:
-        heap, current = self._heap, self._current
-        skipped: list[tuple[tuple, int, Key]] = []
-        try:
-            while heap:
-                entry = heapq.heappop(heap)
-                if current.get(entry[2]) != entry[1]:
-                    continue  # stale
-                skipped.append(entry)
-                yield entry[2]
-        finally:
-            # Put back every live entry the caller looked at and did not remove.
-            for entry in skipped:
-                if current.get(entry[2]) == entry[1]:
-                    heapq.heappush(heap, entry)
+        return _lazy_heap_order(self._heap, self._current)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._current
@@ -294,12 +304,10 @@ class LRFU(Policy):
             return
         self._seq += 1
         self._current[key] = self._seq
-        heap = self._heaps.setdefault(key[0], [])
         # Lower rank = lower value now = evict first, within the layer.
-        heapq.heappush(heap, (math.log2(self._value[key]) + self._last[key] / self.half_life, self._seq, key))
-        if len(heap) > 2 * self._live.get(key[0], 0) + 64:  # mostly stale entries: rebuild
-            heap[:] = [e for e in heap if self._current.get(e[2]) == e[1]]
-            heapq.heapify(heap)
+        rank = math.log2(self._value[key]) + self._last[key] / self.half_life
+        _lazy_heap_push(self._heaps.setdefault(key[0], []), self._current, (rank, self._seq, key),
+                        self._live.get(key[0], 0))
 
     def expected_wait(self, key: Key) -> float:
         """Accesses until ``key`` is expected to be used again (the eviction score; larger goes first)."""
@@ -310,23 +318,8 @@ class LRFU(Policy):
         q = min(1.0, v * self._c)
         return until_round + period * (1.0 / q - 1.0)
 
-    def _layer_order(self, layer: Hashable) -> Generator[Key, None, None]:
-        heap, current = self._heaps[layer], self._current
-        taken: list[tuple[float, int, Key]] = []
-        try:
-            while heap:
-                entry = heapq.heappop(heap)
-                if current.get(entry[2]) != entry[1]:
-                    continue  # stale
-                taken.append(entry)
-                yield entry[2]
-        finally:
-            for entry in taken:  # put back what the caller looked at and did not remove
-                if current.get(entry[2]) == entry[1]:
-                    heapq.heappush(heap, entry)
-
     def victims(self) -> Generator[Key, None, None]:
-        orders = {layer: self._layer_order(layer) for layer in self._heaps}
+        orders = {layer: _lazy_heap_order(self._heaps[layer], self._current) for layer in self._heaps}
         heads = []
         try:
             for layer, it in orders.items():
