@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 import numpy as np
 
 from .._util import AwaitableContext
-from ..io.trace import TraceHeader, TraceWriter
+from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import read_config
 from .config import ModelConfig
@@ -104,6 +104,8 @@ class Model:
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
                 layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+                if opts.trace:
+                    check_output(opts.trace, f.paths)  # refused before the dense read, not after
                 ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)
                 if not 1 <= ctx <= cfg.n_ctx_train:
                     raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
@@ -123,6 +125,7 @@ class Model:
             raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {opts.policy!r}")
         f, cfg, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
         experts: ExpertSource | None = None
+        trace: TraceWriter | None = None
         try:
             if budget is None:
                 experts, why = InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
@@ -132,29 +135,27 @@ class Model:
                 experts = await ExpertStore.open(layout, budget[0], policy=opts.policy, io=opts.io,
                                                  direct=opts.direct, prefetch_slots=None if opts.prefetch else 0)
                 why = budget[1]
-            trace = None
             if opts.trace:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
                 slot = getattr(experts, "slot_bytes", layout.max_expert_bytes)
-                try:
-                    trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot))
-                except OSError as e:
-                    raise ClutorError(f"{opts.trace}: cannot write the routing trace: {e.strerror}") from None
+                trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot),
+                                    protect=f.paths)
+            return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
         except BaseException:
-            if experts is not None:
-                await experts.aclose()
-            f.close()
+            # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
+            # eventfd, arena) and the file's fds before re-raising.
+            await _close_all([trace.abort if trace is not None else None,
+                              experts.aclose if experts is not None else None, f.close])
             raise
-        return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
 
     async def aclose(self) -> None:
+        """Close the store, the file and the trace. Each is closed even when another one's close
+        raises (a trace on a full disk); the first error is raised after all are closed."""
         if self._closed:
             return
         self._closed = True
-        if self._trace is not None:
-            self._trace.close()
-        await self._experts.aclose()
-        self._file.close()
+        await _close_all([self._experts.aclose, self._file.close,
+                          self._trace.close if self._trace is not None else None])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -287,6 +288,22 @@ class Model:
 
         self._check_open()
         return generate(self, prompt, **options)
+
+
+async def _close_all(closers) -> None:
+    """Call every closer (sync or async; None skipped) in order, then raise the first error."""
+    first: BaseException | None = None
+    for close in closers:
+        if close is None:
+            continue
+        try:
+            r = close()
+            if asyncio.iscoroutine(r):
+                await r
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def _progress_of(progress, f) -> Callable[[int], None] | None:
