@@ -137,15 +137,43 @@ def _parse_record(path: str, lineno: int, d: dict, header: TraceHeader | None) -
     return TraceRecord(token, layer, tuple(experts), weights)
 
 
+_MAX_LINE = 1 << 20  # a record is ~100 bytes per expert; a longer line is not a trace
+
+
+def _open_text(path: str):
+    """The trace file opened for reading lines (bytes), or ModelFileError for a missing, unreadable or
+    non-regular path (a FIFO is refused without blocking on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelFileError(path, "file", "an existing routing trace (JSONL)", "missing") from None
+    except OSError as e:
+        raise ModelFileError(path, "file", "a readable routing trace (JSONL)", e.strerror or str(e)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ModelFileError(path, "file", "a regular file (a routing trace, JSONL)",
+                             "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def iter_trace(path: str | os.PathLike) -> Iterator[TraceHeader | TraceRecord]:
     """Yield the header (if any) then each record, validating as it goes."""
     path = os.fspath(path)
     header: TraceHeader | None = None
-    with open(path, "r", encoding="utf-8") as f:
+    with _open_text(path) as f:
         first = True
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        for lineno, raw in enumerate(f, 1):
+            if len(raw) > _MAX_LINE:
+                raise ModelFileError(path, f"line {lineno}", f"a line of at most {_MAX_LINE} bytes", len(raw))
+            if not raw.strip():
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ModelFileError(path, f"line {lineno}", "UTF-8 JSON text (a routing trace)",
+                                     f"binary data {raw[:16]!r}") from None
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
