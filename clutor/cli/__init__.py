@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import inspect
+import os
 import sys
 
 from ..errors import ClutorError
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Mixture-of-Experts GGUF models larger than RAM.",
         epilog="example: clutor demo   |   clutor generate model.gguf 'Hello' --max-tokens 32",
     )
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"clutor {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, mod in COMMANDS.items():
         module = importlib.import_module(f"{__name__}.{mod}")
@@ -45,20 +50,56 @@ def run_coro(coro):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; every failure ends as one `clutor: error:` line and exit code 1 (Ctrl-C: 130)."""
     try:
+        args = build_parser().parse_args(argv)
         result = args._run(args)
         if inspect.iscoroutine(result):
             result = run_coro(result)
         return int(result or 0)
     except ClutorError as e:
-        print(f"clutor: error: {e}", file=sys.stderr)
+        _error(str(e))
         return 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        # `clutor ... | head`: the reader left; end quietly (and keep the exit-time flush quiet too)
+        _silence_stdout()
         return 0
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) and _is_stdout_error():
+            _silence_stdout()
+            _error(f"cannot write the output: {e.strerror or e}")
+        else:
+            where = f"{e.filename}: " if e.filename else ""
+            _error(f"{where}{e.strerror or e}")
+        return 1
+    except MemoryError:
+        _error("out of memory")
+        return 1
+
+
+def _error(message: str) -> None:
+    print(f"clutor: error: {message}", file=sys.stderr)
+
+
+def _is_stdout_error() -> bool:
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

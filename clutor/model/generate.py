@@ -158,8 +158,12 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         raise ClutorError("the prompt is empty: give at least one token")
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(ids) + max_tokens > model.n_ctx:
-        raise ClutorError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds n_ctx {model.n_ctx}")
+    if len(ids) > model.n_ctx:
+        raise ClutorError(f"the prompt ({len(ids)} tokens) does not fit the context n_ctx {model.n_ctx}")
+    # A prompt that fits but leaves less room than max_tokens generates what fits and ends with
+    # stop reason "length" (as llama.cpp does). n tokens need len(ids) + n - 1 positions: the last
+    # one sampled is never fed back.
+    max_tokens = min(max_tokens, model.n_ctx - len(ids) + 1)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
     seq = model.new_sequence()

@@ -299,7 +299,11 @@ class Tokenizer:
         """Token ids of ``text`` as llama.cpp's ``llama_tokenize(text, add_special, parse_special=special)``.
 
         ``add_bos=None`` follows the file's ``tokenizer.ggml.add_bos_token``.
+        Text that is not valid Unicode (lone surrogates, as Python gives for undecodable bytes in
+        argv or a file read with errors="surrogateescape") is tokenized as its bytes decoded with
+        U+FFFD for each invalid sequence, as llama.cpp's tools do with invalid UTF-8 input.
         """
+        text = _valid_text(text)
         ids: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
@@ -379,6 +383,28 @@ class StreamDecoder:
     def flush(self) -> str:
         """Emit what is held back (an incomplete character becomes U+FFFD) and reset."""
         return self._utf8.decode(b"", final=True)
+
+
+def _valid_text(text: str) -> str:
+    """``text`` with lone surrogates resolved: surrogate-escaped bytes (U+DC80..U+DCFF) become the
+    bytes they stand for, then every invalid UTF-8 sequence (and any other lone surrogate) U+FFFD."""
+    if not isinstance(text, str):
+        raise ClutorError(f"text to encode must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    out = bytearray()
+    for ch in text:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:
+            out.append(o - 0xDC00)
+        elif 0xD800 <= o <= 0xDFFF:
+            out += "\ufffd".encode()
+        else:
+            out += ch.encode()
+    return out.decode("utf-8", errors="replace")
 
 
 def _any_of(candidates: Sequence[tuple[str, int]]) -> re.Pattern[str] | None:
