@@ -95,6 +95,10 @@ def _check_args(args) -> None:
     for d in args.depth:
         if not 1 <= d <= 4096:
             raise ClutorError(f"--depth: expected 1..4096, got {d}")
+    if not getattr(args, "path", None) and args.size < max(args.block):
+        # refused before the test file is written, not after
+        raise ClutorError(f"--size {args.size} bytes is smaller than block {max(args.block)}: "
+                          "the test file must hold at least one block")
 
 
 async def run(args) -> int:

@@ -70,7 +70,13 @@ def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, den
             budget = parse_bytes(spec)
         except ValueError as e:
             raise ClutorError(f"expert_cache: {e}") from None
-        why = f"as asked ({format_bytes(budget)})"
+        if budget > total:
+            # More than every expert needs would only be memory asked for and never used (and an
+            # absurd size would fail in mmap): hold all the experts, and say so.
+            why = f"{spec} asked, capped at what all experts need ({format_bytes(total)})"
+            budget = total
+        else:
+            why = f"as asked: {spec} = {format_bytes(budget)}"
     if budget < minimum:
         raise BudgetError(
             f"expert cache of {format_bytes(budget)} is too small: one layer's top-{top_k} experts need "
