@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import importlib
 import inspect
 import os
@@ -58,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_coro(result)
         return int(result or 0)
     except ClutorError as e:
+        if type(e).__name__ == "OutputError":
+            _silence_stdout()  # what is still buffered would fail again at exit
         _error(str(e))
         return 1
     except KeyboardInterrupt:
@@ -68,12 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) and _is_stdout_error():
-            _silence_stdout()
-            _error(f"cannot write the output: {e.strerror or e}")
-        else:
-            where = f"{e.filename}: " if e.filename else ""
-            _error(f"{where}{e.strerror or e}")
+        where = f"{e.filename}: " if e.filename else ""
+        _error(f"{where}{e.strerror or e}")
         return 1
     except MemoryError:
         _error("out of memory")
@@ -82,14 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error(message: str) -> None:
     print(f"clutor: error: {message}", file=sys.stderr)
-
-
-def _is_stdout_error() -> bool:
-    try:
-        sys.stdout.flush()
-    except OSError:
-        return True
-    return False
 
 
 def _silence_stdout() -> None:

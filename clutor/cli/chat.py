@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from ..errors import ClutorError
-from .common import (Formatter, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
-                     read_text_file, sampling_kwargs)
+from .common import (Formatter, OutputError, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
+                     read_text_file, sampling_kwargs, write_out)
 
 PROMPT = "> "
 
@@ -86,6 +86,9 @@ def _read_line() -> str | None:
     stopped by a Ctrl-C typed long before it)."""
     try:
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The loop's wakeup fd would also record this Ctrl-C, and the loop would deliver it to the
+        # reply's SIGINT handler the moment that is installed: detach it while we wait here.
+        wakeup = signal.set_wakeup_fd(-1)
     except ValueError:  # not the main thread
         previous = None
     try:
@@ -103,6 +106,7 @@ def _read_line() -> str | None:
                 print("^C", file=sys.stderr)
     finally:
         if previous is not None:
+            signal.set_wakeup_fd(wakeup)
             signal.signal(signal.SIGINT, previous)
 
 
@@ -119,8 +123,7 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
         async for chunk in model.generate(ids, **options):
             if chunk.text:
                 parts.append(chunk.text)
-                out.write(chunk.text)
-                out.flush()
+                write_out(chunk.text, out)
             if chunk.stats:
                 stats = chunk.stats
 
@@ -259,6 +262,8 @@ async def run(args) -> int:
                     continue
                 try:
                     reply, stats = await _reply(model, ids, args, sys.stdout)
+                except OutputError:
+                    raise
                 except ClutorError as e:  # one bad turn must not end the conversation
                     messages.pop()
                     print(f"clutor: error: {e}", file=sys.stderr)

@@ -106,6 +106,23 @@ def read_text_file(path: str, what: str) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+class OutputError(ClutorError):
+    """stdout cannot be written (a full disk, a vanished terminal): the command cannot go on."""
+
+
+def write_out(text: str, out=None) -> None:
+    """Write generated text to stdout at once; a full disk or a dead terminal becomes ClutorError (a
+    closed pipe stays BrokenPipeError: `| head` is a normal way to stop, ended quietly by main)."""
+    out = out or sys.stdout
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write the output: {e.strerror or e}") from None
+
+
 def read_stdin() -> str:
     """All of stdin as text; invalid UTF-8 becomes U+FFFD (the tokenizer's rule for bad bytes)."""
     buf = getattr(sys.stdin, "buffer", None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter, byte_progress, print_stats
+from .common import Formatter, byte_progress, print_stats, write_out
 
 
 def add_parser(sub):
@@ -38,12 +38,11 @@ async def _generate(args, path) -> int:
     from ..model.model import Model
 
     async with Model.open(path, expert_cache=args.expert_cache, io=args.io) as model:
-        print(args.prompt, end="", flush=True)
+        write_out(args.prompt)
         async for out in model.generate(args.prompt, max_tokens=args.max_tokens, temperature=0.8, seed=0,
                                         ignore_eos=True):
             if out.text:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+                write_out(out.text)
             if out.stats:
                 print_stats(out.stats)
     return 0

@@ -5,7 +5,7 @@ import sys
 
 from ..errors import ClutorError
 from .common import (Formatter, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
-                     read_stdin, read_text_file, sampling_kwargs)
+                     read_stdin, read_text_file, sampling_kwargs, write_out)
 
 
 def add_parser(sub):
@@ -57,8 +57,7 @@ async def run(args) -> int:
             special = True
         async for out in model.generate(prompt, special=special, **sampling_kwargs(args, model.n_ctx)):
             if out.text:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+                write_out(out.text)
             if out.stats:
                 print_stats(out.stats)
     return 0
