@@ -278,3 +278,25 @@ def test_ctrl_c_at_the_idle_chat_prompt_is_not_remembered(tmp_path, loop):
     assert b"unknown command /nope" in t.expect(b"> ")
     t.send(b"\x04")                     # Ctrl-D: leave, after a newline
     assert t.close() == 0
+
+
+def test_kernel_compile_is_announced_on_a_terminal(monkeypatch):
+    import io
+
+    from clutor.cli.common import warm_kernels
+    from clutor.model import kernels
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(kernels, "warmup", lambda: time.sleep(3.5))  # a first run's compile, shortened
+    warm_kernels()
+    assert "compiling the compute kernels" in err.getvalue() and err.getvalue().endswith("\r\x1b[K")
+    err.seek(0)
+    err.truncate()
+    monkeypatch.setattr(kernels, "warmup", lambda: None)  # cached: nothing said
+    warm_kernels()
+    assert err.getvalue() == ""

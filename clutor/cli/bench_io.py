@@ -16,14 +16,12 @@ import tempfile
 from dataclasses import asdict
 
 from clutor.errors import ClutorError
+
+from .common import Formatter
 from clutor.units import format_bytes, parse_bytes
 
 MODES = ("direct", "buffered")
 BACKENDS = ("uring", "threads")
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def _list(parse):
@@ -49,7 +47,7 @@ def _choices(allowed):
 
 def add_parser(sub):
     p = sub.add_parser(
-        "bench-io", help="measure disk read bandwidth of the I/O backends (vs fio)", formatter_class=_Formatter,
+        "bench-io", help="measure disk read bandwidth of the I/O backends (vs fio)", formatter_class=Formatter,
         description=__doc__,
         epilog="example:\n  clutor bench-io --block 1MiB,4MiB --depth 8,32 --mode direct --seconds 5",
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import ClutorError
 from .common import (Formatter, OutputError, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
-                     read_text_file, sampling_kwargs, write_out)
+                     read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 PROMPT = "> "
 
@@ -218,11 +218,16 @@ def _command(line: str, messages: list[dict], system: list[dict]) -> bool:
     return True
 
 
-async def run(args) -> int:
-    from ..model.model import Model
-
+def run(args):
     check_sampling_args(args)
     template = read_text_file(args.chat_template, "chat template") if args.chat_template else None
+    warm_kernels()
+    return _chat(args, template)
+
+
+async def _chat(args, template: str | None) -> int:
+    from ..model.model import Model
+
     template_name = args.chat_template or "tokenizer.chat_template"
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 
 from ..errors import ClutorError
 from ..model.generate import GenerationStats
@@ -127,6 +129,35 @@ def read_stdin() -> str:
     """All of stdin as text; invalid UTF-8 becomes U+FFFD (the tokenizer's rule for bad bytes)."""
     buf = getattr(sys.stdin, "buffer", None)
     return buf.read().decode("utf-8", errors="replace") if buf is not None else sys.stdin.read()
+
+
+def warm_kernels() -> None:
+    """Compile the compute kernels (first run on a machine: ~30 s, minutes when it is busy) or load
+    them from numba's cache, here in the main thread before any event loop, so Ctrl-C stops it at
+    once; on a terminal, a line says what is going on if it takes more than two seconds. (Model.open
+    warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)"""
+    from ..model import kernels
+
+    done = threading.Event()
+
+    def tell() -> None:
+        t0 = time.monotonic()
+        if done.wait(2.0):
+            return
+        while not done.wait(1.0):
+            print(f"\rclutor: compiling the compute kernels (once per machine; cached afterwards)... "
+                  f"{time.monotonic() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+
+    teller = threading.Thread(target=tell, daemon=True) if sys.stderr.isatty() else None
+    if teller is not None:
+        teller.start()
+    try:
+        kernels.warmup()
+    finally:
+        done.set()
+        if teller is not None:
+            teller.join()
 
 
 def byte_progress(desc: str, min_total: int = 256 << 20):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter, byte_progress, print_stats, write_out
+from .common import Formatter, byte_progress, print_stats, warm_kernels, write_out
 
 
 def add_parser(sub):
@@ -31,6 +31,7 @@ def run(args):
         raise ClutorError(f"-n/--max-tokens must be >= 1, got {args.max_tokens}")
     path = ensure_demo_model(args.cache_dir, progress=byte_progress("building the demo model", 0))
     print(f"demo model: {path}", file=sys.stderr)
+    warm_kernels()
     return _generate(args, path)
 
 

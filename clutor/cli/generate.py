@@ -5,7 +5,7 @@ import sys
 
 from ..errors import ClutorError
 from .common import (Formatter, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
-                     read_stdin, read_text_file, sampling_kwargs, write_out)
+                     read_stdin, read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 
 def add_parser(sub):
@@ -39,13 +39,18 @@ def _prompt(args) -> str:
     return read_stdin() if text == "-" else text
 
 
-async def run(args) -> int:
-    from ..model.chat import render_chat
-    from ..model.model import Model
-
+def run(args):
     check_sampling_args(args)
     prompt = _prompt(args)
     template = read_text_file(args.chat_template, "chat template") if args.chat_template else None
+    warm_kernels()
+    return _generate(args, prompt, template)
+
+
+async def _generate(args, prompt: str, template: str | None) -> int:
+    from ..model.chat import render_chat
+    from ..model.model import Model
+
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
         if args.chat or template is not None:
