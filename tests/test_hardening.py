@@ -250,6 +250,28 @@ def test_template_bounds_leave_real_templates_alone():
     assert sys.gettrace() is before
 
 
+def test_bounded_rendering_gives_what_the_stock_sandbox_gives():
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from clutor.model.chat import _tojson
+
+    templates = sorted((REPO.parent / "shared" / "data" / "templates").glob("*.jinja"))
+    if not templates:
+        pytest.skip("../shared/data/templates (real chat templates) is not present")
+    stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    stock.filters["tojson"] = _tojson
+    convo = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} ~ {{x}} " * 3} for i in range(9)]
+    for path in templates:
+        text = path.read_text()
+        if "strftime_now" in text:
+            continue  # the date differs between two renders at midnight; nothing else to learn from it
+        want = stock.from_string(text).render(messages=convo, add_generation_prompt=True, bos_token="<s>",
+                                              eos_token="</s>", raise_exception=None)
+        assert render_chat(text, convo, bos_token="<s>", eos_token="</s>") == want, path.name
+
+
 # -- 6. no hang on a FIFO -------------------------------------------------------------------------
 @pytest.mark.timeout(20)
 def test_fifo_as_model_or_split_part_is_refused_without_blocking(tmp_path):
