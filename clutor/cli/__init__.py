@@ -18,6 +18,7 @@ COMMANDS = {
     "bench-io": "bench_io",
     "simulate": "simulate",
     "bench": "bench",
+    "serve": "serve",
 }
 
 

@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ClutorError
 
-__all__ = ["render_chat", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "chat_ids", "CHATML_TEMPLATE"]
 
 _FIELD = "tokenizer.chat_template"
 
@@ -107,3 +107,13 @@ def render_chat(
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
         # Python errors raised inside template expressions (e.g. 'a' + 1) are template bugs too.
         raise ClutorError(f"{_FIELD}: rendering failed: {type(e).__name__}: {e}") from None
+
+
+def chat_ids(tokenizer, messages: list[dict], **extra: object) -> list[int]:
+    """Token ids of ``messages`` rendered through the tokenizer's own template, ready for the
+    assistant's reply (control tokens in the rendered text parsed as such)."""
+    tok = tokenizer
+    prompt = render_chat(tok.chat_template, messages,
+                         bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                         eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "", **extra)
+    return tok.encode(prompt, special=True)

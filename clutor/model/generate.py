@@ -8,7 +8,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from ..errors import ClutorError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, token_logprobs
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
 
@@ -84,6 +84,7 @@ class GenerationStats:
     io: IOReport | None = None   # None when experts are mapped from the file
     peak_rss: int = 0            # the process's peak resident set (VmHWM), bytes
     cache_note: str = ""         # how the expert cache size was chosen
+    cached_tokens: int = 0       # prompt tokens whose KV was reused from an earlier sequence
 
     @property
     def bytes_per_token(self) -> float:
@@ -106,6 +107,8 @@ class GenerationChunk:
     text: str                 # new text (may be "" while a multi-byte character or stop string is pending)
     token: int | None         # the token sampled at this step; None on the final record
     stats: GenerationStats | None = None  # set on the final record only
+    logprob: float | None = None  # log-probability of token (raw logits), when generate(logprobs=n)
+    top_logprobs: list[tuple[int, float]] | None = None  # the n most likely (id, logprob) at this step
 
     @property
     def done(self) -> bool:
@@ -146,11 +149,13 @@ class _StopMatcher:
 async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
                    top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                    repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
-                   ignore_eos: bool = False, special: bool = False) -> AsyncIterator[GenerationChunk]:
+                   ignore_eos: bool = False, special: bool = False, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
+    logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
     """
     tok = model.tokenizer
     ids = tok.encode(prompt, special=special) if isinstance(prompt, str) else [int(i) for i in prompt]
@@ -161,7 +166,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     if len(ids) + max_tokens > model.n_ctx:
         raise ClutorError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds n_ctx {model.n_ctx}")
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
     seq = model.new_sequence()
     stream = tok.stream()
     stopper = _StopMatcher(stop)
@@ -173,7 +179,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     t1 = time.perf_counter()
     n_gen, reason = 0, "length"
     while True:
-        token = sampler.sample(np.asarray(logits[-1], dtype=np.float32), history)
+        row = np.asarray(logits[-1], dtype=np.float32)  # [V]
+        token = sampler.sample(row, history)
+        lp, top = token_logprobs(row, token, logprobs) if logprobs is not None else (None, None)
         n_gen += 1
         history.append(token)
         if token in tok.stop_ids and not ignore_eos:
@@ -183,9 +191,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         if hit:
             reason = "stop"
             if text:
-                yield GenerationChunk(text, token)
+                yield GenerationChunk(text, token, None, lp, top)
             break
-        yield GenerationChunk(text, token)
+        yield GenerationChunk(text, token, None, lp, top)
         if n_gen >= max_tokens:
             break
         logits = await model.forward(seq, [token])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import weakref
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import numpy as np
@@ -43,6 +44,12 @@ class SequenceState:
     def n(self) -> int:
         return self.kv.n
 
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes written so far (the mapping's pages become resident only as positions are written)."""
+        kv = self.kv
+        return kv.n * (kv.k.nbytes + kv.v.nbytes) // kv.n_ctx
+
 
 class Model:
     """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
@@ -59,6 +66,7 @@ class Model:
         self._experts = experts
         self._rope = Rope(cfg.n_rot, cfg.rope_base, n_ctx)
         self._closed = False
+        self._live: weakref.WeakSet[SequenceState] = weakref.WeakSet()  # sequences not yet collected
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
         # Off unless asked: on the OLMoE-shaped benchmark (README) it did not beat demand reads alone.
@@ -162,7 +170,19 @@ class Model:
 
     # ---- forward ---------------------------------------------------------------------------
     def new_sequence(self) -> SequenceState:
-        return SequenceState(self.config, self.n_ctx)
+        seq = SequenceState(self.config, self.n_ctx)
+        self._live.add(seq)
+        return seq
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences holding a KV cache now (a finished or cancelled generation's is freed at once)."""
+        return len(self._live)
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes held by the live sequences."""
+        return sum(s.kv_bytes for s in list(self._live))
 
     async def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]."""
@@ -287,6 +307,14 @@ class Model:
 
         self._check_open()
         return generate(self, prompt, **options)
+
+    def chat(self, messages: list[dict], **options) -> AsyncIterator["GenerationChunk"]:
+        """Stream the assistant's reply to ``messages`` (dicts with "role" and "content") rendered
+        through the file's chat template; options as for generate."""
+        from .chat import chat_ids
+
+        self._check_open()
+        return self.generate(chat_ids(self.tokenizer, messages), **options)
 
 
 def _progress_of(progress, f) -> Callable[[int], None] | None:
