@@ -430,6 +430,21 @@ def test_metrics_count_requests_and_tokens(srv, client):
     assert m1["clutor_event_loop_lag_seconds"] >= 0 and m1["clutor_model_ready"] == 1
 
 
+def test_bench_serve_against_the_server(srv, tmp_path, capsys):
+    from clutor.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench-serve", srv.url, "--clients", "1,3", "--requests", "2", "--max-tokens", "5",
+                 "--prompt-words", "8", "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["clients"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["errors"] == 0 and lv["completion_tokens"] == lv["clients"] * 2 * 5 and lv["tok_s"] > 0
+        assert 0 < lv["ttft_p50"] <= lv["ttft_p99"] and 0 <= lv["itl_p50"] <= lv["itl_p99"]
+    table = capsys.readouterr().out
+    assert "TTFT p50" in table and "ITL p99" in table
+
+
 # -- faults -------------------------------------------------------------------------------------------
 def test_read_faults_fail_only_the_requests_they_hit():
     from clutor.io.faults import FaultyBackend

@@ -19,6 +19,7 @@ COMMANDS = {
     "simulate": "simulate",
     "bench": "bench",
     "serve": "serve",
+    "bench-serve": "bench_serve",
 }
 
 
