@@ -202,6 +202,24 @@ def test_models_and_health(srv, client):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
 
 
+def test_mounted_in_another_asgi_app():
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    async def main():
+        async with clutor.Model.open(MODEL, **OPEN) as model:
+            parent = Starlette(routes=[Mount("/llm", app=create_app(model, served_model_name=NAME, api_key="k"))])
+            transport = httpx.ASGITransport(app=parent)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                assert (await c.get("/llm/health")).json() == {"status": "ok"}
+                body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+                assert (await c.post("/llm/v1/completions", json=body)).status_code == 401
+                r = await c.post("/llm/v1/completions", json=body, headers={"authorization": "Bearer k"})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+    asyncio.run(main())
+
+
 # -- errors -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, param", [
     (dict(n=2), "n"),

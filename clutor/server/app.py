@@ -72,22 +72,22 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
-        ``clutor.Model.open(path)``: it is awaited in the background at startup (/health answers 503
-        until it is ready) and closed at shutdown.
+        ``clutor.Model.open(path)``: it is awaited in the background when the app's lifespan starts
+        (/health answers 503 until it is ready) and closed when it ends. (Mounted inside another
+        Starlette app, a sub-app gets no lifespan events: pass an open Model there.)
     max_sequences: generations running at once; max_queue: requests waiting beyond those (then 429).
     max_body: largest request body in bytes (then 413).
     """
     state = ServerState(served_model_name, api_key, Admission(max_sequences, max_queue), defaults or Defaults(),
                         max_body)
+    opened = hasattr(model, "generate")
+    if opened:  # ready now: also when mounted in another app, whose lifespan never reaches this one
+        state.model, state.status = model, "ok"
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         lag = asyncio.ensure_future(watch_loop_lag(state.metrics))
-        loader = None
-        if hasattr(model, "generate"):
-            state.model, state.status = model, "ok"
-        else:
-            loader = asyncio.ensure_future(_load(state, model))
+        loader = None if opened else asyncio.ensure_future(_load(state, model))
         try:
             yield
         finally:
@@ -138,7 +138,11 @@ class _Auth:
 
     async def __call__(self, scope, receive, send):
         key = self._server.api_key
-        if key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted: Starlette keeps the mount prefix in path
+            path = path[len(root):]
+        if key and scope["type"] == "http" and path.startswith("/v1"):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
