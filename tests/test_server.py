@@ -208,12 +208,17 @@ def test_mounted_in_another_asgi_app():
 
     async def main():
         async with clutor.Model.open(MODEL, **OPEN) as model:
-            parent = Starlette(routes=[Mount("/llm", app=create_app(model, served_model_name=NAME, api_key="k"))])
+            app = create_app(model, served_model_name=NAME, api_key="k", cors_origins=("https://ui.example",))
+            parent = Starlette(routes=[Mount("/llm", app=app)])
             transport = httpx.ASGITransport(app=parent)
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
                 assert (await c.get("/llm/health")).json() == {"status": "ok"}
                 body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
                 assert (await c.post("/llm/v1/completions", json=body)).status_code == 401
+                pre = await c.options("/llm/v1/completions", headers={
+                    "origin": "https://ui.example", "access-control-request-method": "POST",
+                    "access-control-request-headers": "authorization, content-type"})
+                assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
                 r = await c.post("/llm/v1/completions", json=body, headers={"authorization": "Bearer k"})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 

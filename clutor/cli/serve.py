@@ -26,6 +26,8 @@ def add_parser(sub):
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name stem)")
     p.add_argument("--api-key", default=os.environ.get("CLUTOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (CORS; repeatable, '*' = any)")
     p.add_argument("--max-sequences", type=int, default=8, help="generations running at once (the batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429")
     p.add_argument("--max-body", type=int, default=8 << 20, help="largest request body, bytes (more: 413)")
@@ -79,7 +81,7 @@ async def run(args) -> int:
                         repeat_penalty=args.repeat_penalty)
     app = create_app(open_model(), served_model_name=args.served_model_name, api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, max_body=args.max_body,
-                     defaults=defaults)
+                     defaults=defaults, cors_origins=tuple(args.allow_origin))
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
     host, port = sock.getsockname()[:2]
     logging.getLogger("clutor.server").info(

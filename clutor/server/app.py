@@ -68,7 +68,7 @@ class ServerState:
 
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
                max_sequences: int = 8, max_queue: int = 64, max_body: int = 8 << 20,
-               defaults: Defaults | None = None) -> Starlette:
+               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = ()) -> Starlette:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -77,6 +77,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Starlette app, a sub-app gets no lifespan events: pass an open Model there.)
     max_sequences: generations running at once; max_queue: requests waiting beyond those (then 429).
     max_body: largest request body in bytes (then 413).
+    cors_origins: browser origins allowed to call the API ("*" = any); none by default.
     """
     state = ServerState(served_model_name, api_key, Admission(max_sequences, max_queue), defaults or Defaults(),
                         max_body)
@@ -110,7 +111,15 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, APIError: _api_error})
     app.state.clutor = state
-    return _Auth(app, state)
+    outer = _Auth(app, state)
+    if cors_origins:  # outermost, so a browser's preflight (no credentials) is answered before the key check
+        from starlette.middleware.cors import CORSMiddleware
+
+        cors = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                              allow_headers=["*"])
+        cors.state = app.state
+        return cors
+    return outer
 
 
 async def _load(state: ServerState, opener: Awaitable) -> None:
