@@ -329,6 +329,36 @@ def test_queue_limit_429_with_retry_after():
         s.stop()
 
 
+def test_drain_is_bounded_in_time():
+    s = LiveServer(create_app(clutor.Model.open(MODEL, **OPEN), served_model_name=NAME, max_sequences=1),
+                   drain_timeout=0.5)
+    adm = s.state.admission
+
+    async def take():
+        await adm.acquire()  # never given back: the next request waits until the drain gives up on it
+
+    s.call(take)
+    outcome = {}
+
+    def stuck():
+        try:
+            outcome["r"] = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        except httpx.HTTPError as e:
+            outcome["r"] = e
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    while adm.queued < 1:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    s.stop()
+    assert time.monotonic() - t0 < 5, "the drain did not give up after --drain-timeout"
+    t.join(10)
+    r = outcome["r"]  # answered, not dropped: 503 in OpenAI's shape
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert adm.queued == 0
+
+
 def test_health_is_503_while_loading():
     gate = asyncio.Event
 

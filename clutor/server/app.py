@@ -274,18 +274,30 @@ class _Generation(Response):
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._run(send))
         watch = asyncio.ensure_future(_disconnected(receive))
+        shutdown = False
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Whoever is still running goes: on a disconnect that is the work (its generator closes and
-            # the sequence is freed); on a server cancellation (drain timeout) both.
-            for t in (work, watch):
-                t.cancel()
-            await asyncio.gather(work, watch, return_exceptions=True)
-            if not work.done() or work.cancelled():
-                self.s.metrics.disconnects += 1
-                self.note = self.note or "client disconnected"
-            self._log()
+        except asyncio.CancelledError:  # the server's drain ran out of time
+            shutdown = True
+        # Whoever is still running goes: on a disconnect that is the work (its generator closes and the
+        # sequence is freed); on shutdown both.
+        client_left = watch.done() and not watch.cancelled()
+        for t in (work, watch):
+            t.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+        if work.cancelled() and client_left:
+            self.s.metrics.disconnects += 1
+            self.note = "client disconnected"
+        elif shutdown:
+            # Answer rather than die mid-response: the client gets a clear error, not a torn connection.
+            err = APIError(503, "the server shut down before this request finished; retry", code="shutting_down")
+            with contextlib.suppress(Exception):
+                if self.status == 0:
+                    await self._error(send, err)
+                else:
+                    await _sse(send, {"error": err.body()["error"]}, more=False)
+            self.note = err.message
+        self._log()
 
     async def _run(self, send) -> None:
         s, req = self.s, self.req
