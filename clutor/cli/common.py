@@ -88,7 +88,9 @@ def print_stats(stats: GenerationStats, file=None) -> None:
     from ..units import format_bytes
 
     lines = [
-        f"\n[{stats.prompt_tokens} prompt tokens, {stats.prefill_tps:.1f} tok/s prefill | "
+        f"\n[{stats.prompt_tokens} prompt tokens"
+        + (f" ({stats.cached_tokens} reused from the prefix cache)" if stats.cached_tokens else "")
+        + f", {stats.prefill_tps:.1f} tok/s prefill | "
         f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
     ]
     io = stats.io
