@@ -260,3 +260,29 @@ def test_event_loop_lag_while_generating(lag_model, io):
     assert n == 32, figures
     assert len(lags) >= took / 0.02, figures  # it kept ticking all along
     assert p99 <= 0.010 and worst <= 0.050, figures
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    """An error inside a step reaches every generation of that step as a ClutorError; the next
+    request is served normally (nothing hangs, nothing is logged as unretrieved)."""
+    async def go():
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory") as model:
+            real = model.forward_batch
+            calls = {"n": 0}
+
+            async def flaky(*a, **k):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected")
+                return await real(*a, **k)
+
+            monkeypatch.setattr(model, "forward_batch", flaky)
+            results = await asyncio.gather(_tokens(model, "Hello there", 8, {"temperature": 0}),
+                                           _tokens(model, "Good morning", 8, {"temperature": 0}),
+                                           return_exceptions=True)
+            after = await _tokens(model, "Hello there", 4, {"temperature": 0})
+            return results, after, model.engine_stats()
+
+    results, after, st = run(go())
+    assert all(isinstance(r, clutor.ClutorError) and "injected" in str(r) for r in results), results
+    assert len(after) == 4 and st.live_sequences == 0
