@@ -28,8 +28,8 @@ def add_parser(sub):
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (CORS; repeatable, '*' = any)")
-    p.add_argument("--max-sequences", type=int, default=8, help="generations running at once (the batch)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the --max-sequences in the batch; more get 429")
     p.add_argument("--max-body", type=int, default=8 << 20, help="largest request body, bytes (more: 413)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds requests in flight may still run")

@@ -457,6 +457,11 @@ class ExpertStore:
         await self.aclose()
 
     # -- queries ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """The most distinct experts one get() may hold pinned: every slot and spare buffer."""
+        return self.n_slots + self.n_spare
+
     def resident(self, layer: int, expert: int) -> bool:
         """The expert's bytes are in the cache now (a get() would not wait)."""
         return self.cache.resident((layer, int(expert)))

@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ClutorError
 
-__all__ = ["render_chat", "chat_ids", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "CHATML_TEMPLATE"]
 
 _FIELD = "tokenizer.chat_template"
 
@@ -109,11 +109,11 @@ def render_chat(
         raise ClutorError(f"{_FIELD}: rendering failed: {type(e).__name__}: {e}") from None
 
 
-def chat_ids(tokenizer, messages: list[dict], **extra: object) -> list[int]:
-    """Token ids of ``messages`` rendered through the tokenizer's own template, ready for the
-    assistant's reply (control tokens in the rendered text parsed as such)."""
-    tok = tokenizer
-    prompt = render_chat(tok.chat_template, messages,
-                         bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                         eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "", **extra)
-    return tok.encode(prompt, special=True)
+def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of a conversation rendered through the tokenizer's chat template, with the
+    file's BOS and EOS texts given to the template as it expects them."""
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    prompt = render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=bos, eos_token=eos)
+    return tokenizer.encode(prompt, special=True)

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from ..io.layout import ExpertLayout
+from ..io.store import StoreStats
 from ..io.views import ExpertBatch, ExpertView
 
 __all__ = ["ExpertSource", "InMemoryExperts"]
@@ -18,6 +19,15 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 
 @runtime_checkable
 class ExpertSource(Protocol):
+    """Where the layer loop gets routed experts from. ``capacity``: the most distinct experts one
+    get may hold pinned at once (0 = no limit); ``slot_bytes``: what one cached expert occupies (a
+    routing trace's header carries it, so the simulator models the same cache); ``stats()``: the
+    store's counters, None where nothing is cached."""
+
+    capacity: int
+    slot_bytes: int
+
+    def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
@@ -31,8 +41,11 @@ class InMemoryExperts:
     first touch cost a 64-token prefill of the OLMoE-shaped model ~1 s otherwise, paid by whichever
     tokens first route to each expert."""
 
+    capacity = 0  # every expert is always there: nothing to pin
+
     def __init__(self, layout: ExpertLayout):
         self.layout = layout
+        self.slot_bytes = layout.max_expert_bytes
         self._maps: dict[str, np.ndarray] = {}
         self._mmaps: list[mmap.mmap] = []
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -57,6 +70,9 @@ class InMemoryExperts:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
+
+    def stats(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         # Views may still be referenced by callers; dropping our references lets the mmaps close

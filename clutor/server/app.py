@@ -49,8 +49,16 @@ class ServerState:
     model: object = None
     status: str = "loading"           # loading | ok | error | draining
     error: str | None = None
+    batch_from_model: bool = False    # admit as many as the model's engine batches
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def set_model(self, model) -> None:
+        self.model = model
+        if self.batch_from_model:
+            self.admission.max_live = model.options.max_sequences
+        if self.status == "loading":
+            self.status = "ok"
 
     @property
     def name(self) -> str:
@@ -67,7 +75,7 @@ class ServerState:
 
 
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_sequences: int = 8, max_queue: int = 64, max_body: int = 8 << 20,
+               max_sequences: int | None = None, max_queue: int = 64, max_body: int = 8 << 20,
                defaults: Defaults | None = None, cors_origins: tuple[str, ...] = ()) -> Starlette:
     """An OpenAI-compatible ASGI app over ``model``.
 
@@ -75,15 +83,16 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         ``clutor.Model.open(path)``: it is awaited in the background when the app's lifespan starts
         (/health answers 503 until it is ready) and closed when it ends. (Mounted inside another
         Starlette app, a sub-app gets no lifespan events: pass an open Model there.)
-    max_sequences: generations running at once; max_queue: requests waiting beyond those (then 429).
+    max_sequences: generations running at once (default: the model's batch, Model.open(max_sequences=...));
+        max_queue: requests waiting beyond those (then 429).
     max_body: largest request body in bytes (then 413).
     cors_origins: browser origins allowed to call the API ("*" = any); none by default.
     """
-    state = ServerState(served_model_name, api_key, Admission(max_sequences, max_queue), defaults or Defaults(),
-                        max_body)
+    state = ServerState(served_model_name, api_key, Admission(max_sequences or 1, max_queue),
+                        defaults or Defaults(), max_body, batch_from_model=max_sequences is None)
     opened = hasattr(model, "generate")
     if opened:  # ready now: also when mounted in another app, whose lifespan never reaches this one
-        state.model, state.status = model, "ok"
+        state.set_model(model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -132,8 +141,7 @@ async def _load(state: ServerState, opener: Awaitable) -> None:
         state.status, state.error = "error", str(e)
         log.error("loading the model failed: %s", e)
         return
-    if state.status == "loading":
-        state.status = "ok"
+    state.set_model(state.model)
     log.info("model %s ready in %.1f s (n_ctx %d)", state.name, time.perf_counter() - t0, state.model.n_ctx)
 
 
@@ -335,10 +343,6 @@ class _Generation(Response):
             else:  # mid-stream: the status is sent already; end the stream with an error event
                 self.note = err.message
                 await _sse(send, {"error": err.body()["error"]}, more=False)
-            # The traceback holds the failed generation's frames, and so its sequence and KV; one read
-            # error is raised to every request waiting on that read, each adding its frames. Drop them
-            # now so the KV is freed at once, not whenever the store lets go of the error.
-            e.__traceback__ = None
         finally:
             s.admission.release(time.perf_counter() - t_admit)
 

@@ -50,10 +50,18 @@ class Metrics:
         metric("requests_running", "gauge", "Requests admitted and generating.", [("", admission.live)])
         ready = model is not None
         metric("model_ready", "gauge", "1 once the model is loaded and serving.", [("", 1 if state == "ok" else 0)])
-        metric("live_sequences", "gauge", "Sequences holding a KV cache in the engine.",
-               [("", getattr(model, "live_sequences", 0) if ready else 0)])
-        metric("kv_bytes", "gauge", "KV cache bytes held by live sequences.",
-               [("", getattr(model, "kv_bytes", 0) if ready else 0)])
+        if ready:
+            es = model.engine_stats()
+            metric("live_sequences", "gauge", "Sequences in the engine's batch.", [("", es.live_sequences)])
+            metric("engine_queued", "gauge", "Sequences submitted to the engine, waiting for a batch place.",
+                   [("", es.queued)])
+            metric("kv_bytes", "gauge", "KV cache bytes held by live sequences.", [("", es.kv_bytes)])
+            metric("prefix_cache_bytes", "gauge", "KV bytes kept from finished sequences for prefix reuse.",
+                   [("", es.prefix_bytes)])
+            metric("prefix_cache_entries", "gauge", "Finished sequences kept for prefix reuse.",
+                   [("", es.prefix_entries)])
+            metric("engine_steps_total", "counter", "Batched forward steps run.", [("", es.steps)])
+            metric("engine_step_rows_total", "counter", "Token rows computed over all steps.", [("", es.step_rows)])
         io = model.io_stats() if ready else None
         if io is not None:
             metric("expert_accesses_total", "counter", "Routed experts demanded.", [("", io.accesses)])
