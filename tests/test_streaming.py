@@ -247,6 +247,26 @@ def test_generation_fits_in_a_cgroup_cap_far_below_the_model(big_model):
     assert r.returncode != 0 and r.oom_killed, (r.returncode, r.oom_killed, r.stdout, r.stderr[-1000:])
 
 
+def test_eight_concurrent_sequences_fit_in_a_cgroup_cap(big_model):
+    """Eight generations in one batch: the cap is the one-sequence cap plus seven more KV caches."""
+    path, spec = big_model
+    plans = plan_tensors(spec)
+    dense_bytes = sum(p.nbytes for p in plans if "_exps." not in p.name)
+    kv_bytes = 2 * spec.n_layer * spec.n_head_kv * spec.n_ctx * spec.head_dim * 4  # float32 K and V, one sequence
+    cap = dense_bytes + BIG_CACHE + 8 * kv_bytes + RUNTIME_ALLOWANCE
+    io = "threads"
+    r = memcap.run_capped(su.child_cmd("generate", str(path), "--io", io, "--cache", str(BIG_CACHE), "--tokens", "8",
+                                       "--concurrency", "8"), cap, env=su.child_env(), timeout=300)
+    what = f"8 sequences, io={io} cap={format_bytes(cap)} cgroup peak={format_bytes(r.peak)}"
+    assert not r.oom_killed, what
+    out = _capped_json(r)
+    assert [len(t) for t in out["streams"]] == [8] * 8, what
+    assert len({tuple(t) for t in out["streams"]}) > 1, what  # different prompts, different tokens
+    assert out["steps"] < 8 * 8, (what, out["steps"])  # they shared steps
+    assert r.peak <= cap, what
+    assert out["io"]["misses"] > 0 and out["evictions"] > 0, (what, out)
+
+
 # -- 3. concurrency -------------------------------------------------------------------------------
 PROMPTS = ("Once upon a time there was a little", "The quick brown fox jumps over the lazy")
 

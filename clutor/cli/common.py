@@ -61,6 +61,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="O_DIRECT reads that bypass the page cache (the default)")
     d.add_argument("--buffered", dest="direct", action="store_false", help="reads through the page cache")
     g.add_argument("--trace", default=None, metavar="FILE", help="record routing to FILE (JSONL, see `clutor simulate`)")
+    b = p.add_argument_group("batching")
+    b.add_argument("--max-sequences", type=int, default=16, help="generations advanced together in one step")
+    b.add_argument("--step-tokens", type=int, default=256,
+                   help="tokens one step computes at most (long prompts are prefilled in chunks)")
+    b.add_argument("--prefix-cache", default="256MiB", metavar="SIZE",
+                   help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
 
 
 def check_sampling_args(args) -> None:
@@ -93,7 +99,8 @@ def model_kwargs(args) -> dict:
               "(experts are mapped from the file, nothing is cached or prefetched)", file=sys.stderr)
     prefetch = None if args.prefetch is None else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
-                io=args.io, direct=args.direct, trace=args.trace, progress=load_progress())
+                io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
+                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -193,7 +200,9 @@ def print_stats(stats: GenerationStats, file=None) -> None:
     from ..units import format_bytes
 
     lines = [
-        f"\n[{stats.prompt_tokens} prompt tokens, {stats.prefill_tps:.1f} tok/s prefill | "
+        f"\n[{stats.prompt_tokens} prompt tokens"
+        + (f" ({stats.cached_tokens} reused from the prefix cache)" if stats.cached_tokens else "")
+        + f", {stats.prefill_tps:.1f} tok/s prefill | "
         f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
     ]
     io = stats.io

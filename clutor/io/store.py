@@ -321,12 +321,11 @@ class ExpertStore:
                 finally:
                     self._c.wait_seconds += time.perf_counter() - t0
                 keys = [pending.pop(fut) for fut in finished]
-                # Several reads may fail together (a truncated file): take every error, raise the
-                # first, so none is left to be logged as "never retrieved".
-                errors = [fut.exception() for fut in finished]
-                for err in errors:
-                    if err is not None:
-                        raise err
+                # every error retrieved before the first is raised: two reads failing together must not
+                # leave the second logged as "never retrieved"
+                errors = [err for err in (fut.exception() for fut in finished) if err is not None]
+                if errors:
+                    raise errors[0]
                 # in request order, so a group's order does not depend on completion order
                 yield [views[e] for e in views if (layer, e) in keys]
         finally:
@@ -474,6 +473,11 @@ class ExpertStore:
         await self.aclose()
 
     # -- queries ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """The most distinct experts one get() may hold pinned: every slot and spare buffer."""
+        return self.n_slots + self.n_spare
+
     def resident(self, layer: int, expert: int) -> bool:
         """The expert's bytes are in the cache now (a get() would not wait)."""
         return self.cache.resident((layer, int(expert)))

@@ -264,3 +264,13 @@ def render_chat(
         # Python errors raised inside template expressions (e.g. 'a' + 1) are template bugs too.
         raise ClutorError(f"{name}: rendering failed: {type(e).__name__}: {e}") from None
     return "".join(out)
+
+
+def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of a conversation rendered through the tokenizer's chat template, with the
+    file's BOS and EOS texts given to the template as it expects them."""
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    prompt = render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=bos, eos_token=eos)
+    return tokenizer.encode(prompt, special=True)

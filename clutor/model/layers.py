@@ -94,6 +94,7 @@ class KVCache:
         self.v = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim_v))  # [L, Hkv, n_ctx, hdv]
         self.n_ctx = n_ctx
         self.n = 0  # positions filled (advanced by the model after the last layer)
+        self.high = 0  # positions ever written: the pages made resident (what the cache really holds)
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +103,7 @@ class KVCache:
     def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k [T, Hkv, hd], v [T, Hkv, hdv] at positions p0..p0+T-1."""
         T = k.shape[0]
+        self.high = max(self.high, p0 + T)
         self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
         self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ClosedError, ClutorIOError
 from ..io.layout import ExpertLayout
+from ..io.store import StoreStats
 from ..io.views import ExpertBatch, ExpertView
 
 __all__ = ["ExpertSource", "InMemoryExperts"]
@@ -20,6 +21,15 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 
 @runtime_checkable
 class ExpertSource(Protocol):
+    """Where the layer loop gets routed experts from. ``capacity``: the most distinct experts one
+    get may hold pinned at once (0 = no limit); ``slot_bytes``: what one cached expert occupies (a
+    routing trace's header carries it, so the simulator models the same cache); ``stats()``: the
+    store's counters, None where nothing is cached."""
+
+    capacity: int
+    slot_bytes: int
+
+    def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
@@ -41,8 +51,11 @@ class InMemoryExperts:
     memory the process owns) have no such window.
     """
 
+    capacity = 0  # every expert is always there: nothing to pin
+
     def __init__(self, layout: ExpertLayout):
         self.layout = layout
+        self.slot_bytes = layout.max_expert_bytes
         self._maps: dict[str, np.ndarray] = {}
         self._mmaps: list[mmap.mmap] = []
         self._fds: dict[str, int] = {}
@@ -99,6 +112,9 @@ class InMemoryExperts:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
+
+    def stats(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         # Views may still be referenced by callers; dropping our references lets the mmaps close
