@@ -161,7 +161,7 @@ def test_generate_api_prompt_fits_but_not_max_tokens():
             chunks = [c async for c in m.generate(ids, max_tokens=100, temperature=0, ignore_eos=True)]
             stats = chunks[-1].stats
             assert stats.generated_tokens == 7 and stats.stop_reason == "length"
-            with pytest.raises(clutor.ClutorError, match="does not fit"):
+            with pytest.raises(clutor.ClutorError, match="more than the context"):
                 [c async for c in m.generate(list(range(10, 27)), max_tokens=1)]
 
     run(go())
