@@ -252,6 +252,18 @@ class _Pty:
                 continue
         raise AssertionError(f"Ctrl-C never answered; got {self.out[-2000:]!r}")
 
+    def rest(self) -> bytes:
+        """Whatever the program wrote after the last expect(), once it has exited."""
+        while True:
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.out += chunk
+        return self.out
+
     def close(self) -> int:
         try:
             return self.proc.wait(timeout=60)
@@ -277,7 +289,9 @@ def test_ctrl_c_at_the_idle_chat_prompt_is_not_remembered(tmp_path, loop):
     t.send(b"/nope\r")
     assert b"unknown command /nope" in t.expect(b"> ")
     t.send(b"\x04")                     # Ctrl-D: leave, after a newline
-    assert t.close() == 0
+    assert t.proc.wait(timeout=60) == 0
+    assert t.rest().startswith(b"\r\n"), t.out  # the shell's prompt starts on a line of its own
+    t.close()
 
 
 def test_kernel_compile_is_announced_on_a_terminal(monkeypatch):
