@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_coro(result)
         return int(result or 0)
     except ClutorError as e:
-        if type(e).__name__ == "OutputError":
+        if getattr(e, "stdout_failed", False):  # clutor.cli.common.OutputError
             _silence_stdout()  # what is still buffered would fail again at exit
         _error(str(e))
         return 1

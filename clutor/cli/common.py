@@ -118,6 +118,8 @@ def read_text_file(path: str, what: str) -> str:
 class OutputError(ClutorError):
     """stdout cannot be written (a full disk, a vanished terminal): the command cannot go on."""
 
+    stdout_failed = True  # main() then points stdout at /dev/null so the exit-time flush stays quiet
+
 
 def write_out(text: str, out=None) -> None:
     """Write generated text to stdout at once; a full disk or a dead terminal becomes ClutorError (a
