@@ -235,8 +235,11 @@ def test_generation_fits_in_a_cgroup_cap_far_below_the_model(big_model):
         # The reported peak is the kernel's: VmHWM and getrusage's ru_maxrss, read in the child after
         # the run without clutor's help, agree within 10% or 4 MiB.
         osf = out["os"]
-        for name, want in (("vm_hwm", out["peak_rss"]), ("ru_maxrss", max(out["peak_rss"], parent_rss))):
-            assert abs(want - osf[name]) <= max(0.10 * osf[name], 4 << 20), (what, name, out, parent_rss)
+        tol = max(0.10 * osf["vm_hwm"], 4 << 20)
+        assert abs(out["peak_rss"] - osf["vm_hwm"]) <= tol, (what, out)
+        # ru_maxrss is at least the child's own peak (it also carries the forked parent's size, which
+        # grows with the tests run before, so it can only be bounded from below).
+        assert osf["ru_maxrss"] >= out["peak_rss"] - tol, (what, out, parent_rss)
         # Read just after generating, the child's anonymous memory holds the whole (touched) arena, and
         # all of it is charged to the cgroup: the cap really applied to this process.
         assert io_rep["cache_bytes"] <= osf["rss_anon"] <= r.peak, (what, osf)
