@@ -12,7 +12,10 @@ from clutor.model.tokenizer import StreamDecoder, Tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 VOCAB = DATA / "vocab"
-NAMES = ["gpt-2", "qwen2"]
+# Every vocabulary llama.cpp ships expected tokenizations for (README in shared/data/vocab).
+NAMES = ["gpt-2", "qwen2", "llama-spm", "phi-3", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen35"]
+# Byte-level BPE vocabularies the independent oracle below can tokenize (split regex written here).
+BPE_NAMES = ["gpt-2", "qwen2", "llama-bpe"]
 
 # GPT-2's byte-level alphabet, rebuilt here independently of the module under test.
 _PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -73,15 +76,16 @@ def _reference_cases(name: str) -> list[tuple[str, list[int]]]:
 def test_reference_tokenizations(vocabs, name):
     tok = _tok(vocabs, name)
     cases = _reference_cases(name)
-    # 46 strings each: 46 separators in the .inp, 46 lines in the .out (llama.cpp reads 46 too).
-    assert len(cases) == 46
-    failures = [(text, want, tok.encode(text)) for text, want in cases if tok.encode(text) != want]
-    assert not failures, f"{len(cases) - len(failures)}/{len(cases)} agree; first: {failures[:3]}"
+    # one string per separator in the .inp, one line each in the .out (llama.cpp reads as many)
+    assert len(cases) == (50 if name == "qwen35" else 46)
+    # the vectors are llama_tokenize(text, add_special=false, parse_special=false)
+    failures = [(text, want, got) for text, want in cases if (got := tok.encode(text, add_bos=False)) != want]
+    assert not failures, f"{name}: {len(cases) - len(failures)}/{len(cases)} agree; first: {failures[:3]}"
     for text, want in cases:
         assert tok.decode(want) == text
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BPE_NAMES)
 def test_independent_bpe_agrees_with_reference(vocabs, name):
     """The pure-Python oracle used below is itself checked against llama.cpp's ids."""
     ref = _ReferenceBPE(_tok(vocabs, name))
@@ -92,14 +96,24 @@ def test_independent_bpe_agrees_with_reference(vocabs, name):
 # -- an independent oracle: plain BPE with no special-token handling at all -----------------------
 
 
+# The split regexes as the models' tokenizer.json files write them (Unicode categories, no llama.cpp
+# rewriting); for these three llama.cpp's hand-written splitters agree with them exactly.
+_ORACLE_SPLIT = {
+    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
 class _ReferenceBPE:
-    """Textbook byte-level BPE (regex split, byte alphabet, lowest-rank merge first)."""
+    """Textbook byte-level BPE (regex split, byte alphabet, lowest-rank merge first); Llama-3 takes a
+    word that is a vocabulary entry whole (tokenizer.json's ignore_merges)."""
 
     def __init__(self, tok: Tokenizer):
         regex = pytest.importorskip("regex", reason="the oracle needs the `regex` module for \\p{L}")
-        from clutor.model import tokenizer as mod
-
-        self.split = regex.compile(mod._SPLIT_PATTERNS[tok.pre])
+        name = Path(tok.path).name.removeprefix("ggml-vocab-").removesuffix(".gguf")
+        self.split = regex.compile(_ORACLE_SPLIT[name])
+        self.whole_words = name == "llama-bpe"
         md = _metadata(tok.path, "tokenizer.ggml.")
         self.ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(md["tokenizer.ggml.merges"])}
         self.ids: dict[str, int] = {}
@@ -122,6 +136,8 @@ class _ReferenceBPE:
         ids: list[int] = []
         for piece in self._pieces(text):
             syms = [BYTE_CHAR[b] for b in piece.encode("utf-8")]
+            if self.whole_words and "".join(syms) in self.ids:
+                syms = ["".join(syms)]
             while len(syms) > 1:
                 best = min(range(len(syms) - 1), key=lambda k: (self.ranks.get((syms[k], syms[k + 1]), 1 << 60), k))
                 if (syms[best], syms[best + 1]) not in self.ranks:
@@ -150,13 +166,13 @@ TRICKY = [
 ]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", BPE_NAMES)
 def test_special_false_is_plain_bpe(vocabs, name):
     """special=False: control-token text ("<|im_end|>") is ordinary text, as llama.cpp parse_special=false."""
     tok = _tok(vocabs, name)
     ref = _ReferenceBPE(tok)
     for text in TRICKY:
-        assert tok.encode(text, special=False) == ref.encode(text), text
+        assert tok.encode(text, special=False, add_bos=False) == ref.encode(text), text
         assert tok.decode(tok.encode(text)) == text
 
 
@@ -338,9 +354,13 @@ def test_tiny_vocab():
 @pytest.mark.parametrize(
     "overrides, error, field",
     [
-        ({"tokenizer.ggml.model": "llama"}, UnsupportedError, "tokenizer.ggml.model"),
+        ({"tokenizer.ggml.model": "bert"}, UnsupportedError, "tokenizer.ggml.model"),
         ({"tokenizer.ggml.model": None}, UnsupportedError, "tokenizer.ggml.model"),
-        ({"tokenizer.ggml.pre": "deepseek-llm"}, UnsupportedError, "tokenizer.ggml.pre"),
+        ({"tokenizer.ggml.pre": "no-such-split"}, UnsupportedError, "tokenizer.ggml.pre"),
+        ({"tokenizer.ggml.pre": "gemma4"}, UnsupportedError, "tokenizer.ggml.pre"),  # SPM-style BPE: not supported
+        ({"tokenizer.ggml.add_bos_token": "yes"}, ModelFileError, "tokenizer.ggml.add_bos_token"),
+        ({"tokenizer.ggml.token_type": None, "tokenizer.ggml.tokens": ["a", "b", 7]}, ModelFileError,
+         "tokenizer.ggml.tokens[2]"),
         ({"tokenizer.ggml.tokens": None}, ModelFileError, "tokenizer.ggml.tokens"),
         ({"tokenizer.ggml.merges": None}, ModelFileError, "tokenizer.ggml.merges"),
         ({"tokenizer.ggml.merges": ["h e", "nospace"]}, ModelFileError, "tokenizer.ggml.merges[1]"),
@@ -356,6 +376,8 @@ def test_bad_metadata(overrides, error, field):
     assert type(info.value) is error
     assert info.value.field == field and info.value.path == "bad.gguf"
     assert "bad.gguf" in str(info.value)
+    if field in ("tokenizer.ggml.model", "tokenizer.ggml.pre") and overrides[field]:  # the refused name is quoted
+        assert repr(overrides[field]) in str(info.value)
 
 
 def test_from_gguf_writes_and_reads_back(tmp_path):
@@ -416,7 +438,8 @@ def test_matches_llama_cpp(vocabs, name):
     assert tok.stop_ids == {i for i in range(tok.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)}
 
     texts = TRICKY + [text for text, _ in _reference_cases(name)]
-    texts += ["<|im_start|>system\n<|im_end|>\n<|im_start|>user\n</s><|endoftext|>", "<|im_end|<|im_end|>>", "x[PAD151650]y[PAD151651]"]
+    texts += ["<|im_start|>system\n<|im_end|>\n<|im_start|>user\n</s><|endoftext|>", "<|im_end|<|im_end|>>",
+              "x[PAD151650]y[PAD151651]", "<s>[INST] hi [/INST]</s>", "<|user|>\n hi<|end|>\n<|assistant|>"]
     for text in texts:
         for special in (False, True):
             want = model.tokenize(text.encode("utf-8"), add_bos=False, special=special)
