@@ -177,9 +177,63 @@ def _is_digit(c: str) -> bool:
     return "0" <= c <= "9" or c == _NUM
 
 
+# Three rules are written as functions because Python's backtracking makes their regexes quadratic
+# on long runs (a regex that fails at every start of a run rescans the run each time); the functions
+# give the same pieces in one pass.
+
+def _trailing_space(text: str, a: int, b: int) -> list[Span]:
+    r"""``\s+$``: the whitespace run that ends the piece (the regex fails at every start of a run
+    that does not reach the end)."""
+    k = b
+    while k > a and text[k - 1] in " \t\n\v\f\r":
+        k -= 1
+    return [(a, k), (k, b)] if a < k < b else [(a, b)]
+
+
+def _thousands_cuts(text: str, a: int, b: int) -> list[Span]:
+    r"""``(?=(\d{3})+(?!\d))``: an empty match (a cut) before every digit followed by a positive
+    multiple of three digits up to the end of its run."""
+    cuts, run = [], 0
+    for p in range(b - 1, a, -1):
+        run = run + 1 if "0" <= text[p] <= "9" else 0
+        if run and run % 3 == 0:
+            cuts.append(p)
+    out, prev = [], a
+    for p in reversed(cuts):
+        out.append((prev, p))
+        prev = p
+    out.append((prev, b))
+    return out
+
+
+_DIGIT_RUN = re.compile("[0-9]+")
+
+
+def _thousands_groups(text: str, a: int, b: int) -> list[Span]:
+    r"""``\d{1,3}(?=(?:\d{3})*)``: a digit run that ends at a word boundary is cut into threes from
+    the right (the first group takes the rest); a run followed by a letter or "_" is not matched."""
+    out, pos = [], a
+    for m in _DIGIT_RUN.finditer(text, a, b):
+        s, e = m.span()
+        if e < b and (text[e].isascii() and (text[e].isalnum() or text[e] == "_")):
+            continue
+        if s > pos:
+            out.append((pos, s))
+        cut = s + ((e - s) % 3 or 3)
+        out.append((s, cut))
+        while cut < e:
+            out.append((cut, cut + 3))
+            cut += 3
+        pos = e
+    if pos < b:
+        out.append((pos, b))
+    return out
+
+
 def _rule(source: str) -> _Rule:
-    if source == _AFMOE_DIGITS:
-        return _Rule(source, True, func=_digit_groups)
+    if source in _FUNCTIONS:
+        func, collapsed = _FUNCTIONS[source]
+        return _Rule(source, collapsed, func=func)
     pattern, collapsed = _translate(source)
     return _Rule(source, collapsed, pattern=re.compile(pattern, re.ASCII))
 
@@ -236,6 +290,14 @@ _CASED = (  # the tokenizer.json form, where llama.cpp's collapse makes both cla
 )
 _NOT_SEPARATOR = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 _AFMOE_DIGITS = r"\p{AFMoE_digits}"
+_SUPERBPE_CUTS = r"(?=(\d{3})+(?!\d))"
+_AYA_DIGITS = r"\d{1,3}(?=(?:\d{3})*\b)"
+_FUNCTIONS: dict[str, tuple[Callable[[str, int, int], list[Span]], bool]] = {
+    _AFMOE_DIGITS: (_digit_groups, True),
+    r"\s+$": (_trailing_space, False),
+    _SUPERBPE_CUTS: (_thousands_cuts, False),
+    _AYA_DIGITS: (_thousands_groups, False),
+}
 
 # kind -> (rules, ignore_merges, add_bos by default)
 _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
@@ -284,7 +346,7 @@ _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
         (_GPT4O.replace(r"(?=[\p{L}])", r"(?=[\p{L}\p{M}])"),), True, False,
     ),
     "tiny-aya": (
-        (r"\d{1,3}(?=(?:\d{3})*\b)",
+        (_AYA_DIGITS,
          _CASED + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
         False, False,
     ),
@@ -293,7 +355,7 @@ _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
         False, False,
     ),
-    "superbpe": ((r"\p{N}+", r"(?=(\d{3})+(?!\d))"), False, False),
+    "superbpe": ((r"\p{N}+", _SUPERBPE_CUTS), False, False),
     "bailingmoe": (
         (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",),
