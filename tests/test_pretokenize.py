@@ -43,6 +43,7 @@ def test_pieces_cover_the_text(kind):
     [
         ("gpt2", "Hello world 123!!  x", ["Hello", " world", " 123", "!!", " ", " x"]),
         ("gpt2", "don't", ["don", "'t"]),
+        ("default", "hel!!12345", ["hel", "!!", "123", "45"]),  # an absent tokenizer.ggml.pre
         ("llama3", "12345 I'M", ["123", "45", " I", "'M"]),
         ("llama3", "a\n\n  b", ["a", "\n\n", " ", " b"]),
         ("qwen2", "12345", ["1", "2", "3", "4", "5"]),

@@ -268,6 +268,76 @@ def test_bos(gpt2):
     assert with_bos.encode("") == [gpt2.bos_id]
 
 
+def test_llama3_defaults(vocabs):
+    """llama-bpe files often carry no add_bos_token: llama.cpp adds BOS for the Llama-3 family."""
+    tok = _tok(vocabs, "llama-bpe")
+    assert tok.add_bos and tok.encode("hi")[0] == tok.bos_id == tok.token_id("<|begin_of_text|>")
+    assert tok.stop_ids == {tok.token_id("<|end_of_text|>"), tok.token_id("<|eot_id|>")}
+    header = tok.encode("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", special=True, add_bos=False)
+    assert [tok.token_text(i) for i in header] == [
+        "<|start_header_id|>", "user", "<|end_header_id|>", "ĊĊ", "hi", "<|eot_id|>"]
+    # ignore_merges: a word that is a vocabulary entry is taken whole, even where the merges alone
+    # would end in three tokens (" jeho" -> "Ġj", "eh", "o")
+    assert tok.encode(" jeho", add_bos=False) == [tok.token_id("Ġjeho")]
+
+
+def test_deepseek_user_defined_characters(vocabs):
+    """DeepSeek's vocabularies hold thousands of single characters as user-defined tokens: they are
+    cut out of any text before the split, and decode as themselves."""
+    tok = _tok(vocabs, "deepseek-llm")
+    o = tok.token_id("ø")
+    assert o is not None and o >= 100002
+    for special in (False, True):
+        assert tok.encode("ø", special=special, add_bos=False) == [o]
+        assert tok.encode("søn", special=special, add_bos=False) == [
+            *tok.encode("s", add_bos=False), o, *tok.encode("n", add_bos=False)]
+    assert tok.decode([o]) == "ø"
+    assert tok.add_bos and tok.encode("x")[0] == tok.bos_id
+    assert tok.stop_ids == {tok.eos_id}
+
+
+def _harmony_metadata() -> dict[str, object]:
+    """A tiny o200k_harmony-like vocabulary: gpt-oss's special tokens, all control in the file."""
+    specials = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                "<|constrain|>", "<|endoftext|>", "<|fim_pad|>"]
+    tokens = [BYTE_CHAR[b] for b in range(256)] + ["ab"] + specials
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-4o",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 257 + [3] * 8 + [4],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.eos_token_id": 256 + 8,  # <|endoftext|>
+        "general.name": "gpt-oss-tiny",
+    }
+
+
+def test_harmony_special_tokens():
+    tok = Tokenizer.from_metadata(_harmony_metadata(), "harmony.gguf")
+    tid = {t: tok.token_id(t) for t in ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                                         "<|call|>", "<|constrain|>", "<|endoftext|>", "<|fim_pad|>")}
+    # <|end|> closes a message, not the reply; <|return|> and <|call|> end generation (llama.cpp's rule
+    # when both are present); FIM pad is made control and stops too
+    assert tok.stop_ids == {tid["<|return|>"], tid["<|call|>"], tid["<|endoftext|>"], tid["<|fim_pad|>"]}
+    text = "<|start|>assistant<|channel|>final<|message|>ab<|end|>"
+    ids = tok.encode(text, special=True)
+    assert ids == [tid["<|start|>"], *tok.encode("assistant"), tid["<|channel|>"], *tok.encode("final"),
+                   tid["<|message|>"], 256, tid["<|end|>"]]
+    # the four llama.cpp makes user-defined (and <|end|>) are cut out and shown even without special,
+    # so the channel structure of a reply is visible in the streamed text
+    assert tok.encode(text) == ids
+    assert tok.decode(ids) == text
+    assert tok.decode([tid["<|return|>"]]) == "" and tok.decode([tid["<|return|>"]], special=True) == "<|return|>"
+    assert tid["<|fim_pad|>"] not in tok.encode("<|fim_pad|>")  # user-defined in the file, made control
+
+
+def test_pre_absent_is_default_split():
+    md = _tiny_metadata(**{"tokenizer.ggml.pre": None})
+    tok = Tokenizer.from_metadata(md, "nopre.gguf")
+    assert tok.pre == "default"
+    assert tok.encode("hel!!12") == [257, ord("!"), ord("!"), ord("1"), ord("2")]
+
+
 # -- streaming -----------------------------------------------------------------------------------
 
 
