@@ -106,16 +106,15 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
     return "".join(parts), stats
 
 
-def _fit(model, messages: list[dict], bos: str, eos: str) -> list[int] | None:
+def _fit(model, messages: list[dict]) -> list[int] | None:
     """Token ids of the conversation with room for a reply: the oldest turns (never the system message
     or the newest user turn) are dropped from `messages` until it fits; None if even that is too long."""
-    from ..model.chat import render_chat
+    from ..model.chat import chat_prompt
 
     tok = model.tokenizer
     room = max(16, model.n_ctx // 8)  # tokens kept free for the reply
     while True:
-        prompt = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos)
-        ids = tok.encode(prompt, special=True)
+        ids = tok.encode(chat_prompt(tok, messages), special=True)
         if len(ids) + room <= model.n_ctx:
             return ids
         first = 1 if messages and messages[0]["role"] == "system" else 0
@@ -129,9 +128,6 @@ async def run(args) -> int:
 
     save_history = _setup_readline()
     async with Model.open(args.model, **model_kwargs(args)) as model:
-        tok = model.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         print(f"clutor chat: {os.path.basename(args.model)} ({model.config.arch}). /exit or Ctrl-D to leave, "
               "Ctrl-C stops a reply.", file=sys.stderr)
@@ -143,7 +139,7 @@ async def run(args) -> int:
                 if not line.strip():
                     continue
                 messages.append({"role": "user", "content": line})
-                ids = _fit(model, messages, bos, eos)
+                ids = _fit(model, messages)
                 if ids is None:
                     messages.pop()
                     print(f"clutor: that message does not fit the {model.n_ctx}-token context (--n-ctx)",

@@ -23,17 +23,14 @@ def add_parser(sub):
 
 
 async def run(args) -> int:
-    from ..model.chat import render_chat
+    from ..model.chat import chat_prompt
     from ..model.model import Model
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
         if args.chat:
-            tok = model.tokenizer
-            prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
-                                 bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+            prompt = chat_prompt(model.tokenizer, [{"role": "user", "content": prompt}])
             special = True
         async for out in model.generate(prompt, special=special, **sampling_kwargs(args)):
             if out.text:
