@@ -489,14 +489,48 @@ def test_from_gguf_writes_and_reads_back(tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_llama_cpp(vocabs, name):
     """Every token's piece (special on/off), the stop set, and encode() of tricky strings, vs llama.cpp."""
-    tok = _tok(vocabs, name)
+    _check_against_llama_cpp(_tok(vocabs, name), _vocab_path(name), _reference_cases(name))
+
+
+def test_harmony_matches_llama_cpp(tmp_path):
+    """The gpt-oss corrections (user-defined channel tokens, <|end|> not stopping) and the gpt-4o split,
+    on a small harmony-like vocabulary written to a GGUF and loaded by llama.cpp too."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional bench extra)")
+    md = _harmony_metadata()
+    path = tmp_path / "harmony.gguf"
+    _write_vocab_gguf(path, md)
+    _check_against_llama_cpp(Tokenizer.from_gguf(path), path, [("HelloWorld ÉCOLE's 1234567 ab!!", [])])
+
+
+def _write_vocab_gguf(path: Path, md: dict) -> None:
+    """A vocab-only GGUF llama.cpp can load: GPT-2 hyper-parameters, then the tokenizer keys of md."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    for key, value in _metadata(_vocab_path("gpt-2"), "gpt2.").items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    for key, value in md.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_string(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _check_against_llama_cpp(tok: Tokenizer, path: Path, cases) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (optional bench extra)")
     import ctypes
 
     needed = ("llama_model_get_vocab", "llama_token_to_piece", "llama_vocab_is_eog", "llama_tokenize")
     if not all(hasattr(llama_cpp, f) for f in needed):
         pytest.skip(f"llama_cpp {llama_cpp.__version__} lacks the low-level vocab API")
-    model = llama_cpp.Llama(model_path=str(_vocab_path(name)), vocab_only=True, verbose=False)
+    model = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(model.model)
 
     buf = ctypes.create_string_buffer(1024)
@@ -507,13 +541,16 @@ def test_matches_llama_cpp(vocabs, name):
             assert buf.raw[:n] == tok.token_bytes(i, special), (i, special)
     assert tok.stop_ids == {i for i in range(tok.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)}
 
-    texts = TRICKY + [text for text, _ in _reference_cases(name)]
+    texts = TRICKY + [text for text, _ in cases]
     texts += ["<|im_start|>system\n<|im_end|>\n<|im_start|>user\n</s><|endoftext|>", "<|im_end|<|im_end|>>",
-              "x[PAD151650]y[PAD151651]", "<s>[INST] hi [/INST]</s>", "<|user|>\n hi<|end|>\n<|assistant|>"]
+              "x[PAD151650]y[PAD151651]", "<s>[INST] hi [/INST]</s>", "<|user|>\n hi<|end|>\n<|assistant|>",
+              "<|start|>assistant<|channel|>final<|message|>hi<|end|><|return|>"]
     for text in texts:
         for special in (False, True):
             want = model.tokenize(text.encode("utf-8"), add_bos=False, special=special)
             assert tok.encode(text, special=special, add_bos=False) == want, (text, special)
+        # BOS/EOS as the file (or llama.cpp's default for the vocabulary) says
+        assert tok.encode(text, special=True) == model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
 def _metadata(path, prefix: str) -> dict:

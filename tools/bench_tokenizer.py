@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=50, help="repeat the text this many times (default 50)")
     args = p.parse_args(argv)
 
-    print(f"{'vocabulary':34s} {'model':5s} {'pre':15s} {'load s':>7s} {'MiB':>6s} {'tokens':>8s} "
+    print(f"{'vocabulary':34s} {'model':5s} {'pre':15s} {'load s':>7s} {'KiB':>7s} {'tokens':>8s} "
           f"{'enc MB/s':>9s} {'enc+sp MB/s':>11s} {'dec MB/s':>9s}")
     for path in args.vocab:
         source = args.text or Path(f"{path}.inp")
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         _, t_dec = _timed(lambda: tok.decode(ids))
         mb = len(text.encode("utf-8")) / 1e6
         print(f"{path.name:34s} {tok.model:5s} {tok.pre if tok.model == 'gpt2' else '-':15s} {t_load:7.2f} "
-              f"{mb * 1e6 / 2**20:6.2f} {len(ids):8d} {mb / t_enc:9.2f} {mb / t_sp:11.2f} {mb / t_dec:9.1f}")
+              f"{mb * 1e6 / 1024:7.0f} {len(ids):8d} {mb / t_enc:9.2f} {mb / t_sp:11.2f} {mb / t_dec:9.1f}")
     return 0
 
 

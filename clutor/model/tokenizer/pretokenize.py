@@ -125,7 +125,8 @@ Span = tuple[int, int]
 
 @dataclass(frozen=True)
 class _Rule:
-    """One split rule: a compiled pattern, or a function for the rules llama.cpp hand-codes."""
+    """One split rule: a compiled pattern, or a function (a rule llama.cpp hand-codes, or one whose
+    regex would be quadratic here)."""
 
     source: str
     collapsed: bool
