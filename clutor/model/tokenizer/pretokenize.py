@@ -50,8 +50,11 @@ def _is_han(cp: int) -> bool:
     return any(lo <= cp <= hi for lo, hi in _HAN_RANGES)
 
 
+_TABLE_MAX = 200_000  # code points remembered per table (every assigned one fits; a few MiB at most)
+
+
 class _CollapseTable(dict):
-    """str.translate table, filled on first sight of each code point (the text decides the size)."""
+    """str.translate table, filled on first sight of each code point."""
 
     def __missing__(self, cp: int) -> int:
         if cp < 0x80:
@@ -61,14 +64,16 @@ class _CollapseTable(dict):
         else:
             cat = unicodedata.category(chr(cp))[0]
             v = ord(_HAN if cat == "L" and _is_han(cp) else _BY_CATEGORY.get(cat, _OTHER))
-        self[cp] = v
+        if len(self) < _TABLE_MAX:
+            self[cp] = v
         return v
 
 
 class _SpaceTable(dict):
     def __missing__(self, cp: int) -> int:
         v = 0x0B if cp in _WHITESPACE else cp
-        self[cp] = v
+        if len(self) < _TABLE_MAX:
+            self[cp] = v
         return v
 
 
