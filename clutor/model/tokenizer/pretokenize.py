@@ -11,8 +11,8 @@ not quite how a Unicode regex engine would:
   ``\\p{Lu}``...) runs on a *collapsed* copy of the text where every non-ASCII code point is replaced
   by one stand-in character for its category and non-ASCII whitespace by ``\\v``; ``\\p{X}`` becomes
   a class of that stand-in plus the ASCII members of X. All letter sub-categories share one stand-in
-  (beyond ASCII, ``\\p{Lu}`` cannot be told from ``\\p{Ll}``), and ``~`` is not among the ASCII
-  symbols. These are llama.cpp's choices; we keep them so that the ids are llama.cpp's ids.
+  (beyond ASCII, ``\\p{Lu}`` cannot be told from ``\\p{Ll}``). That is llama.cpp's choice; we keep it
+  so that the ids are llama.cpp's ids.
 - A rule without categories runs on the text with non-ASCII whitespace replaced by ``\\v``.
 - ``\\s``, ``\\d``, ``\\w``, ``\\b`` are ASCII-only (C++ std::regex in the C locale) and ``$`` is the
   end of the piece.
@@ -81,13 +81,13 @@ _COLLAPSE = _CollapseTable()
 _SPACES = _SpaceTable()
 
 # \p{NAME} -> (stand-ins, ASCII members) written into a character class. The ASCII members are
-# llama.cpp's (punctuation !"#%&'()*,-./:;?@[\]_{}, symbols $+<=>^`|).
+# llama.cpp's (punctuation !"#%&'()*,-./:;?@[\]_{}, symbols $+<=>^`|~).
 _CLASSES: dict[str, str] = {
     "N": _NUM + "0-9",
     "L": _LET + _HAN + "A-Za-z",
     "P": _PUN + r"!-#%-*,-/:-;?-@\[-\]_\{\}",
     "M": _MARK,
-    "S": _SYM + r"\$\+<->\^`\|",
+    "S": _SYM + r"\$\+<->\^`\|~",
     # Our own names, for the Kimi-K2 rule that llama.cpp hand-codes.
     "Han": _HAN,
     "NonHanL": _LET + "A-Za-z",
@@ -155,8 +155,9 @@ class _Rule:
 
 
 def _digit_groups(text: str, a: int, b: int) -> list[Span]:
-    """AFMoE's digit rule (llama.cpp's custom code, kept as it behaves): a run of n digits is cut
-    into n % 3 leading digits then threes; text before a run is cut together with its first group."""
+    """AFMoE's digit rule (llama.cpp's custom code, kept as it behaves; it also stands for Tiny Aya's
+    ``\\d{1,3}(?=(?:\\d{3})*\\b)``): a run of n numbers (\\p{N}) is cut into n % 3 leading ones then
+    threes; text before a run is cut together with its first group."""
     out: list[Span] = []
     prev = pos = a
     while pos < b:
@@ -183,7 +184,7 @@ def _is_digit(c: str) -> bool:
     return "0" <= c <= "9" or c == _NUM
 
 
-# Three rules are written as functions because Python's backtracking makes their regexes quadratic
+# Two rules are written as functions because Python's backtracking makes their regexes quadratic
 # on long runs (a regex that fails at every start of a run rescans the run each time); the functions
 # give the same pieces in one pass.
 
@@ -209,30 +210,6 @@ def _thousands_cuts(text: str, a: int, b: int) -> list[Span]:
         out.append((prev, p))
         prev = p
     out.append((prev, b))
-    return out
-
-
-_DIGIT_RUN = re.compile("[0-9]+")
-
-
-def _thousands_groups(text: str, a: int, b: int) -> list[Span]:
-    r"""``\d{1,3}(?=(?:\d{3})*)``: a digit run that ends at a word boundary is cut into threes from
-    the right (the first group takes the rest); a run followed by a letter or "_" is not matched."""
-    out, pos = [], a
-    for m in _DIGIT_RUN.finditer(text, a, b):
-        s, e = m.span()
-        if e < b and (text[e].isascii() and (text[e].isalnum() or text[e] == "_")):
-            continue
-        if s > pos:
-            out.append((pos, s))
-        cut = s + ((e - s) % 3 or 3)
-        out.append((s, cut))
-        while cut < e:
-            out.append((cut, cut + 3))
-            cut += 3
-        pos = e
-    if pos < b:
-        out.append((pos, b))
     return out
 
 
@@ -278,7 +255,7 @@ _DEEPSEEK_LETTERS = (
 )
 _CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _CJK_KANA = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
-_ASCII_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+_ASCII_PUNCT_WORD = "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+"
 _DEEPSEEK3 = (
     _ASCII_PUNCT_WORD
     + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -302,7 +279,7 @@ _FUNCTIONS: dict[str, tuple[Callable[[str, int, int], list[Span]], bool]] = {
     _AFMOE_DIGITS: (_digit_groups, True),
     r"\s+$": (_trailing_space, False),
     _SUPERBPE_CUTS: (_thousands_cuts, False),
-    _AYA_DIGITS: (_thousands_groups, False),
+    _AYA_DIGITS: (_digit_groups, True),  # llama.cpp runs AFMoE's digit code for this regex
 }
 
 # kind -> (rules, ignore_merges, add_bos by default)
@@ -310,7 +287,8 @@ _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False, False),
     "gpt2": ((_GPT2,), False, False),
     "llama3": ((_LLAMA3,), True, True),
-    "llama3-merges": ((_LLAMA3,), False, False),  # dbrx, smaug, chatglm4: the same split, merges kept
+    "llama3-merges": ((_LLAMA3,), False, False),  # dbrx, smaug, chatglm-bpe: the same split, merges always
+    "glm4": ((_LLAMA3,), True, False),
     "jais2": ((_JAIS2,), False, False),
     "deepseek-llm": (
         ("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
@@ -343,7 +321,7 @@ _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
         True, True,
     ),
     "chameleon": (
-        ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\t\n]|    |  )", r"\p{N}",
+        ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )", r"\p{N}",
          r"[\p{P}!-/:-@\[-`{-~]", _GPT2),
         False, True,
     ),
@@ -377,7 +355,7 @@ _KINDS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "afmoe": (
         (_AFMOE_DIGITS,
          "[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f\u2f00-\u2fdf"
-         "\u0e00-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
+         "\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af"
          "\u1100-\u11ff]+",
          _DEEPSEEK3),
         False, False,
@@ -400,7 +378,8 @@ KNOWN_PRE: dict[str, str] = {
     "default": "default",
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
                      "jina-v5-nano"), "llama3"),
-    **dict.fromkeys(("dbrx", "smaug-bpe", "glm4", "chatglm-bpe"), "llama3-merges"),
+    **dict.fromkeys(("dbrx", "smaug-bpe", "chatglm-bpe"), "llama3-merges"),
+    **dict.fromkeys(("glm4", "glm5"), "glm4"),
     **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
                      "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"),
                     "gpt2"),

@@ -165,7 +165,7 @@ class Tokenizer:
         if end is not None and calls and ("<|return|>" in stop_texts or "<|flush|>" in stop_texts):
             stop.discard(end)  # harmony: <|end|> closes a message, the reply goes on
             attrs[end] = _USER
-        if "<|tool_response>" in stop_texts and "</s>" in stop_texts:
+        if "</s>" in stop_texts and ("<|tool_response>" in stop_texts or "<|plamo:eos|>" in stop_texts):
             stop.discard(stop_texts["</s>"])
             attrs[stop_texts["</s>"]] = _NORMAL
         self.stop_ids: frozenset[int] = frozenset(stop)
