@@ -173,7 +173,7 @@ def test_splits_match_llama_cpp(tmp_path, kind):
     from clutor.model.tokenizer import Tokenizer
 
     pre = min(name for name, k in pt.KNOWN_PRE.items() if k == kind)
-    for k, text in enumerate(SPLIT_TEXTS):
+    for k, text in enumerate(SPLIT_TEXTS + _random_texts(17, 8, max_len=20)):
         path = tmp_path / f"{k}.gguf"
         _split_probe_gguf(path, text, pre)
         tok = Tokenizer.from_gguf(path)
