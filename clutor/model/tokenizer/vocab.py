@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from ...errors import ClutorError, ModelFileError, UnsupportedError
+from ..config import MAX_VOCAB
 from .bpe import ByteLevelBPE, token_text_bytes
 from .pretokenize import KNOWN_PRE, pre_tokenizer
 from .spm import SPACE, SentencePiece
@@ -66,7 +67,6 @@ _FIM_TEXTS = {
     "fim_sep": ("<|file_sep|>",),
 }
 _GPT_OSS_USER = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -85,7 +85,9 @@ class Tokenizer:
         # The pre-tokenizer: BPE only (llama.cpp ignores the field for SentencePiece). An absent name
         # is llama.cpp's "default" split (it warns that quality suffers), an unknown one is refused.
         pre = metadata.get("tokenizer.ggml.pre")
-        self.pre: str = "default" if pre in (None, "") else str(pre)
+        if pre is not None and not isinstance(pre, str):
+            raise ModelFileError(path, "tokenizer.ggml.pre", "a string", type(pre).__name__)
+        self.pre: str = pre or "default"
         self._pretok = None
         if not spm:
             if self.pre not in KNOWN_PRE:
@@ -93,6 +95,10 @@ class Tokenizer:
                                        _shown(pre))
             self._pretok = pre_tokenizer(KNOWN_PRE[self.pre])
 
+        raw_tokens = metadata.get("tokenizer.ggml.tokens")
+        if isinstance(raw_tokens, (list, tuple)) and len(raw_tokens) > MAX_VOCAB:
+            # the tables built below cost ~650 bytes and ~5 us per token: refuse before building them
+            raise ModelFileError(path, "tokenizer.ggml.tokens", f"at most {MAX_VOCAB} tokens", len(raw_tokens))
         tokens = _strings(metadata, "tokenizer.ggml.tokens", path)
         n = len(tokens)
         if n == 0:
@@ -287,9 +293,11 @@ class Tokenizer:
 
         ``add_bos=None`` follows the file (``add_bos_token``, and ``add_eos_token`` for an EOS at the
         end); ``False`` adds neither; ``True`` adds BOS (and EOS if the file asks for it).
+        Text that is not valid Unicode (lone surrogates, as Python gives for undecodable bytes in
+        argv or a file read with errors="surrogateescape") is tokenized as its bytes decoded with
+        U+FFFD for each invalid sequence, as llama.cpp's tools do with invalid UTF-8 input.
         """
-        if not text.isascii() and _SURROGATE.search(text):
-            text = _SURROGATE.sub("\ufffd", text)  # not encodable; llama.cpp reads bad UTF-8 as U+FFFD
+        text = _valid_text(text)
         ids: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
@@ -407,6 +415,30 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
+def _valid_text(text: str) -> str:
+    """``text`` with lone surrogates resolved: surrogate-escaped bytes (U+DC80..U+DCFF) become the
+    bytes they stand for, then every invalid UTF-8 sequence (and any other lone surrogate) U+FFFD."""
+    if not isinstance(text, str):
+        raise ClutorError(f"text to encode must be str, got {type(text).__name__}")
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    out = bytearray()
+    for ch in text:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:
+            out.append(o - 0xDC00)
+        elif 0xD800 <= o <= 0xDFFF:
+            out += "\ufffd".encode()
+        else:
+            out += ch.encode()
+    return out.decode("utf-8", errors="replace")
+
+
 # -- metadata helpers ----------------------------------------------------------------------------
 
 
@@ -436,10 +468,12 @@ def _ints(metadata: Mapping[str, object], key: str, path: str, n: int, default: 
     if metadata.get(key) is None:
         return [default] * n  # llama.cpp: a vocabulary without types is all normal tokens
     v = _array(metadata, key, path, "an array of integers")
-    try:
-        out = [int(t) for t in v]
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(path, key, "an array of integers", e) from e
+    out = []
+    for k, t in enumerate(v):
+        # integers only: a float (even 1.0, or inf) means the array was written wrong
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ModelFileError(path, f"{key}[{k}]", "an integer", _shown(t))
+        out.append(int(t))
     if len(out) != n:
         raise ModelFileError(path, key, f"{n} entries (one per token)", len(out))
     return out
@@ -449,10 +483,11 @@ def _floats(metadata: Mapping[str, object], key: str, path: str, n: int) -> list
     if metadata.get(key) is None:
         return [0.0] * n  # llama.cpp: no scores, all zero
     v = _array(metadata, key, path, "an array of numbers")
-    try:
-        out = [float(t) for t in v]
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(path, key, "an array of numbers", e) from e
+    out = []
+    for k, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or t != t:
+            raise ModelFileError(path, f"{key}[{k}]", "a number", _shown(t))
+        out.append(float(t))
     if len(out) < n:
         raise ModelFileError(path, key, f"{n} entries (one per token)", len(out))
     return out
