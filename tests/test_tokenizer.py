@@ -421,6 +421,19 @@ def test_tiny_vocab():
     assert tok.decode([257, 258, 259], special=True) == "hel<|end|><tool>"
 
 
+def test_token_texts_that_are_not_utf8():
+    """The GGUF reader keeps bytes that are not UTF-8 as surrogate escapes; pieces give those bytes back."""
+    md = _tiny_metadata()
+    md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"][:-1], "<\udcff>"]  # user-defined, byte 0xFF
+    tok = Tokenizer.from_metadata(md, "tiny.gguf")
+    assert tok.token_bytes(259) == b"<\xff>" and tok.decode([259]) == "<\ufffd>"
+    md["tokenizer.ggml.token_type"] = [1] * 260  # as a normal token: outside GPT-2's alphabet
+    md["tokenizer.ggml.eos_token_id"] = None
+    tok = Tokenizer.from_metadata({k: v for k, v in md.items() if v is not None}, "tiny.gguf")
+    # llama.cpp's marker for a character outside the alphabet (it reads the byte as U+FFFD)
+    assert tok.token_bytes(259) == b"<[UNK_BYTE_0xefbfbd<\xff>]>"
+
+
 @pytest.mark.parametrize(
     "overrides, error, field",
     [

@@ -15,7 +15,16 @@ from tokenizers import models, pre_tokenizers
 
 from ...errors import ModelFileError
 
-__all__ = ["ByteLevelBPE", "token_text_bytes"]
+__all__ = ["ByteLevelBPE", "token_text_bytes", "raw_bytes"]
+
+
+def raw_bytes(text: str) -> bytes:
+    """The bytes a vocabulary string was stored as: the GGUF reader keeps bytes that are not UTF-8 as
+    surrogate escapes (U+DC80..U+DCFF), which this undoes; any other lone surrogate is passed through."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -57,15 +66,31 @@ def token_text_bytes(text: str) -> bytes:
             if b is not None:
                 out.append(b)
             else:
-                out += f"[UNK_BYTE_0x{c.encode('utf-8').hex()}{text}]".encode("utf-8")
+                # llama.cpp reads a byte that is not UTF-8 as U+FFFD (EF BF BD)
+                utf8 = c.encode("utf-8") if _valid(c) else "\ufffd".encode("utf-8")
+                out += b"[UNK_BYTE_0x" + utf8.hex().encode() + raw_bytes(text) + b"]"
         return bytes(out)
+
+
+def _valid(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class ByteLevelBPE:
     def __init__(self, text_to_id: Mapping[str, int], merges: Sequence[tuple[str, str]], ignore_merges: bool,
                  path: str):
+        # Entries that are not valid Unicode (bytes kept as surrogate escapes) can never be formed from
+        # the alphabet, so leaving them (and merges naming them) out changes nothing; HF refuses them.
+        vocab = {t: i for t, i in text_to_id.items() if _valid(t)}
+        merges = [m for m in merges if _valid(m[0]) and _valid(m[1])]
         try:
-            bpe = models.BPE(vocab=dict(text_to_id), merges=list(merges), ignore_merges=ignore_merges)
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
         except Exception as e:  # tokenizers raises plain Exception for merges naming unknown tokens
             raise ModelFileError(path, "tokenizer.ggml.merges", "merges of tokens in the vocabulary", e) from e
         hf = _HFTokenizer(bpe)

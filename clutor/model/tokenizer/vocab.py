@@ -31,7 +31,7 @@ import numpy as np
 
 from ...errors import ClutorError, ModelFileError, UnsupportedError
 from ..config import MAX_VOCAB
-from .bpe import ByteLevelBPE, token_text_bytes
+from .bpe import ByteLevelBPE, raw_bytes, token_text_bytes
 from .pretokenize import KNOWN_PRE, pre_tokenizer
 from .spm import SPACE, SentencePiece
 
@@ -188,7 +188,7 @@ class Tokenizer:
         self._attrs = attrs
 
         # Specials cut out of the text, longest (in bytes) first, like llama.cpp's partition.
-        special_ids.sort(key=lambda i: (-len(tokens[i].encode("utf-8")), i))
+        special_ids.sort(key=lambda i: (-len(raw_bytes(tokens[i])), i))
         self._special = tuple((tokens[i], i, attrs[i]) for i in special_ids)
         self._special_by_first: dict[str, list[int]] = {}
         for k, (t, _, _) in enumerate(self._special):
@@ -199,11 +199,11 @@ class Tokenizer:
         shown: dict[int, bytes] = {}
         for i, (t, a) in enumerate(zip(tokens, attrs)):
             if a & (_SPECIAL | _USER):
-                piece = t.encode("utf-8")
+                piece = raw_bytes(t)
                 if a & _SPECIAL:
                     shown[i], piece = piece, b""
             elif a & _NORMAL:
-                piece = t.replace(SPACE, " ").encode("utf-8") if spm else token_text_bytes(t)
+                piece = raw_bytes(t.replace(SPACE, " ")) if spm else token_text_bytes(t)
             elif a & _BYTE:
                 m = _HEX_BYTE.fullmatch(t)
                 piece = bytes((int(m.group(1), 16),)) if m else token_text_bytes(t)
