@@ -148,44 +148,18 @@ class Tokenizer:
             raise ModelFileError(path, "tokenizer.chat_template", "a string", type(template).__name__)
         self.chat_template: str | None = template or None
 
-        # -- llama.cpp's corrections by text, in its order ---------------------------------------
-        for role, texts in _FIM_TEXTS.items():
-            if fim[role] is None:
-                found = next((text_to_id[t] for t in texts if t in text_to_id), None)
-                if found is not None:
-                    fim[role] = found
-                    attrs[found] |= _CONTROL
-        stop = {fim[r] for r in ("fim_pad", "fim_rep", "fim_sep") if fim[r] is not None}
-        for t in _EOG_TEXTS:
-            i = text_to_id.get(t)
-            if i is not None:
-                stop.add(i)
-                attrs[i] |= _CONTROL
-        for t in _GPT_OSS_USER:
-            if t in text_to_id:
-                attrs[text_to_id[t]] = _USER
-        stop |= {i for i in (self._eos_id, self._eot_id, eom_id) if i is not None}
-        stop_texts = {tokens[i]: i for i in stop}
-        end = stop_texts.get("<|end|>")
-        calls = "<|call|>" in stop_texts or "<|calls|>" in stop_texts
-        if end is not None and calls and ("<|return|>" in stop_texts or "<|flush|>" in stop_texts):
-            stop.discard(end)  # harmony: <|end|> closes a message, the reply goes on
-            attrs[end] = _USER
-        if "</s>" in stop_texts and ("<|tool_response>" in stop_texts or "<|plamo:eos|>" in stop_texts):
-            stop.discard(stop_texts["</s>"])
-            attrs[stop_texts["</s>"]] = _NORMAL
+        stop = _correct_by_text(tokens, text_to_id, attrs, fim, (self._eos_id, self._eot_id, eom_id))
         self.stop_ids: frozenset[int] = frozenset(stop)
-
         special_ids = [i for i, a in enumerate(attrs) if a & (_CONTROL | _USER | _UNKNOWN)]
         name = str(metadata.get("general.name") or "").lower()
         if "phi-3" in name or "phi3" in name:
+            # llama.cpp's rule for Phi-3 by model name: its specials eat the whitespace after them
             for i in special_ids:
                 attrs[i] |= _RSTRIP
             for t, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
                 if t in text_to_id:
                     i = text_to_id[t]
                     attrs[i] = attrs[i] | _RSTRIP if on else attrs[i] & ~_RSTRIP
-        self._attrs = attrs
 
         # Specials cut out of the text, longest (in bytes) first, like llama.cpp's partition.
         special_ids.sort(key=lambda i: (-len(raw_bytes(tokens[i])), i))
@@ -194,24 +168,7 @@ class Tokenizer:
         for k, (t, _, _) in enumerate(self._special):
             self._special_by_first.setdefault(t[0], []).append(k)
 
-        # id -> bytes of its piece (llama.cpp's token_to_piece); control/unknown text apart.
-        plain: list[bytes] = []
-        shown: dict[int, bytes] = {}
-        for i, (t, a) in enumerate(zip(tokens, attrs)):
-            if a & (_SPECIAL | _USER):
-                piece = raw_bytes(t)
-                if a & _SPECIAL:
-                    shown[i], piece = piece, b""
-            elif a & _NORMAL:
-                piece = raw_bytes(t.replace(SPACE, " ")) if spm else token_text_bytes(t)
-            elif a & _BYTE:
-                m = _HEX_BYTE.fullmatch(t)
-                piece = bytes((int(m.group(1), 16),)) if m else token_text_bytes(t)
-            else:
-                piece = b""  # unused / undefined: never shown
-            plain.append(piece)
-        self._plain = plain
-        self._shown = shown
+        self._plain, self._shown = _pieces(tokens, attrs, spm)
 
         if spm:
             scores = _floats(metadata, "tokenizer.ggml.scores", path, n)
@@ -413,6 +370,59 @@ class StreamDecoder:
     def flush(self) -> str:
         """Emit what is held back (an incomplete character becomes U+FFFD) and reset."""
         return self._utf8.decode(b"", final=True)
+
+
+def _correct_by_text(tokens: list[str], text_to_id: dict[str, int], attrs: list[int], fim: dict[str, int | None],
+                     ends: tuple[int | None, ...]) -> set[int]:
+    """llama.cpp's corrections of token attributes by text, in its order (``attrs`` and ``fim`` are
+    updated in place); returns the ids that end generation."""
+    for role, texts in _FIM_TEXTS.items():
+        if fim[role] is None:
+            found = next((text_to_id[t] for t in texts if t in text_to_id), None)
+            if found is not None:
+                fim[role] = found
+                attrs[found] |= _CONTROL
+    stop = {fim[r] for r in ("fim_pad", "fim_rep", "fim_sep") if fim[r] is not None}
+    for t in _EOG_TEXTS:
+        i = text_to_id.get(t)
+        if i is not None:
+            stop.add(i)
+            attrs[i] |= _CONTROL
+    for t in _GPT_OSS_USER:
+        if t in text_to_id:
+            attrs[text_to_id[t]] = _USER
+    stop |= {i for i in ends if i is not None}
+    stop_texts = {tokens[i]: i for i in stop}
+    end = stop_texts.get("<|end|>")
+    calls = "<|call|>" in stop_texts or "<|calls|>" in stop_texts
+    if end is not None and calls and ("<|return|>" in stop_texts or "<|flush|>" in stop_texts):
+        stop.discard(end)  # harmony: <|end|> closes a message, the reply goes on
+        attrs[end] = _USER
+    if "</s>" in stop_texts and ("<|tool_response>" in stop_texts or "<|plamo:eos|>" in stop_texts):
+        stop.discard(stop_texts["</s>"])
+        attrs[stop_texts["</s>"]] = _NORMAL
+    return stop
+
+
+def _pieces(tokens: list[str], attrs: list[int], spm: bool) -> tuple[list[bytes], dict[int, bytes]]:
+    """id -> the bytes of its piece (llama.cpp's token_to_piece), and the text of control/unknown
+    tokens, shown only when asked for."""
+    plain: list[bytes] = []
+    shown: dict[int, bytes] = {}
+    for i, (t, a) in enumerate(zip(tokens, attrs)):
+        if a & (_SPECIAL | _USER):
+            piece = raw_bytes(t)
+            if a & _SPECIAL:
+                shown[i], piece = piece, b""
+        elif a & _NORMAL:
+            piece = raw_bytes(t.replace(SPACE, " ")) if spm else token_text_bytes(t)
+        elif a & _BYTE:
+            m = _HEX_BYTE.fullmatch(t)
+            piece = bytes((int(m.group(1), 16),)) if m else token_text_bytes(t)
+        else:
+            piece = b""  # unused / undefined: never shown
+        plain.append(piece)
+    return plain, shown
 
 
 def _valid_text(text: str) -> str:
