@@ -219,7 +219,8 @@ def test_generation_fits_in_a_cgroup_cap_far_below_the_model(big_model):
             continue
         # ru_maxrss survives exec: it starts at this (forked) process's resident size, so it is
         # max(the child's peak, our size at fork), which grows with the number of tests run before.
-        parent_rss = su.proc_status()["VmRSS"]
+        # Only anonymous memory counts: fork copies its page tables, not those of mapped files.
+        parent_rss = su.proc_status()["RssAnon"]
         r = memcap.run_capped(su.child_cmd("generate", str(path), "--io", io, "--cache", str(BIG_CACHE), "--tokens", "8"),
                               cap, env=env, timeout=300)
         what = f"io={io} cap={format_bytes(cap)} cgroup peak={format_bytes(r.peak)}"

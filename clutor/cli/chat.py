@@ -148,18 +148,16 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
     return "".join(parts), stats
 
 
-def _fit(model, messages: list[dict], bos: str, eos: str, template: str | None = None,
+def _fit(model, messages: list[dict], template: str | None = None,
          template_name: str = "tokenizer.chat_template") -> list[int] | None:
     """Token ids of the conversation with room for a reply: the oldest turns (never the system message
     or the newest user turn) are dropped from `messages` until it fits; None if even that is too long."""
-    from ..model.chat import render_chat
+    from ..model.chat import chat_ids
 
     tok = model.tokenizer
     room = max(16, model.n_ctx // 8)  # tokens kept free for the reply
     while True:
-        prompt = render_chat(template or tok.chat_template, messages, bos_token=bos, eos_token=eos,
-                             name=template_name)
-        ids = tok.encode(prompt, special=True)
+        ids = chat_ids(tok, messages, template=template, name=template_name)
         if len(ids) + room <= model.n_ctx:
             return ids
         first = 1 if messages and messages[0]["role"] == "system" else 0
@@ -233,9 +231,6 @@ async def _chat(args, template: str | None) -> int:
         sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD
     async with Model.open(args.model, **model_kwargs(args)) as model:
         save_history = _setup_readline()
-        tok = model.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
         system: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
         messages: list[dict] = list(system)
         print(f"clutor chat: {os.path.basename(args.model)} ({model.config.arch}). /help for commands, "
@@ -255,7 +250,7 @@ async def _chat(args, template: str | None) -> int:
                     line = line[1:]
                 messages.append({"role": "user", "content": line})
                 try:
-                    ids = _fit(model, messages, bos, eos, template, template_name)
+                    ids = _fit(model, messages, template, template_name)
                 except ClutorError as e:  # a template that refuses this conversation
                     messages.pop()
                     print(f"clutor: error: {e}", file=sys.stderr)

@@ -48,16 +48,13 @@ def run(args):
 
 
 async def _generate(args, prompt: str, template: str | None) -> int:
-    from ..model.chat import render_chat
+    from ..model.chat import chat_prompt
     from ..model.model import Model
 
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
         if args.chat or template is not None:
-            tok = model.tokenizer
-            prompt = render_chat(template or tok.chat_template, [{"role": "user", "content": prompt}],
-                                 bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            prompt = chat_prompt(model.tokenizer, [{"role": "user", "content": prompt}], template=template,
                                  name=args.chat_template or "tokenizer.chat_template")
             special = True
         async for out in model.generate(prompt, special=special, **sampling_kwargs(args, model.n_ctx)):

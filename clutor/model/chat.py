@@ -2,8 +2,13 @@
 
 The environment mirrors Hugging Face's ``apply_chat_template``: a sandbox that cannot mutate
 objects or reach Python internals, ``trim_blocks`` + ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``tojson`` that keeps non-ASCII text, and the globals ``raise_exception`` and
-``strftime_now`` that real templates call.
+extension, the ``{% generation %}`` block (rendered as is), a ``tojson`` that keeps non-ASCII text
+and takes ``indent``/``separators``/``sort_keys``, and the globals ``raise_exception`` and
+``strftime_now`` that real templates call; ``namespace`` is Jinja's own.
+
+``chat_prompt`` / ``chat_ids`` render for a tokenizer the way llama.cpp does: the template gets the
+vocabulary's BOS/EOS texts, and a BOS text the template put first is removed again when encoding adds
+BOS itself (likewise a final EOS text), so the prompt never starts with two BOS tokens.
 """
 from __future__ import annotations
 
@@ -17,13 +22,14 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ClutorError
 
-__all__ = ["render_chat", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "chat_prompt", "chat_ids", "CHATML_TEMPLATE"]
 
 _FIELD = "tokenizer.chat_template"
 
@@ -112,6 +118,18 @@ def _bounded_filter(f):
     return bounded
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: Hugging Face marks the assistant's own text with
+    it (to build training masks); for a prompt it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """The stock sandbox turns an unsafe attribute into a silent Undefined ("" when printed); a
     template probing Python internals is broken or hostile, so fail loudly instead. It also refuses
@@ -189,7 +207,7 @@ class _Steps:
 @functools.lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = _StrictSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     for name, f in list(env.filters.items()):
@@ -266,11 +284,27 @@ def render_chat(
     return "".join(out)
 
 
-def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of a conversation rendered through the tokenizer's chat template, with the
-    file's BOS and EOS texts given to the template as it expects them."""
+def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                template: str | None = None, name: str = _FIELD, **extra: object) -> str:
+    """The prompt text for ``messages`` under ``tokenizer``'s own template (or ``template``, named
+    ``name`` in errors), ready for ``tokenizer.encode(text, special=True)``, which adds BOS per the file.
+
+    As llama.cpp: the template sees the vocabulary's BOS/EOS texts; a BOS text at the very start is
+    dropped when the tokenizer adds BOS anyway, an EOS text at the very end when it adds EOS.
+    """
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    prompt = render_chat(tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                         bos_token=bos, eos_token=eos)
-    return tokenizer.encode(prompt, special=True)
+    text = render_chat(template or tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=bos, eos_token=eos, name=name, **extra)
+    if tokenizer.add_bos and bos and text.startswith(bos):
+        text = text[len(bos):]
+    if tokenizer.add_eos and eos and text.endswith(eos):
+        text = text[: -len(eos)]
+    return text
+
+
+def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True, **extra: object) -> list[int]:
+    """The token ids of a conversation rendered through the tokenizer's chat template (``chat_prompt``),
+    BOS/EOS added per the file, special tokens parsed."""
+    return tokenizer.encode(chat_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra),
+                            special=True)
