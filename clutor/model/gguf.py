@@ -27,7 +27,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -561,10 +561,12 @@ class GGUFFile:
             done += n
         return out
 
-    def expert_layout(self, n_layers: int, n_experts: int) -> ExpertLayout:
-        """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight)."""
+    def expert_layout(self, layers_: int | Sequence[int], n_experts: int) -> ExpertLayout:
+        """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight),
+        for the layers 0..n-1 or the listed ones (the MoE layers of a model with leading dense
+        layers); the layout's layer i is the i-th of them."""
         layers = []
-        for l in range(n_layers):
+        for l in (range(layers_) if isinstance(layers_, int) else layers_):
             parts = []
             for part in ("gate", "up", "down"):
                 name = f"blk.{l}.ffn_{part}_exps.weight"

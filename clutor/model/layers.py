@@ -1,4 +1,4 @@
-"""The numeric building blocks shared by all three architectures (numpy, float32).
+"""The numeric building blocks the architectures share (numpy, float32).
 
 Dimension letters: T = tokens in this step, D = n_embd, H = query heads, Hkv = kv heads,
 G = H // Hkv, hd = head dim, N = positions in the KV cache so far, E = experts, K = top-k, F = expert hidden.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rmsnorm", "silu", "softmax", "Rope", "KVCache", "attention", "route"]
+__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Rope", "KVCache", "attention", "route", "gate"]
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -21,31 +21,45 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
 class Rope:
-    """NEOX-ordered rotary embedding: pair (x[i], x[i + n_rot/2]) rotated by pos * base^(-2i/n_rot)."""
+    """Rotary embedding of the first n_rot dims of each head, by pos * base^(-2i/n_rot).
 
-    def __init__(self, n_rot: int, base: float, n_ctx: int):
+    style "neox" rotates the pairs (x[i], x[i + n_rot/2]) (olmoe, qwen, glm4moe); "norm" the
+    adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through."""
+
+    def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox"):
         half = n_rot // 2
         inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
         ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]  # [n_ctx, n_rot/2]
         self.cos = np.cos(ang).astype(np.float32)
         self.sin = np.sin(ang).astype(np.float32)
         self.half = half
+        self.style = style
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
         T, half = x.shape[0], self.half
         cos = self.cos[p0 : p0 + T, None, :]  # [T, 1, half]
         sin = self.sin[p0 : p0 + T, None, :]
-        x1, x2 = x[..., :half], x[..., half : 2 * half]
         out = np.empty_like(x)
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half : 2 * half] = x2 * cos + x1 * sin
+        if self.style == "neox":
+            x1, x2 = x[..., :half], x[..., half : 2 * half]
+            out[..., :half] = x1 * cos - x2 * sin
+            out[..., half : 2 * half] = x2 * cos + x1 * sin
+        else:
+            x1, x2 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+            out[..., 0 : 2 * half : 2] = x1 * cos - x2 * sin
+            out[..., 1 : 2 * half : 2] = x2 * cos + x1 * sin
         out[..., 2 * half :] = x[..., 2 * half :]
         return out
 
@@ -118,4 +132,48 @@ def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.n
     w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
     if renorm:
         w = w / np.sum(w, axis=-1, keepdims=True)
+    return sel, w.astype(np.float32)
+
+
+def gate(h: np.ndarray, router: np.ndarray, k: int, *, func: str = "softmax", bias: np.ndarray | None = None,
+         norm: bool = False, scale: float = 0.0, groups: tuple[int, int] | None = None,
+         logit_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The router as llama.cpp computes it: h [T, D], router [E, D] -> (experts [T, K], weights [T, K]).
+
+    func: "softmax" | "sigmoid" | "softmax_weight" (softmax over the k chosen logits) turns the logits
+    (+ logit_bias) into probabilities; ``bias`` [E] (exp_probs_b) shifts which experts are chosen but
+    not their weights; ``groups`` (n_group, n_group_used): only experts of the n_group_used groups
+    with the best sum of their top-2 biased scores compete; ``norm`` divides the weights by their sum
+    (clamped to F16's smallest normal); ``scale`` multiplies them unless 0 or 1. Ties -> lower id."""
+    if func == "softmax" and bias is None and groups is None and logit_bias is None and scale in (0.0, 1.0):
+        return route(h, router, k, norm)  # softmax probabilities sum to >= 1/E: the clamp never acts
+    logits = h @ router.T  # [T, E]
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if func == "softmax":
+        probs = softmax(logits)
+    elif func == "sigmoid":
+        probs = sigmoid(logits)
+    elif func == "softmax_weight":
+        probs = logits
+    else:
+        raise ValueError(f"unknown gating function {func!r}")
+    select = probs if bias is None else probs + bias  # [T, E]
+    if groups is not None and groups[0] > 1:
+        n_group, n_used = groups
+        T, E = select.shape
+        g = select.reshape(T, n_group, E // n_group)  # [T, G, E/G]
+        score = np.sort(g, axis=-1)[..., -2:].sum(-1)  # [T, G]: the sum of each group's top 2
+        keep = np.argsort(-score, axis=-1, kind="stable")[:, :n_used]  # [T, n_used]
+        mask = np.full((T, n_group), True)
+        np.put_along_axis(mask, keep, False, axis=-1)
+        select = np.where(np.repeat(mask, E // n_group, axis=-1), -np.inf, select)
+    sel = np.argsort(-select, axis=-1, kind="stable")[:, :k]  # [T, K]
+    w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
+    if func == "softmax_weight":
+        w = softmax(w)
+    if norm:
+        w = w / np.maximum(np.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        w = w * scale
     return sel, w.astype(np.float32)
