@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Rope", "KVCache", "attention", "route", "gate"]
+__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "KVCache", "LatentKV", "attention", "route", "gate"]
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -31,15 +31,36 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+class Yarn:
+    """YaRN's frequency blend as ggml computes it: dims rotating faster than beta_fast turns over the
+    original context keep their frequency, those slower than beta_slow turns are divided by factor,
+    with a linear ramp between."""
+
+    def __init__(self, factor: float, n_ctx_orig: int, beta_fast: float = 32.0, beta_slow: float = 1.0):
+        self.factor, self.n_ctx_orig, self.beta_fast, self.beta_slow = factor, n_ctx_orig, beta_fast, beta_slow
+
+    def frequencies(self, inv: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+        def corr_dim(beta: float) -> float:
+            return n_rot * np.log(self.n_ctx_orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+        lo = max(0.0, np.floor(corr_dim(self.beta_fast)))
+        hi = min(n_rot - 1.0, np.ceil(corr_dim(self.beta_slow)))
+        i = np.arange(len(inv), dtype=np.float64)
+        keep = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)  # 1: extrapolate (original frequency)
+        return inv / self.factor * (1.0 - keep) + inv * keep
+
+
 class Rope:
     """Rotary embedding of the first n_rot dims of each head, by pos * base^(-2i/n_rot).
 
     style "neox" rotates the pairs (x[i], x[i + n_rot/2]) (olmoe, qwen, glm4moe); "norm" the
     adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through."""
 
-    def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox"):
+    def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox", yarn: "Yarn | None" = None):
         half = n_rot // 2
         inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
+        if yarn is not None:
+            inv = yarn.frequencies(inv, n_rot, base)
         ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]  # [n_ctx, n_rot/2]
         self.cos = np.cos(ang).astype(np.float32)
         self.sin = np.sin(ang).astype(np.float32)
@@ -101,6 +122,29 @@ class KVCache:
         self.high = max(self.high, p0 + T)
         self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
         self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
+
+
+class LatentKV:
+    """MLA's cache: per layer and position one compressed latent c_kv [C] and the RoPE key shared by all
+    heads [r], stored together as k [L, 1, n_ctx, C + r]; the values are the latent itself (``v`` is a
+    view of k's first C columns), so a position costs (C + r) floats per layer, not heads x head dims."""
+
+    def __init__(self, n_layers: int, n_ctx: int, kv_lora: int, n_rope: int):
+        self.k = _lazy_zeros((n_layers, 1, n_ctx, kv_lora + n_rope))  # [L, 1, n_ctx, C + r]
+        self.v = self.k[..., :kv_lora]  # [L, 1, n_ctx, C] (a view)
+        self.n_ctx = n_ctx
+        self.n = 0
+        self.high = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes
+
+    def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray | None = None) -> None:
+        """k [T, 1, C + r] (latent then rope key) at positions p0..p0+T-1."""
+        T = k.shape[0]
+        self.high = max(self.high, p0 + T)
+        self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
 
 
 def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) -> np.ndarray:

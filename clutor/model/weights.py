@@ -105,6 +105,7 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
         exps = [t for t in table.values() if t.kind == "expert"]
         if exps:
             lw.experts = ExpertTypes(*(f.tensors[t.name].qtype for t in exps))
+        arch.prepare(lw)
         layers.append(lw)
     return DenseWeights(tok_embd=glob["tok_embd"], output_norm=glob["output_norm"],
                         output=glob["tok_embd"] if glob.get("output") is None else glob["output"], layers=layers)

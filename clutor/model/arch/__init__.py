@@ -9,6 +9,7 @@ from __future__ import annotations
 from ...errors import UnsupportedError
 from ..config import ModelConfig
 from .common import Arch
+from .deepseek2 import DeepSeek2
 from .glm4moe import GLM4MoE
 from .llama import Llama
 from .olmoe import OLMoE
@@ -17,7 +18,7 @@ from .qwen3moe import Qwen3MoE
 
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
-ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE)}
+ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2)}
 
 
 def read_arch(f) -> Arch:

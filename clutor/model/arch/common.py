@@ -184,6 +184,9 @@ class Arch:
                      "ffn_down": T(b + "ffn_down.weight", (D, Fd))}
         return want
 
+    def prepare(self, lw) -> None:
+        """Rearrange a layer's freshly loaded tensors (deepseek2 splits its older attn_kv_b)."""
+
     def check_file(self, f) -> None:
         """Refuse what the file holds that this architecture would silently ignore (llama.cpp reads it)."""
 
