@@ -21,6 +21,7 @@ def describe(path: str) -> dict:
     from ..model.gguf import GGUFFile
     from ..model.options import min_budget
     from ..model.quants import type_name
+    from ..model.weights import resident_bytes
 
     with GGUFFile.open(path) as f:
         arch = read_arch(f)
@@ -32,8 +33,7 @@ def describe(path: str) -> dict:
         for t in f.tensors.values():
             types[type_name(t.qtype)] += 1
             type_bytes[type_name(t.qtype)] += t.nbytes
-            if not t.name.endswith("_exps.weight"):
-                dense += t.nbytes
+        dense = resident_bytes(f, arch)
         per_layer = [layout.expert_bytes(l) for l in range(layout.n_layers)]
         return {
             "path": path,

@@ -27,7 +27,7 @@ from .quants import apply_all, matmul_jobs
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
-from .weights import DenseWeights, load_dense
+from .weights import DenseWeights, load_dense, resident_bytes
 
 if TYPE_CHECKING:
     from .generate import GenerationChunk
@@ -143,9 +143,9 @@ class Model:
                     raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
                 budget = None
                 if opts.io != "memory":
-                    dense_bytes = sum(t.nbytes for n, t in f.tensors.items() if not n.endswith("_exps.weight"))
+                    dense_bytes = resident_bytes(f, arch)
                     budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes)
-                dense = load_dense(f, arch, _progress_of(progress, f))
+                dense = load_dense(f, arch, _progress_of(progress, resident_bytes(f, arch)))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup()
             except BaseException:
@@ -383,11 +383,10 @@ class Model:
         """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""
         return self.engine.stats()
 
-def _progress_of(progress, f) -> Callable[[int], None] | None:
+def _progress_of(progress, total: int) -> Callable[[int], None] | None:
     """Adapt progress(done, total) to load_dense's per-tensor byte counts."""
     if progress is None:
         return None
-    total = sum(t.nbytes for name, t in f.tensors.items() if not name.endswith("_exps.weight"))
     done = 0
 
     def step(nbytes: int) -> None:

@@ -111,6 +111,14 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
                         output=glob["tok_embd"] if glob.get("output") is None else glob["output"], layers=layers)
 
 
+def resident_bytes(f, arch) -> int:
+    """Bytes of the tensors load_dense reads (what stays in memory; MTP layers a file may carry and
+    routed experts are not among them)."""
+    names = {t.name for table in [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(arch.cfg.n_layers)]
+             for t in table.values() if t.kind != "expert"}
+    return sum(f.tensors[n].nbytes for n in names if n in f.tensors)
+
+
 def dense_tensor_names(f) -> list[str]:
     """Every tensor that is not a routed expert (what `clutor info` counts as dense)."""
     return [n for n in f.tensors if not n.endswith("_exps.weight")]
