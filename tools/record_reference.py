@@ -101,6 +101,7 @@ class _Hparams:
     v_head: int = 0
     yarn: tuple | None = None   # (factor, original context)
     kq_scale: float = 0.0
+    window: int = 0             # gpt-oss: sliding window of the even layers
 
 
 def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
@@ -127,6 +128,11 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
                 "kv_lora": kv(f"{arch}.attention.kv_lora_rank"),
                 "v_head": kv(f"{arch}.attention.value_length_mla" if mla else f"{arch}.attention.value_length"),
                 "yarn": yarn, "kq_scale": m * m / np.sqrt(hk)}
+    if arch == "gpt-oss":
+        f = kv(f"{arch}.rope.scaling.factor") if kv(f"{arch}.rope.scaling.type") == "yarn" else None
+        n_rot = kv(f"{arch}.rope.dimension_count")
+        return {"head_dim": n_rot, "n_rot": n_rot, "gating": "softmax_chosen", "window": kv(f"{arch}.attention.sliding_window"),
+                "yarn": (f, kv(f"{arch}.rope.scaling.original_context_length")) if f else None}
     return {}
 
 
@@ -174,26 +180,35 @@ class Reference:
             return self._rope_norm(x, pos)
         n = self.hp.n_rot or x.shape[-1]  # glm4moe rotates the first n_rot dims only
         half = n // 2
-        theta = pos * self.hp.rope_base ** (-2.0 * np.arange(half) / n)
-        c, s = np.cos(theta), np.sin(theta)
+        freq = self.hp.rope_base ** (-2.0 * np.arange(half) / n)
+        mag = 1.0
+        if self.hp.yarn:  # gpt-oss: YaRN frequencies, and cos/sin scaled by 1 + 0.1 ln(factor)
+            freq = self._yarn(freq, n)
+            mag = 1 + 0.1 * np.log(self.hp.yarn[0])
+        theta = pos * freq
+        c, s = np.cos(theta) * mag, np.sin(theta) * mag
         a, b = x[:, :half], x[:, half:n]
         return np.concatenate([a * c - b * s, a * s + b * c, x[:, n:]], axis=-1)
 
     def _rope_norm(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, n], adjacent pairs (2i, 2i + 1)
         n = x.shape[-1]
         freq = self.hp.rope_base ** (-2.0 * np.arange(n // 2) / n)
-        if self.hp.yarn:  # YaRN: slow dims interpolated by the factor, fast ones kept, a ramp between
-            factor, orig = self.hp.yarn
-            dim = lambda beta: n * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(self.hp.rope_base))  # noqa: E731
-            lo, hi = max(0.0, np.floor(dim(32.0))), min(n - 1.0, np.ceil(dim(1.0)))
-            ramp = 1 - np.clip((np.arange(n // 2) - lo) / max(0.001, hi - lo), 0, 1)
-            freq = freq / factor * (1 - ramp) + freq * ramp
+        if self.hp.yarn:
+            freq = self._yarn(freq, n)
         theta = pos * freq
         c, s = np.cos(theta), np.sin(theta)
         a, b = x[:, 0::2], x[:, 1::2]
         out = np.empty_like(x)
         out[:, 0::2], out[:, 1::2] = a * c - b * s, a * s + b * c
         return out
+
+    def _yarn(self, freq: np.ndarray, n: int) -> np.ndarray:
+        """YaRN: slow dims interpolated by the factor, fast ones kept, a linear ramp between."""
+        factor, orig = self.hp.yarn
+        dim = lambda beta: n * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(self.hp.rope_base))  # noqa: E731
+        lo, hi = max(0.0, np.floor(dim(32.0))), min(n - 1.0, np.ceil(dim(1.0)))
+        ramp = 1 - np.clip((np.arange(n // 2) - lo) / max(0.001, hi - lo), 0, 1)
+        return freq / factor * (1 - ramp) + freq * ramp
 
     def _attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
         """Self-attention output (before attn_output) for the normed input h [D]; appends to the cache."""
@@ -236,9 +251,13 @@ class Reference:
         group = hp.n_head // hp.n_head_kv
         K, V = np.repeat(K, group, axis=1), np.repeat(V, group, axis=1)  # [T, H, hd]
         s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hp.head_dim)  # [H, T]
-        p = np.exp(s - s.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
-        out = np.einsum("ht,thd->hd", p, V).reshape(-1)
+        if hp.window and il % 2 == 0:  # gpt-oss: even layers see the last `window` positions only
+            s[:, : max(0, len(K) - hp.window)] = -np.inf
+        sink = w.get(b + "attn_sinks.weight")
+        m = s.max(axis=-1, keepdims=True) if sink is None else np.maximum(s.max(axis=-1, keepdims=True), sink[:, None])
+        p = np.exp(s - m)
+        den = p.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink[:, None] - m))
+        out = np.einsum("ht,thd->hd", p / den, V).reshape(-1)
         return out
 
     def _route(self, b: str, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
@@ -246,6 +265,12 @@ class Reference:
         the next, so that a rounding error of that size could flip it."""
         hp, w = self.hp, self.w
         r = w[b + "ffn_gate_inp.weight"] @ h2  # [E]
+        if hp.gating == "softmax_chosen":  # gpt-oss: top-k of logits + bias, softmax over the chosen
+            r = r + w[b + "ffn_gate_inp.bias"]
+            order = np.argsort(-r)
+            sel = order[: hp.n_used]
+            g = np.exp(r[sel] - r[sel].max())
+            return sel, g / g.sum(), r[order[hp.n_used - 1]] - r[order[hp.n_used]]
         if hp.gating == "softmax" and b + "exp_probs_b.bias" not in w and hp.n_group <= 1:
             order = np.argsort(-r)
             margin = r[order[hp.n_used - 1]] - r[order[hp.n_used]]
@@ -297,7 +322,7 @@ class Reference:
             x = x + w[b + "attn_output.weight"] @ self._attention(il, h, pos)
             if b + "attn_output.bias" in w:
                 x = x + w[b + "attn_output.bias"]
-            h2 = self._rms(x, w[b + ("post_attention_norm.weight" if hp.arch == "glm4moe" else "ffn_norm.weight")])
+            h2 = self._rms(x, w[b + ("post_attention_norm.weight" if hp.arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight")])
             if il < hp.n_dense:
                 a = w[b + "ffn_gate.weight"] @ h2
                 x = x + w[b + "ffn_down.weight"] @ (a / (1 + np.exp(-a)) * (w[b + "ffn_up.weight"] @ h2))
@@ -308,6 +333,11 @@ class Reference:
             for e, g in zip(sel, gate):
                 a = w[b + "ffn_gate_exps.weight"][e] @ h2
                 u = w[b + "ffn_up_exps.weight"][e] @ h2
+                if hp.arch == "gpt-oss":  # per-expert biases, clamped SwiGLU
+                    a, u = np.minimum(a + w[b + "ffn_gate_exps.bias"][e], 7.0), np.clip(u + w[b + "ffn_up_exps.bias"][e], -7, 7)
+                    act = a / (1 + np.exp(-1.702 * a)) * (u + 1)
+                    y += g * (w[b + "ffn_down_exps.weight"][e] @ act + w[b + "ffn_down_exps.bias"][e])
+                    continue
                 y += g * (w[b + "ffn_down_exps.weight"][e] @ (a / (1 + np.exp(-a)) * u))
             if b + "ffn_gate_shexp.weight" in w:
                 a = w[b + "ffn_gate_shexp.weight"] @ h2

@@ -59,7 +59,7 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (
         _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
-        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS,
+        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS, _T.MXFP4,
     )
 )
 

@@ -147,8 +147,14 @@ class LatentKV:
         self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
 
 
-def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) -> np.ndarray:
-    """Causal GQA attention of q [T, H, hd] (positions p0..) over the cache -> [T, H * hdv]."""
+def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float, *, window: int = 0,
+              sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention of q [T, H, hd] (positions p0..) over the cache -> [T, H * hdv].
+
+    window > 0: a query at position i sees keys j with i - j < window only (sliding window).
+    sinks [H]: one learned logit per head that joins each softmax's denominator (gpt-oss)."""
+    if window or sinks is not None:
+        return _attention_masked(q, cache, layer, p0, scale, window, sinks)
     T, H, hd = q.shape
     Hkv = cache.k.shape[1]
     G = H // Hkv
@@ -165,6 +171,34 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) 
     p = softmax(s)
     o = p @ V  # [Hkv, G*T, hdv]
     return o.reshape(Hkv, G, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
+
+
+def _attention_masked(q, cache, layer, p0, scale, window, sinks):
+    T, H, hd = q.shape
+    Hkv = cache.k.shape[1]
+    G = H // Hkv
+    n = p0 + T
+    lo = max(0, p0 - window + 1) if window else 0  # keys no query of this step can see are not read
+    K = cache.k[layer, :, lo:n]  # [Hkv, N', hd]
+    V = cache.v[layer, :, lo:n]
+    qg = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3)  # [Hkv, G, T, hd]
+    s = (qg @ K[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hkv, G, T, N']
+    qpos = (p0 + np.arange(T))[:, None]
+    kpos = np.arange(lo, n)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked |= qpos - kpos >= window
+    s[:, :, masked] = -np.inf
+    m = s.max(axis=-1, keepdims=True)  # [Hkv, G, T, 1]
+    if sinks is not None:
+        sk = sinks.reshape(Hkv, G, 1, 1).astype(np.float32)
+        m = np.maximum(m, sk)
+    e = np.exp(s - m)
+    den = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(sk - m)  # the sink takes probability mass and adds no value
+    o = (e / den) @ V[:, None]  # [Hkv, G, T, hdv]
+    return o.transpose(2, 0, 1, 3).reshape(T, -1)
 
 
 def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.ndarray, np.ndarray]:

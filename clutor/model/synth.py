@@ -50,7 +50,7 @@ __all__ = [
 GENERATOR_VERSION = 2
 
 ALIGNMENT = 32
-ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "glm4moe", "deepseek2")
+ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "glm4moe", "deepseek2", "gpt-oss")
 
 # Target standard deviation of the final logits (see module docstring).
 LOGIT_STD = 3.0
@@ -132,6 +132,7 @@ class ModelSpec:
     yarn_factor: float = 0.0    # rope.scaling.* (YaRN) when > 0
     yarn_orig_ctx: int = 0
     yarn_log_mul: float = 0.0   # rope.scaling.yarn_log_multiplier (0.1 * mscale_all_dim)
+    sliding_window: int = 0     # gpt-oss: attention.sliding_window (even layers slide)
 
     @property
     def n_q(self) -> int:
@@ -182,6 +183,13 @@ PRESETS: dict[str, ModelSpec] = {
         n_expert=8, n_expert_used=2, n_ff_exp=64, vocab_size=512, n_ctx=512, rope_base=1e4, eps=1e-6,
         n_dense_lead=1, n_ff=192, n_expert_shared=2, n_rot=16, gating=1, w_scale=1.0, q_lora_rank=0,
         kv_lora_rank=64, v_head_dim=32, mla_split=False,
+    ),
+    # gpt-oss: sinks, q/k/v/o biases, router and per-expert biases, sliding window on even layers,
+    # attention wider than n_embd (8 heads x 32), YaRN.
+    "tiny-gptoss": ModelSpec(
+        name="tiny-gptoss", arch="gpt-oss", n_layer=2, n_embd=128, n_head=8, n_head_kv=2, head_dim=32,
+        n_expert=4, n_expert_used=2, n_ff_exp=128, vocab_size=512, n_ctx=512, rope_base=1.5e5, eps=1e-5,
+        n_rot=32, qkv_bias=True, sliding_window=8, yarn_factor=4.0, yarn_orig_ctx=64,
     ),
     # OLMoE structure sized to about 1 GB, most of it in experts: what `clutor demo` runs.
     "demo": ModelSpec(
@@ -373,7 +381,11 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
             plans += [norm(b + "attn_q_norm.weight", Q), norm(b + "attn_k_norm.weight", KV)]
         if spec.arch == "qwen3moe" or spec.qk_norm:  # QK-norm per head
             plans += [norm(b + "attn_q_norm.weight", spec.head_dim), norm(b + "attn_k_norm.weight", spec.head_dim)]
-        plans.append(norm(b + ("post_attention_norm.weight" if spec.arch == "glm4moe" else "ffn_norm.weight"), D))
+        if spec.arch == "gpt-oss":
+            plans += [TensorPlan(b + "attn_output.bias", (D,), f32, "normal", 0.2),
+                      TensorPlan(b + "attn_sinks.weight", (spec.n_head,), f32, "normal", 1.0)]
+        post = spec.arch in ("glm4moe", "gpt-oss")
+        plans.append(norm(b + ("post_attention_norm.weight" if post else "ffn_norm.weight"), D))
         if i < spec.n_dense_lead:
             Fd = spec.n_ff
             plans += [w(b + "ffn_gate.weight", (Fd, D), 1 / np.sqrt(D)), w(b + "ffn_up.weight", (Fd, D), 1 / np.sqrt(D)),
@@ -385,6 +397,11 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
             w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
             w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp),
         ]
+        if spec.arch == "gpt-oss":
+            plans += [TensorPlan(b + "ffn_gate_inp.bias", (E,), f32, "normal", 0.5),
+                      TensorPlan(b + "ffn_gate_exps.bias", (E, F), f32, "normal", 0.2),
+                      TensorPlan(b + "ffn_up_exps.bias", (E, F), f32, "normal", 0.2),
+                      TensorPlan(b + "ffn_down_exps.bias", (E, D), f32, "normal", 0.2)]
         if spec.probs_bias:
             # sigmoid probabilities are in (0, 1): a bias of this size reorders close experts only
             plans.append(TensorPlan(b + "exp_probs_b.bias", (E,), f32, "normal", 0.05))
@@ -676,7 +693,7 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
     # olmoe; Qwen3 files always carry them.
     if a == "deepseek2":
         kvs += _mla_metadata(spec)
-    elif spec.arch == "qwen3moe" or spec.head_dim * spec.n_head != spec.n_embd or a == "glm4moe":
+    elif spec.arch == "qwen3moe" or spec.head_dim * spec.n_head != spec.n_embd or a in ("glm4moe", "gpt-oss"):
         kvs += [_kv(f"{a}.attention.key_length", U32, spec.head_dim), _kv(f"{a}.attention.value_length", U32, spec.head_dim)]
     if spec.n_rot and a != "deepseek2":
         kvs.append(_kv(f"{a}.rope.dimension_count", U32, spec.n_rot))
@@ -695,10 +712,13 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
         kvs.append(_kv(f"{a}.expert_weights_scale", F32, spec.w_scale))
     if spec.n_group:
         kvs += [_kv(f"{a}.expert_group_count", U32, spec.n_group), _kv(f"{a}.expert_group_used_count", U32, spec.n_group_used)]
+    if spec.sliding_window:
+        kvs.append(_kv(f"{a}.attention.sliding_window", U32, spec.sliding_window))
     if spec.yarn_factor:
         kvs += [_kv(f"{a}.rope.scaling.type", STR, "yarn"), _kv(f"{a}.rope.scaling.factor", F32, spec.yarn_factor),
-                _kv(f"{a}.rope.scaling.original_context_length", U32, spec.yarn_orig_ctx),
-                _kv(f"{a}.rope.scaling.yarn_log_multiplier", F32, spec.yarn_log_mul)]
+                _kv(f"{a}.rope.scaling.original_context_length", U32, spec.yarn_orig_ctx)]
+        if spec.yarn_log_mul:
+            kvs.append(_kv(f"{a}.rope.scaling.yarn_log_multiplier", F32, spec.yarn_log_mul))
     if a == "llama":  # the expert size is feed_forward_length
         kvs.append(_kv(f"{a}.feed_forward_length", U32, spec.n_ff_exp))
     elif a == "olmoe":  # olmoe has no expert-specific key: feed_forward_length is the expert size

@@ -11,6 +11,7 @@ from ..config import ModelConfig
 from .common import Arch
 from .deepseek2 import DeepSeek2
 from .glm4moe import GLM4MoE
+from .gptoss import GptOss
 from .llama import Llama
 from .olmoe import OLMoE
 from .qwen2moe import Qwen2MoE
@@ -18,7 +19,7 @@ from .qwen3moe import Qwen3MoE
 
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
-ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2)}
+ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss)}
 
 
 def read_arch(f) -> Arch:
