@@ -196,6 +196,13 @@ PRESETS: dict[str, ModelSpec] = {
         name="demo", arch="olmoe", n_layer=16, n_embd=1024, n_head=8, n_head_kv=8, head_dim=128,
         n_expert=32, n_expert_used=4, n_ff_exp=512, vocab_size=4096, n_ctx=4096, eps=1e-5, qtype="Q8_0",
     ),
+    # gpt-oss-20b's shapes (the benchmark of issue 11): experts MXFP4, the dense rest Q8_0 (~12 GB).
+    "gpt-oss-20b-mxfp4": ModelSpec(
+        name="gpt-oss-20b-mxfp4", arch="gpt-oss", n_layer=24, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64,
+        n_expert=32, n_expert_used=4, n_ff_exp=2880, vocab_size=201088, n_ctx=131072, rope_base=1.5e5, eps=1e-5,
+        n_rot=64, qkv_bias=True, sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096, qtype="Q8_0",
+        expert_qtype="MXFP4",
+    ),
     # OLMoE-1B-7B's real shapes, every matrix Q8_0 (7.4 GB).
     "olmoe-1b-7b-q8": ModelSpec(
         name="olmoe-1b-7b-q8", arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128,
@@ -575,6 +582,25 @@ def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return packed
 
 
+# std of ggml's MXFP4 levels (the E2M1 values doubled) when each of the 16 codes is equally likely
+_MXFP4_STD = float(np.sqrt(np.mean(np.square([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]))))
+
+
+def _mxfp4_chunks(plan: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Random MXFP4 blocks of 32: [E8M0 exponent e][16 bytes of 4-bit codes], value 2^(e-128) * level;
+    the exponent is the power of two nearest the wanted spread, jittered by one step either way."""
+    n_blocks = int(np.prod(plan.shape)) // 32
+    per = _CHUNK // 32
+    e0 = 128 + np.log2(plan.std / _MXFP4_STD)
+    for b0 in range(0, n_blocks, per):
+        nb = min(n_blocks, b0 + per) - b0
+        out = np.empty((nb, 17), dtype=np.uint8)
+        e = e0 + np.log2(_block_gain(plan, b0, nb, 32)) + rng.integers(-1, 2, size=nb) * 0.5
+        out[:, 0] = np.clip(np.rint(e), 1, 254).astype(np.uint8)
+        out[:, 1:] = rng.integers(0, 256, size=(nb, 16), dtype=np.uint8)
+        yield out
+
+
 def _f32_chunks(plan: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
     yield from _float_chunks(plan, rng)
 
@@ -589,6 +615,7 @@ _WRITERS: dict[GGMLQuantizationType, Callable[[TensorPlan, np.random.Generator],
     GGMLQuantizationType.F16: _f16_chunks,
     GGMLQuantizationType.Q8_0: _q8_0_chunks,
     GGMLQuantizationType.Q4_K: _q4_k_chunks,
+    GGMLQuantizationType.MXFP4: _mxfp4_chunks,
 }
 # Other types gguf-py can quantise from floats (slow: for small models only).
 _FLOAT_QUANTISERS = {
@@ -649,7 +676,7 @@ def _file_type(plans: list[TensorPlan]) -> int:
     for p in plans:
         by_type[p.qtype] = by_type.get(p.qtype, 0) + p.nbytes
     main = max(by_type, key=by_type.__getitem__)
-    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M"}
+    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M", "MXFP4": "MOSTLY_MXFP4_MOE"}
     return int(LlamaFileType[names.get(main.name, "MOSTLY_" + main.name)])
 
 
