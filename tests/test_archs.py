@@ -9,7 +9,7 @@ import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
-from conftest import NEW_ARCHS, NEW_TYPES, fixture_path, golden, run
+from conftest import NEW_ARCHS, NEW_FIXTURES, fixture_path, golden, run
 
 
 async def _logits(path, ids, **opts):
@@ -17,8 +17,7 @@ async def _logits(path, ids, **opts):
         return await model.logits(ids)
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS)
-@pytest.mark.parametrize("qtype", NEW_TYPES)
+@pytest.mark.parametrize("arch, qtype", NEW_FIXTURES)
 def test_logits_match_llama_cpp(arch, qtype):
     g = golden(arch, qtype)
     ref = g["logits"].astype(np.float32)  # [T, V]
@@ -118,6 +117,7 @@ def test_kv_cache_follows_the_architecture():
     ("glm4moe", ["1 dense first", "sigmoid + selection bias", "1 MTP layers skipped", "16 of 32 dims"]),
     ("deepseek2", ["MLA: latent 64 + rope 16", "top 2 of 4 groups", "YaRN x4", "1 dense first"]),
     ("deepseek2-lite", ["attn_kv_b", "q direct", "softmax"]),
+    ("gptoss", ["GQA with sinks", "sliding window 8 on 1 of 2 layers", "YaRN x4", "softmax over the chosen"]),
 ])
 def test_info_shows_the_arch_specifics(arch, words, capsys):
     from clutor.cli import main
