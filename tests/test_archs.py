@@ -143,3 +143,44 @@ def test_old_per_expert_mixtral_layout_is_refused(tmp_path):
     with GGUFFile.open(tmp_path / "old.gguf") as f:
         with pytest.raises(clutor.ModelFileError, match="one tensor per expert"):
             read_arch(f)
+
+
+def _tiny_file(path, arch: str, keys: dict, tensors: dict) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in keys.items():
+        if isinstance(v, bool):
+            w.add_bool(f"{arch}.{k}", v)
+        elif isinstance(v, int):
+            w.add_uint32(f"{arch}.{k}", v)
+        elif isinstance(v, float):
+            w.add_float32(f"{arch}.{k}", v)
+        else:
+            w.add_string(f"{arch}.{k}", v)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+_BASE = {"block_count": 2, "context_length": 64, "embedding_length": 32, "attention.head_count": 2,
+         "attention.layer_norm_rms_epsilon": 1e-5, "feed_forward_length": 32}
+
+
+@pytest.mark.parametrize("arch, keys, field", [
+    ("llama", {}, "llama.expert_count"),                                     # a dense llama: nothing to stream
+    ("deepseek2", {"expert_count": 6, "expert_used_count": 2, "expert_group_count": 4,
+                   "attention.q_lora_rank": 0, "attention.kv_lora_rank": 16, "rope.dimension_count": 8,
+                   "attention.key_length": 24, "attention.value_length": 16, "expert_feed_forward_length": 32,
+                   "expert_shared_count": 1}, "deepseek2.expert_group_count"),  # groups must divide the experts
+    ("glm4moe", {"rope.dimension_sections": 4}, "glm4moe.rope.dimension_sections"),  # M-RoPE
+    ("llama", {"expert_count": 2, "expert_used_count": 1, "rope.scaling.type": "linear"},
+     "llama.rope.scaling.type"),
+])
+def test_bad_arch_metadata_is_a_clear_error(tmp_path, arch, keys, field):
+    path = tmp_path / "bad.gguf"
+    _tiny_file(path, arch, _BASE | keys, {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with GGUFFile.open(path) as f:
+        with pytest.raises(clutor.ModelFileError) as e:
+            read_arch(f)
+    assert e.value.field == field and str(path) in str(e.value)
