@@ -18,6 +18,8 @@ COMMANDS = {
     "bench-io": "bench_io",
     "simulate": "simulate",
     "bench": "bench",
+    "serve": "serve",
+    "bench-serve": "bench_serve",
 }
 
 

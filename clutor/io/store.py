@@ -305,8 +305,11 @@ class ExpertStore:
                 finally:
                     self._c.wait_seconds += time.perf_counter() - t0
                 keys = [pending.pop(fut) for fut in finished]
-                for fut in finished:
-                    fut.result()  # the read's error, if any
+                # every error retrieved before the first is raised: two reads failing together must not
+                # leave the second logged as "never retrieved"
+                errors = [err for err in (fut.exception() for fut in finished) if err is not None]
+                if errors:
+                    raise errors[0]
                 # in request order, so a group's order does not depend on completion order
                 yield [views[e] for e in views if (layer, e) in keys]
         finally:

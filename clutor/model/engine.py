@@ -181,6 +181,19 @@ class Engine:
 
     # -- the step loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except BaseException as e:
+            # A bug outside a step (or the loop shutting down) must not leave readers waiting forever.
+            err = e if isinstance(e, ClutorError) else ClutorError(f"the scheduler stopped: {type(e).__name__}: {e}")
+            for req in list(self._waiting) + list(self._active):
+                req._events.put_nowait(err)
+                self._drop(req)
+            self._waiting.clear()
+            if not isinstance(e, Exception):
+                raise
+
+    async def _loop(self) -> None:
         while not self._closed:
             self._admit()
             batch = self._plan()

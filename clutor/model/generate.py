@@ -8,7 +8,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from ..errors import ClutorError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, token_logprobs
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
 
@@ -109,6 +109,8 @@ class GenerationChunk:
     text: str                 # new text (may be "" while a multi-byte character or stop string is pending)
     token: int | None         # the token sampled at this step; None on the final record
     stats: GenerationStats | None = None  # set on the final record only
+    logprob: float | None = None  # log-probability of token (raw logits), when generate(logprobs=n)
+    top_logprobs: list[tuple[int, float]] | None = None  # the n most likely (id, logprob) at this step
 
     @property
     def done(self) -> bool:
@@ -149,13 +151,15 @@ class _StopMatcher:
 async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
                    top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                    repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
-                   ignore_eos: bool = False, special: bool = False) -> AsyncIterator[GenerationChunk]:
+                   ignore_eos: bool = False, special: bool = False, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
     max_tokens: at most this many tokens, and never past the context: a prompt that leaves less room
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
+    logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -172,16 +176,19 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
     max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
+                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
     stream = tok.stream()
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
-    req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids))
+    req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
+                              None if logprobs is None else _with_logprobs(logprobs))
     n_gen, reason = 0, "length"
     try:
         while True:
-            token, _, end = await req.next()
+            token, extra, end = await req.next()
+            lp, top = extra if extra is not None else (None, None)
             n_gen += 1
             if end == "eos":
                 reason = "eos"
@@ -190,9 +197,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
             if hit:
                 reason = "stop"
                 if text:
-                    yield GenerationChunk(text, token)
+                    yield GenerationChunk(text, token, None, lp, top)
                 break
-            yield GenerationChunk(text, token)
+            yield GenerationChunk(text, token, None, lp, top)
             if end is not None:
                 break
     finally:
@@ -204,3 +211,14 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                             io=_io_report(io_before, model.io_stats(), t_end - t0),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
+
+
+def _with_logprobs(n: int):
+    """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
+    most likely from the raw logits, before any penalty (as OpenAI and llama.cpp's server report them)."""
+
+    def sample(req, row):
+        token = req.sampler.sample(row, req.history)
+        return token, token_logprobs(row, token, n)
+
+    return sample
