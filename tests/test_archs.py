@@ -184,3 +184,32 @@ def test_bad_arch_metadata_is_a_clear_error(tmp_path, arch, keys, field):
         with pytest.raises(clutor.ModelFileError) as e:
             read_arch(f)
     assert e.value.field == field and str(path) in str(e.value)
+
+
+def test_gptoss_expert_biases_travel_with_the_expert():
+    """gpt-oss's per-expert biases are slabs of the expert (read by the store with its weights), not
+    resident dense weights: the slot holds all six, and the logits match llama.cpp (above)."""
+    path = fixture_path("gptoss", "Q8_0")
+    with GGUFFile.open(path) as f:
+        cfg = read_arch(f).cfg
+        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        bias_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.bias"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
+        weight_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
+    assert layout.n_parts == 6 and layout.expert_bytes(0) == weight_bytes + bias_bytes
+
+    async def go():
+        async with clutor.Model.open(path, io="threads", expert_cache=f"{3 * slot_bytes(layout)}") as model:
+            lw = model._w.layers[0]
+            batch = await model._experts.get(0, [1])
+            try:
+                v = batch[0]
+                return lw.gate_b, [b.view(np.float32).copy() for b in v.biases]
+            finally:
+                batch.release()
+
+    resident, biases = run(go())
+    assert resident is None
+    import gguf
+    want = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.0.ffn_")}
+    for got, p in zip(biases, ("gate", "up", "down")):
+        np.testing.assert_array_equal(got, want[f"blk.0.ffn_{p}_exps.bias"][1])

@@ -564,14 +564,21 @@ class GGUFFile:
     def expert_layout(self, layers_: int | Sequence[int], n_experts: int) -> ExpertLayout:
         """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight),
         for the layers 0..n-1 or the listed ones (the MoE layers of a model with leading dense
-        layers); the layout's layer i is the i-th of them."""
+        layers); the layout's layer i is the i-th of them. Where the file has per-expert biases
+        (blk.L.ffn_{gate,up,down}_exps.bias, gpt-oss) each expert has three more slabs, its biases."""
         layers = []
-        for l in (range(layers_) if isinstance(layers_, int) else layers_):
+        ls = list(range(layers_) if isinstance(layers_, int) else layers_)
+        biased = bool(ls) and f"blk.{ls[0]}.ffn_gate_exps.bias" in self.tensors
+        kinds = ("weight",) + (("bias",) if biased else ())
+        for l in ls:
             parts = []
-            for part in ("gate", "up", "down"):
-                name = f"blk.{l}.ffn_{part}_exps.weight"
+            for kind, part in ((k, p) for k in kinds for p in ("gate", "up", "down")):
+                name = f"blk.{l}.ffn_{part}_exps.{kind}"
                 t = self.tensor(name)
-                if len(t.shape) != 3 or t.shape[0] != n_experts:
+                if kind == "bias" and (len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0):
+                    raise ModelFileError(t.path, f"tensor {name}", f"F32 of shape ({n_experts}, rows)",
+                                         f"{_type_name(t.qtype)} {tuple(t.shape)}")
+                if kind == "weight" and (len(t.shape) != 3 or t.shape[0] != n_experts):
                     raise ModelFileError(t.path, f"tensor {name} shape", f"({n_experts}, rows, cols)", str(t.shape))
                 if t.nbytes % n_experts:
                     raise ModelFileError(

@@ -288,17 +288,17 @@ class Model:
         gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
         matmul_jobs([job for v, t0, n in zip(views, starts, counts)
                      for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
-        biases = self.arch.expert_biases(self._w.layers[l])  # gpt-oss: per-expert gate/up/down biases
-        if biases is not None:
+        biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
+        if biased:
             for v, t0, n in zip(views, starts, counts):
-                gu[t0 : t0 + n, :F] += biases[0][v.expert]
-                gu[t0 : t0 + n, F:] += biases[1][v.expert]
+                gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
+                gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
         a = self.arch.expert_act(gu, F)  # [S, F]
         y = np.empty((len(xg), D), np.float32)  # [S, D]
         matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
-        if biases is not None:
+        if biased:
             for v, t0, n in zip(views, starts, counts):
-                y[t0 : t0 + n] += biases[2][v.expert]
+                y[t0 : t0 + n] += v.biases[2].view(np.float32)
         y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
         return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
 

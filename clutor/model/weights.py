@@ -102,7 +102,7 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
     layers = []
     for table in tables[1:]:
         lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.kind != "expert"})
-        exps = [t for t in table.values() if t.kind == "expert"]
+        exps = [t for t in table.values() if t.kind == "expert" and t.name.endswith("_exps.weight")]
         if exps:
             lw.experts = ExpertTypes(*(f.tensors[t.name].qtype for t in exps))
         arch.prepare(lw)

@@ -230,10 +230,6 @@ class Arch:
         """Softmax over all experts, top-k, weights not renormalised (olmoe, qwen2moe)."""
         return gate(h, lw.router, self.cfg.n_expert_used)
 
-    def expert_biases(self, lw):
-        """(gate [E, F], up [E, F], down [E, D]) biases of the routed experts, or None (gpt-oss has them)."""
-        return None
-
     def expert_act(self, gu: np.ndarray, F: int) -> np.ndarray:
         """SwiGLU of gate | up [S, 2F] -> [S, F]."""
         return silu(gu[:, :F]) * gu[:, F:]

@@ -6,9 +6,9 @@
   `attention.sliding_window_pattern`, default 2: even layers slide); NEOX RoPE, with YaRN the cos/sin
   multiplied by 1 + 0.1 ln(factor).
 - Router: logits + `ffn_gate_inp.bias`, top-k over the logits, softmax over the k chosen.
-- Experts: biases on gate, up and down; the clamped SwiGLU g = min(gate, 7), u = clamp(up, -7, 7),
-  out = g sigmoid(1.702 g) (u + 1). The expert biases are kept resident (E x (2F + D) floats per
-  layer) and added to each streamed expert's products.
+- Experts: biases on gate, up and down, which belong to the expert: the expert store reads them with
+  its weights (six slabs per expert, clutor.io.layout); the clamped SwiGLU g = min(gate, 7),
+  u = clamp(up, -7, 7), out = g sigmoid(1.702 g) (u + 1).
 - The norm before the MoE block is `post_attention_norm`; `output` is never tied.
 """
 from __future__ import annotations
@@ -72,8 +72,9 @@ class GptOss(Arch):
         E, F, D = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
         return super().ffn_tensors(l) | {
             "router_b": T(b + "ffn_gate_inp.bias", (E,), "vector"),
-            "gate_b": T(b + "ffn_gate_exps.bias", (E, F), "vector"), "up_b": T(b + "ffn_up_exps.bias", (E, F), "vector"),
-            "down_b": T(b + "ffn_down_exps.bias", (E, D), "vector")}
+            # streamed with each expert (checked here, read by the expert store)
+            "gate_b": T(b + "ffn_gate_exps.bias", (E, F), "expert"), "up_b": T(b + "ffn_up_exps.bias", (E, F), "expert"),
+            "down_b": T(b + "ffn_down_exps.bias", (E, D), "expert")}
 
     def make_rope(self, n_ctx):
         rope = Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style="neox", yarn=self.yarn)
@@ -97,9 +98,6 @@ class GptOss(Arch):
     def route(self, lw, h):
         return gate(h, lw.router, self.cfg.n_expert_used, func="softmax_weight", logit_bias=lw.router_b,
                     scale=self.w_scale)
-
-    def expert_biases(self, lw):
-        return lw.gate_b, lw.up_b, lw.down_b
 
     def expert_act(self, gu, F):
         g = np.minimum(gu[:, :F], LIMIT)
