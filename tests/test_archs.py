@@ -116,7 +116,7 @@ def test_kv_cache_follows_the_architecture():
     ("mixtral", ["RoPE norm", "softmax, top-k, renormalised"]),
     ("glm4moe", ["1 dense first", "sigmoid + selection bias", "1 MTP layers skipped", "16 of 32 dims"]),
     ("deepseek2", ["MLA: latent 64 + rope 16", "top 2 of 4 groups", "YaRN x4", "1 dense first"]),
-    ("deepseek2-lite", ["attn_kv_b", "q direct", "softmax"]),
+    ("deepseek2-lite", ["attn_kv_b", "q direct", "softmax", "gate+up fused in one tensor"]),
     ("gptoss", ["GQA with sinks", "sliding window 8 on 1 of 2 layers", "YaRN x4", "softmax over the chosen"]),
 ])
 def test_info_shows_the_arch_specifics(arch, words, capsys):

@@ -330,6 +330,10 @@ class Reference:
             sel, gate, m = self._route(b, h2)
             margin = min(margin, m)
             y = np.zeros_like(x)
+            if b + "ffn_gate_up_exps.weight" in w:  # fused: each expert's gate rows, then its up rows
+                F = w[b + "ffn_gate_up_exps.weight"].shape[1] // 2
+                w[b + "ffn_gate_exps.weight"] = w[b + "ffn_gate_up_exps.weight"][:, :F]
+                w[b + "ffn_up_exps.weight"] = w[b + "ffn_gate_up_exps.weight"][:, F:]
             for e, g in zip(sel, gate):
                 a = w[b + "ffn_gate_exps.weight"][e] @ h2
                 u = w[b + "ffn_up_exps.weight"][e] @ h2

@@ -90,6 +90,7 @@ def run(args) -> int:
         f"context         {c['n_ctx_train']}",
         f"experts         {c['n_expert']}, top-{c['n_expert_used']}, hidden {c['n_ff_exp']}"
         + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else "")
+        + (", gate+up fused in one tensor" if a.get("fused_gate_up") else "")
         + (f"; {a['mtp_layers_skipped']} MTP layers skipped" if a.get("mtp_layers_skipped") else ""),
         "weight types    " + ", ".join(f"{k} x{v['tensors']} ({_fmt(v['bytes'])})" for k, v in d["tensor_types"].items()),
         f"dense bytes     {_fmt(d['dense_bytes'])} (resident)",

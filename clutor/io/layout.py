@@ -23,14 +23,20 @@ class Slab:
 
 @dataclass(frozen=True, slots=True)
 class ExpertTensor:
-    """One `blk.L.ffn_{part}_exps` tensor: n_experts slabs of slab_bytes back to back."""
+    """One `blk.L.ffn_{part}_exps` tensor: n_experts slabs of slab_bytes, one every `step` bytes
+    (back to back; or, for the gate and up halves of a fused ffn_gate_up_exps, every 2 x slab_bytes)."""
 
     path: str
     offset: int      # absolute offset of expert 0
     slab_bytes: int  # bytes of one expert's slab
+    stride: int = 0  # bytes from one expert's slab to the next (0: slab_bytes)
+
+    @property
+    def step(self) -> int:
+        return self.stride or self.slab_bytes
 
     def slab(self, expert: int) -> Slab:
-        return Slab(self.path, self.offset + expert * self.slab_bytes, self.slab_bytes)
+        return Slab(self.path, self.offset + expert * self.step, self.slab_bytes)
 
 
 @dataclass(frozen=True)

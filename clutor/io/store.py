@@ -126,12 +126,12 @@ def _geometry(layout: ExpertLayout, align: int) -> _Geometry:
         for p, t in enumerate(tensors):
             if t.slab_bytes <= 0:
                 raise ClutorError(f"{t.path}: expert slab of {t.slab_bytes} bytes at offset {t.offset}")
-            if t.slab_bytes % align == 0:
+            if t.step % align == 0:
                 experts = (0,)  # every expert has the same misalignment as expert 0
             else:
                 experts = range(layout.n_experts)
             for e in experts:
-                region[p] = max(region[p], widen(t.offset + e * t.slab_bytes, t.slab_bytes, align)[1])
+                region[p] = max(region[p], widen(t.offset + e * t.step, t.slab_bytes, align)[1])
     start = tuple(sum(region[:p]) for p in range(len(region)))
     return _Geometry(align, tuple(region), start, sum(region))
 

@@ -573,6 +573,16 @@ class GGUFFile:
         for l in ls:
             parts = []
             for kind, part in ((k, p) for k in kinds for p in ("gate", "up", "down")):
+                fused = f"blk.{l}.ffn_gate_up_exps.weight"
+                if kind == "weight" and part in ("gate", "up") and fused in self.tensors:
+                    # one tensor [E, 2F, D]: each expert's gate rows, then its up rows
+                    t = self.tensor(fused)
+                    if len(t.shape) != 3 or t.shape[0] != n_experts or t.nbytes % (2 * n_experts):
+                        raise ModelFileError(t.path, f"tensor {fused} shape", f"({n_experts}, 2 x rows, cols)",
+                                             str(t.shape))
+                    half = t.nbytes // n_experts // 2
+                    parts.append(ExpertTensor(t.path, t.offset + (half if part == "up" else 0), half, 2 * half))
+                    continue
                 name = f"blk.{l}.ffn_{part}_exps.{kind}"
                 t = self.tensor(name)
                 if kind == "bias" and (len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0):

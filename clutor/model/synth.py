@@ -133,6 +133,7 @@ class ModelSpec:
     yarn_orig_ctx: int = 0
     yarn_log_mul: float = 0.0   # rope.scaling.yarn_log_multiplier (0.1 * mscale_all_dim)
     sliding_window: int = 0     # gpt-oss: attention.sliding_window (even layers slide)
+    fused_gate_up: bool = False  # experts' gate and up in one ffn_gate_up_exps tensor [E, 2F, D]
 
     @property
     def n_q(self) -> int:
@@ -177,12 +178,13 @@ PRESETS: dict[str, ModelSpec] = {
         probs_bias=True, n_group=4, n_group_used=2, q_lora_rank=64, kv_lora_rank=64, v_head_dim=32,
         yarn_factor=4.0, yarn_orig_ctx=128, yarn_log_mul=0.0707,
     ),
-    # DeepSeek-V2-Lite's form: no q compression, the older attn_kv_b, softmax gating, no groups.
+    # DeepSeek-V2-Lite's form: no q compression, the older attn_kv_b, softmax gating, no groups; and
+    # the experts' gate and up fused in one tensor per layer (ffn_gate_up_exps).
     "tiny-deepseek2-lite": ModelSpec(
         name="tiny-deepseek2-lite", arch="deepseek2", n_layer=2, n_embd=128, n_head=4, n_head_kv=4, head_dim=48,
         n_expert=8, n_expert_used=2, n_ff_exp=64, vocab_size=512, n_ctx=512, rope_base=1e4, eps=1e-6,
         n_dense_lead=1, n_ff=192, n_expert_shared=2, n_rot=16, gating=1, w_scale=1.0, q_lora_rank=0,
-        kv_lora_rank=64, v_head_dim=32, mla_split=False,
+        kv_lora_rank=64, v_head_dim=32, mla_split=False, fused_gate_up=True,
     ),
     # gpt-oss: sinks, q/k/v/o biases, router and per-expert biases, sliding window on even layers,
     # attention wider than n_embd (8 heads x 32), YaRN.
@@ -398,12 +400,13 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
             plans += [w(b + "ffn_gate.weight", (Fd, D), 1 / np.sqrt(D)), w(b + "ffn_up.weight", (Fd, D), 1 / np.sqrt(D)),
                       w(b + "ffn_down.weight", (D, Fd), gain / np.sqrt(Fd))]
             continue
-        plans += [
-            w(b + "ffn_gate_inp.weight", (E, D), ROUTER_STD / np.sqrt(D), f32),
-            w(b + "ffn_gate_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
-            w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
-            w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp),
-        ]
+        plans.append(w(b + "ffn_gate_inp.weight", (E, D), ROUTER_STD / np.sqrt(D), f32))
+        if spec.fused_gate_up:
+            plans.append(w(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), 1 / np.sqrt(D), exp))
+        else:
+            plans += [w(b + "ffn_gate_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
+                      w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp)]
+        plans.append(w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp))
         if spec.arch == "gpt-oss":
             plans += [TensorPlan(b + "ffn_gate_inp.bias", (E,), f32, "normal", 0.5),
                       TensorPlan(b + "ffn_gate_exps.bias", (E, F), f32, "normal", 0.2),

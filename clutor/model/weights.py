@@ -104,7 +104,8 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
         lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.kind != "expert"})
         exps = [t for t in table.values() if t.kind == "expert" and t.name.endswith("_exps.weight")]
         if exps:
-            lw.experts = ExpertTypes(*(f.tensors[t.name].qtype for t in exps))
+            types = [f.tensors[t.name].qtype for t in exps]
+            lw.experts = ExpertTypes(types[0], types[0], types[1]) if len(types) == 2 else ExpertTypes(*types)
         arch.prepare(lw)
         layers.append(lw)
     return DenseWeights(tok_embd=glob["tok_embd"], output_norm=glob["output_norm"],

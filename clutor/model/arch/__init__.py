@@ -31,7 +31,10 @@ def read_arch(f) -> Arch:
     if scaling not in ("none", None) and scaling not in getattr(cls, "rope_scaling", ()):
         raise UnsupportedError(f.path, f"{f.arch}.rope.scaling.type", "none (RoPE scaling is not supported for "
                                f"{f.arch})", repr(scaling))
-    return cls.read(f)
+    arch = cls.read(f)
+    moe = arch.cfg.moe_layers
+    arch.fused_gate_up = bool(moe) and f"blk.{moe[0]}.ffn_gate_up_exps.weight" in f.tensors
+    return arch
 
 
 def read_config(f) -> ModelConfig:

@@ -125,6 +125,7 @@ class Arch:
 
     name: ClassVar[str] = ""
     attention_kind: ClassVar[str] = "GQA"
+    fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
     rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
 
     def __init__(self, path: str, cfg: ModelConfig):
@@ -170,10 +171,13 @@ class Arch:
         D, E, F = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
         want = {"ffn_norm": T(b + self.ffn_norm_name + ".weight", (D,), "vector")}
         if l in cfg.moe_layers:
-            want |= {"router": T(b + "ffn_gate_inp.weight", (E, D), "vector"),
-                     "gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert"),
-                     "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert"),
-                     "down_exps": T(b + "ffn_down_exps.weight", (E, D, F), "expert")}
+            want["router"] = T(b + "ffn_gate_inp.weight", (E, D), "vector")
+            if self.fused_gate_up:  # gate and up of each expert in one tensor (llama.cpp's ffn_gate_up_exps)
+                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert")
+            else:
+                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert"),
+                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert")}
+            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert")
             if cfg.n_ff_shexp:
                 S = cfg.n_ff_shexp
                 want |= {"sh_gate": T(b + "ffn_gate_shexp.weight", (S, D)), "sh_up": T(b + "ffn_up_shexp.weight", (S, D)),
@@ -257,6 +261,7 @@ class Arch:
             "dense_layers": n_dense,
             "shared_expert": cfg.n_ff_shexp,
             "sliding_window": None,
+            "fused_gate_up": self.fused_gate_up,
             "kv_bytes_per_token": cfg.kv_bytes_per_token,
         }
 
