@@ -31,6 +31,12 @@ def read_arch(f) -> Arch:
     if scaling not in ("none", None) and scaling not in getattr(cls, "rope_scaling", ()):
         raise UnsupportedError(f.path, f"{f.arch}.rope.scaling.type", "none (RoPE scaling is not supported for "
                                f"{f.arch})", repr(scaling))
+    # Keys llama.cpp honours that change the numbers and that no supported model needs: refused by name.
+    for key, neutral in (("rope.scaling.attn_factor", 1.0),) + (
+            (("attention.temperature_scale", 0.0),) if f.arch == "deepseek2" else ()):
+        v = f.get(f"{f.arch}.{key}", neutral)
+        if v != neutral:
+            raise UnsupportedError(f.path, f"{f.arch}.{key}", f"absent or {neutral:g} (not supported)", repr(v))
     arch = cls.read(f)
     moe = arch.cfg.moe_layers
     arch.fused_gate_up = bool(moe) and f"blk.{moe[0]}.ffn_gate_up_exps.weight" in f.tensors

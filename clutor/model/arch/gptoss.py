@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ModelFileError
+from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import Rope, Yarn, attention, gate, rmsnorm
 from .common import Arch, T, read_common, read_float, read_int
@@ -38,6 +38,10 @@ class GptOss(Arch):
         n_rot = read_int(f, "rope.dimension_count", 2, MAX_DIM)
         cfg = read_common(f, ff_key="expert_feed_forward_length", head_dim=n_rot, head_dim_v=n_rot)
         window = read_int(f, "attention.sliding_window", 1, 1 << 24)
+        base_swa = f.get(f"{a}.rope.freq_base_swa", cfg.rope_base)
+        if base_swa != cfg.rope_base:
+            raise UnsupportedError(f.path, f"{a}.rope.freq_base_swa", f"the same as rope.freq_base {cfg.rope_base:g} "
+                                   "(a separate base for sliding-window layers is not supported)", repr(base_swa))
         pat = f.get(f"{a}.attention.sliding_window_pattern", 2)
         if isinstance(pat, list):
             if len(pat) != cfg.n_layers or not all(isinstance(p, bool) for p in pat):
