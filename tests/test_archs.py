@@ -213,3 +213,27 @@ def test_gptoss_expert_biases_travel_with_the_expert():
     want = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.0.ffn_")}
     for got, p in zip(biases, ("gate", "up", "down")):
         np.testing.assert_array_equal(got, want[f"blk.0.ffn_{p}_exps.bias"][1])
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "gptoss"])
+def test_prefix_reuse_with_the_arch_kv_layout(arch):
+    """A second prompt that starts like a finished one reuses its KV (MLA's latent cache, gpt-oss's
+    sliding-window layers) and generates what a fresh model does."""
+    ids = golden(arch, "Q8_0")["prompt_ids"].tolist()
+    first, second = ids[:30], ids[:30] + ids[40:50]
+
+    async def gen(model, prompt):
+        outs = [o async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)]
+        return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
+
+    async def go():
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            await gen(model, first)
+            reused = await gen(model, second)
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            fresh = await gen(model, second)
+        return reused, fresh
+
+    (tokens, cached), (want, cached_fresh) = run(go())
+    assert cached >= 29 and cached_fresh == 0
+    assert tokens == want
