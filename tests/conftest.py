@@ -16,6 +16,11 @@ SHARED_DATA = TESTS.parents[1] / "shared" / "data"
 
 ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
 TYPES = ("F16", "Q8_0", "Q4_K_M", "Q6_K")
+# The architectures of issue 11 (tests/test_archs.py): Mixtral (llama with experts), GLM-4.5, DeepSeek
+# (MLA with attn_k_b/attn_v_b and q compression; the V2-Lite form with attn_kv_b and no q compression).
+NEW_ARCHS = ("mixtral", "glm4moe", "deepseek2", "deepseek2-lite", "gptoss")
+NEW_TYPES = ("F16", "Q8_0", "Q4_K_M")
+NEW_FIXTURES = [(a, q) for a in NEW_ARCHS for q in NEW_TYPES] + [("gptoss", "MXFP4_MOE")]
 
 
 def fixture_path(arch: str, qtype: str) -> Path:

@@ -18,7 +18,7 @@ from gguf import quants
 from clutor.errors import ClutorError
 from clutor.model import kernels
 
-TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
 TYPES_256 = ("Q4_K", "Q5_K", "Q6_K")
 TYPES_FLOAT = ("F16", "BF16", "F32")
 TOKENS = (1, 2, 3, 7, 16, 33)
@@ -51,7 +51,9 @@ def weight(name: str, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]
         # no quantiser in gguf-py: random bytes are valid blocks once the f16 scales are finite
         block, nbytes = GGML_QUANT_SIZES[qt]
         blocks = rng.integers(0, 256, size=(n_rows * n_cols // block, nbytes), dtype=np.uint8)
-        f16_at = {"IQ4_NL": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
+        if name == "MXFP4":  # E8M0 exponents: values 2^(e-128) * up to 12, kept near 1e-2
+            blocks[:, 0] = rng.integers(118, 124, size=len(blocks))
+        f16_at = {"IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
         for at in f16_at:
             d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16)
             blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)

@@ -85,7 +85,7 @@ def _minimum(path) -> tuple[int, int]:
     """(the smallest expert_cache the model accepts, one slot's bytes), as Model.open computes them."""
     with GGUFFile.open(path) as f:
         cfg = read_config(f)
-        slot = slot_bytes(f.expert_layout(cfg.n_layers, cfg.n_expert))
+        slot = slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
     return cfg.n_expert_used * slot, slot
 
 
@@ -97,7 +97,7 @@ class Outcome:
     prefill_io: object     # StoreStats before / after the all-positions prefill, and at the end
     start_io: object
     end_io: object
-    n_layers: int
+    n_layers: int          # layers with routed experts
 
 
 async def _outcome(path, prompt: list[int], **opts) -> Outcome:
@@ -111,7 +111,7 @@ async def _outcome(path, prompt: list[int], **opts) -> Outcome:
         for _ in range(N_DECODE):
             tokens.append(int(np.argmax(steps[-1])))
             steps.append((await model.forward(seq, [tokens[-1]]))[-1])
-        return Outcome(full, np.stack(steps), tokens, mid, start, model.io_stats(), model.config.n_layers)
+        return Outcome(full, np.stack(steps), tokens, mid, start, model.io_stats(), len(model.config.moe_layers))
 
 
 _REF: dict[tuple[str, str], Outcome] = {}

@@ -37,7 +37,7 @@ SHAPES = {  # name -> (n_rows, n_cols) in numpy order
 }
 # byte offsets of the f16 scales inside a block, set to small finite values in random blocks
 _F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def random_weight(name: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -54,6 +54,8 @@ def random_weight(name: str, n_rows: int, n_cols: int, rng: np.random.Generator)
     for at in _F16_AT[name]:
         d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # an E8M0 exponent byte: 2^(e-128), kept near 1e-2
+        blocks[:, 0] = rng.integers(118, 124, size=len(blocks))
     return blocks.reshape(-1)
 
 

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from clutor.model.synth import PRESETS, write_model  # noqa: E402
 
 # llama.cpp's llama_ftype values for the mixes we make.
-LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
+                "MXFP4_MOE": 38}
 
 
 def llama_quantize(master: Path, out: Path, ftype: str, nthread: int = 2) -> None:

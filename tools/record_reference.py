@@ -32,6 +32,7 @@ smallest router gap, and max |llama.cpp - reference|.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,50 @@ class _Hparams:
     n_used: int
     eps: float
     rope_base: float
+    n_rot: int = 0              # RoPE dims per head (glm4moe: a part; deepseek2: the rope part)
+    n_dense: int = 0            # leading dense layers
+    gating: str = "softmax"
+    norm_w: bool = False
+    w_scale: float = 0.0
+    n_group: int = 0
+    n_group_used: int = 0
+    kv_lora: int = 0            # deepseek2
+    v_head: int = 0
+    yarn: tuple | None = None   # (factor, original context)
+    kq_scale: float = 0.0
+    window: int = 0             # gpt-oss: sliding window of the even layers
+
+
+def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
+    """What the newer architectures add to _Hparams, read from the file's keys (shared/notes/archs.md)."""
+    if arch == "llama":
+        return {"norm_w": True}
+    if arch == "glm4moe":
+        return {"n_rot": kv(f"{arch}.rope.dimension_count", 0), "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func", 2) or 2],
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0)}
+    if arch == "deepseek2":
+        mla = kv(f"{arch}.attention.key_length_mla") is not None
+        hk = kv(f"{arch}.attention.key_length_mla" if mla else f"{arch}.attention.key_length")
+        yarn, m = None, 1.0
+        if kv(f"{arch}.rope.scaling.type") == "yarn":
+            factor = kv(f"{arch}.rope.scaling.factor")
+            yarn = (factor, kv(f"{arch}.rope.scaling.original_context_length"))
+            m = 1 + kv(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) * np.log(factor)
+        return {"head_dim": hk, "n_head_kv": n_head, "n_rot": kv(f"{arch}.rope.dimension_count"),
+                "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func", 1) or 1],
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
+                "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0),
+                "kv_lora": kv(f"{arch}.attention.kv_lora_rank"),
+                "v_head": kv(f"{arch}.attention.value_length_mla" if mla else f"{arch}.attention.value_length"),
+                "yarn": yarn, "kq_scale": m * m / np.sqrt(hk)}
+    if arch == "gpt-oss":
+        f = kv(f"{arch}.rope.scaling.factor") if kv(f"{arch}.rope.scaling.type") == "yarn" else None
+        n_rot = kv(f"{arch}.rope.dimension_count")
+        return {"head_dim": n_rot, "n_rot": n_rot, "gating": "softmax_chosen", "window": kv(f"{arch}.attention.sliding_window"),
+                "yarn": (f, kv(f"{arch}.rope.scaling.original_context_length")) if f else None}
+    return {}
 
 
 class Reference:
@@ -110,7 +155,7 @@ class Reference:
 
         arch = kv("general.architecture")
         n_embd, n_head = kv(f"{arch}.embedding_length"), kv(f"{arch}.attention.head_count")
-        self.hp = _Hparams(
+        self.hp = _Hparams(**(dict(
             arch=arch,
             n_layer=kv(f"{arch}.block_count"),
             n_head=n_head,
@@ -119,7 +164,9 @@ class Reference:
             n_used=kv(f"{arch}.expert_used_count"),
             eps=kv(f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_base=kv(f"{arch}.rope.freq_base", 10000.0),
-        )
+        ) | _arch_hparams(arch, kv, n_embd, n_head)))
+        if self.hp.arch in ("glm4moe", "deepseek2"):  # MTP layers are not part of the forward pass
+            self.hp = dataclasses.replace(self.hp, n_layer=self.hp.n_layer - kv(f"{arch}.nextn_predict_layers", 0))
         self.w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64) for t in r.tensors}
         self.w.setdefault("output.weight", self.w["token_embd.weight"])  # tied
         self.k: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]  # [L][t] -> [Hkv, hd]
@@ -129,11 +176,139 @@ class Reference:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hp.eps) * w
 
     def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, hd], NEOX pairs (i, i + hd/2)
-        half = x.shape[-1] // 2
-        theta = pos * self.hp.rope_base ** (-2.0 * np.arange(half) / x.shape[-1])
+        if self.hp.arch in ("llama", "deepseek2"):
+            return self._rope_norm(x, pos)
+        n = self.hp.n_rot or x.shape[-1]  # glm4moe rotates the first n_rot dims only
+        half = n // 2
+        freq = self.hp.rope_base ** (-2.0 * np.arange(half) / n)
+        mag = 1.0
+        if self.hp.yarn:  # gpt-oss: YaRN frequencies, and cos/sin scaled by 1 + 0.1 ln(factor)
+            freq = self._yarn(freq, n)
+            mag = 1 + 0.1 * np.log(self.hp.yarn[0])
+        theta = pos * freq
+        c, s = np.cos(theta) * mag, np.sin(theta) * mag
+        a, b = x[:, :half], x[:, half:n]
+        return np.concatenate([a * c - b * s, a * s + b * c, x[:, n:]], axis=-1)
+
+    def _rope_norm(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, n], adjacent pairs (2i, 2i + 1)
+        n = x.shape[-1]
+        freq = self.hp.rope_base ** (-2.0 * np.arange(n // 2) / n)
+        if self.hp.yarn:
+            freq = self._yarn(freq, n)
+        theta = pos * freq
         c, s = np.cos(theta), np.sin(theta)
-        a, b = x[:, :half], x[:, half:]
-        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+        a, b = x[:, 0::2], x[:, 1::2]
+        out = np.empty_like(x)
+        out[:, 0::2], out[:, 1::2] = a * c - b * s, a * s + b * c
+        return out
+
+    def _yarn(self, freq: np.ndarray, n: int) -> np.ndarray:
+        """YaRN: slow dims interpolated by the factor, fast ones kept, a linear ramp between."""
+        factor, orig = self.hp.yarn
+        dim = lambda beta: n * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(self.hp.rope_base))  # noqa: E731
+        lo, hi = max(0.0, np.floor(dim(32.0))), min(n - 1.0, np.ceil(dim(1.0)))
+        ramp = 1 - np.clip((np.arange(n // 2) - lo) / max(0.001, hi - lo), 0, 1)
+        return freq / factor * (1 - ramp) + freq * ramp
+
+    def _attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
+        """Self-attention output (before attn_output) for the normed input h [D]; appends to the cache."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        if hp.arch == "deepseek2":  # MLA written out as plain multi-head attention over expanded keys
+            q = (w[b + "attn_q_b.weight"] @ self._rms(w[b + "attn_q_a.weight"] @ h, w[b + "attn_q_a_norm.weight"])
+                 if b + "attn_q_a.weight" in w else w[b + "attn_q.weight"] @ h).reshape(hp.n_head, hp.head_dim)
+            kva = w[b + "attn_kv_a_mqa.weight"] @ h
+            c = self._rms(kva[: hp.kv_lora], w[b + "attn_kv_a_norm.weight"])
+            k_pe = self._rope(kva[None, hp.kv_lora :], pos)[0]
+            nope = hp.head_dim - hp.n_rot
+            if b + "attn_k_b.weight" in w:
+                k_nope = np.einsum("hcn,c->hn", w[b + "attn_k_b.weight"], c)
+                v = np.einsum("hvc,c->hv", w[b + "attn_v_b.weight"], c)
+            else:
+                kv = (w[b + "attn_kv_b.weight"] @ c).reshape(hp.n_head, nope + hp.v_head)
+                k_nope, v = kv[:, :nope], kv[:, nope:]
+            q = np.concatenate([q[:, :nope], self._rope(q[:, nope:], pos)], axis=-1)
+            self.k[il].append(np.concatenate([k_nope, np.repeat(k_pe[None], hp.n_head, 0)], axis=-1))
+            self.v[il].append(v)
+            K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, H, hk], [T, H, hv]
+            s = np.einsum("hd,thd->ht", q, K) * hp.kq_scale
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            return np.einsum("ht,thd->hd", p, V).reshape(-1)
+        q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
+        if b + "attn_q.bias" in w:
+            q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
+        if hp.arch == "olmoe":  # QK-norm over the whole vectors
+            q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
+        q = q.reshape(hp.n_head, hp.head_dim)
+        k = k.reshape(hp.n_head_kv, hp.head_dim)
+        v = v.reshape(hp.n_head_kv, -1)
+        if hp.arch in ("qwen3moe", "glm4moe") and b + "attn_q_norm.weight" in w:  # QK-norm per head
+            q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        self.k[il].append(k)
+        self.v[il].append(v)
+        K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, Hkv, hd]
+        group = hp.n_head // hp.n_head_kv
+        K, V = np.repeat(K, group, axis=1), np.repeat(V, group, axis=1)  # [T, H, hd]
+        s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hp.head_dim)  # [H, T]
+        if hp.window and il % 2 == 0:  # gpt-oss: even layers see the last `window` positions only
+            s[:, : max(0, len(K) - hp.window)] = -np.inf
+        sink = w.get(b + "attn_sinks.weight")
+        m = s.max(axis=-1, keepdims=True) if sink is None else np.maximum(s.max(axis=-1, keepdims=True), sink[:, None])
+        p = np.exp(s - m)
+        den = p.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink[:, None] - m))
+        out = np.einsum("ht,thd->hd", p / den, V).reshape(-1)
+        return out
+
+    def _route(self, b: str, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(experts, weights, margin): margin = how far (in router-logit units) the k-th choice is from
+        the next, so that a rounding error of that size could flip it."""
+        hp, w = self.hp, self.w
+        r = w[b + "ffn_gate_inp.weight"] @ h2  # [E]
+        if hp.gating == "softmax_chosen":  # gpt-oss: top-k of logits + bias, softmax over the chosen
+            r = r + w[b + "ffn_gate_inp.bias"]
+            order = np.argsort(-r)
+            sel = order[: hp.n_used]
+            g = np.exp(r[sel] - r[sel].max())
+            return sel, g / g.sum(), r[order[hp.n_used - 1]] - r[order[hp.n_used]]
+        if hp.gating == "softmax" and b + "exp_probs_b.bias" not in w and hp.n_group <= 1:
+            order = np.argsort(-r)
+            margin = r[order[hp.n_used - 1]] - r[order[hp.n_used]]
+            prob = np.exp(r - r.max())
+            prob /= prob.sum()
+            sel = order[: hp.n_used]
+            gate = prob[sel]
+            if hp.arch in ("qwen3moe", "llama") or hp.norm_w:
+                gate = gate / gate.sum()
+            if hp.w_scale not in (0.0, 1.0):
+                gate = gate * hp.w_scale
+            return sel, gate, margin
+        if hp.gating == "sigmoid":
+            prob = 1 / (1 + np.exp(-r))
+            slope = 0.25  # d sigmoid / d logit <= 1/4: a logit error e moves a probability by <= e/4
+        else:
+            prob = np.exp(r - r.max())
+            prob /= prob.sum()
+            slope = 0.5
+        score = prob + w.get(b + "exp_probs_b.bias", 0.0)
+        margins = []
+        if hp.n_group > 1:
+            g = score.reshape(hp.n_group, -1)
+            gs = np.sort(g, axis=-1)[:, -2:].sum(-1)
+            go = np.argsort(-gs)
+            margins.append((gs[go[hp.n_group_used - 1]] - gs[go[hp.n_group_used]]) / (2 * slope))
+            keep = np.zeros(hp.n_group, bool)
+            keep[go[: hp.n_group_used]] = True
+            score = np.where(np.repeat(keep, g.shape[1]), score, -np.inf)
+        order = np.argsort(-score)
+        margins.append((score[order[hp.n_used - 1]] - score[order[hp.n_used]]) / slope)
+        sel = order[: hp.n_used]
+        gate = prob[sel]
+        if hp.norm_w:
+            gate = gate / gate.sum()
+        if hp.w_scale not in (0.0, 1.0):
+            gate = gate * hp.w_scale
+        return sel, gate, float(min(margins))
 
     def step(self, token: int) -> tuple[np.ndarray, float]:
         """Logits [V] after ``token`` and the smallest k-th/(k+1)-th router gap over the layers."""
@@ -144,47 +319,37 @@ class Reference:
         for il in range(hp.n_layer):
             b = f"blk.{il}."
             h = self._rms(x, w[b + "attn_norm.weight"])
-            q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
-            if hp.arch == "qwen2moe":
-                q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
-            if hp.arch == "olmoe":  # QK-norm over the whole vectors
-                q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
-            q = q.reshape(hp.n_head, hp.head_dim)
-            k = k.reshape(hp.n_head_kv, hp.head_dim)
-            v = v.reshape(hp.n_head_kv, hp.head_dim)
-            if hp.arch == "qwen3moe":  # QK-norm per head
-                q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
-            q, k = self._rope(q, pos), self._rope(k, pos)
-            self.k[il].append(k)
-            self.v[il].append(v)
-            K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, Hkv, hd]
-            group = hp.n_head // hp.n_head_kv
-            K, V = np.repeat(K, group, axis=1), np.repeat(V, group, axis=1)  # [T, H, hd]
-            s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hp.head_dim)  # [H, T]
-            p = np.exp(s - s.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-            x = x + w[b + "attn_output.weight"] @ np.einsum("ht,thd->hd", p, V).reshape(-1)
-
-            h2 = self._rms(x, w[b + "ffn_norm.weight"])
-            r = w[b + "ffn_gate_inp.weight"] @ h2  # [E]
-            order = np.argsort(-r)
-            margin = min(margin, r[order[hp.n_used - 1]] - r[order[hp.n_used]])
-            prob = np.exp(r - r.max())
-            prob /= prob.sum()
-            sel = order[: hp.n_used]
-            gate = prob[sel]
-            if hp.arch == "qwen3moe":
-                gate = gate / gate.sum()
+            x = x + w[b + "attn_output.weight"] @ self._attention(il, h, pos)
+            if b + "attn_output.bias" in w:
+                x = x + w[b + "attn_output.bias"]
+            h2 = self._rms(x, w[b + ("post_attention_norm.weight" if hp.arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight")])
+            if il < hp.n_dense:
+                a = w[b + "ffn_gate.weight"] @ h2
+                x = x + w[b + "ffn_down.weight"] @ (a / (1 + np.exp(-a)) * (w[b + "ffn_up.weight"] @ h2))
+                continue
+            sel, gate, m = self._route(b, h2)
+            margin = min(margin, m)
             y = np.zeros_like(x)
+            if b + "ffn_gate_up_exps.weight" in w:  # fused: each expert's gate rows, then its up rows
+                F = w[b + "ffn_gate_up_exps.weight"].shape[1] // 2
+                w[b + "ffn_gate_exps.weight"] = w[b + "ffn_gate_up_exps.weight"][:, :F]
+                w[b + "ffn_up_exps.weight"] = w[b + "ffn_gate_up_exps.weight"][:, F:]
             for e, g in zip(sel, gate):
                 a = w[b + "ffn_gate_exps.weight"][e] @ h2
                 u = w[b + "ffn_up_exps.weight"][e] @ h2
+                if hp.arch == "gpt-oss":  # per-expert biases, clamped SwiGLU
+                    a, u = np.minimum(a + w[b + "ffn_gate_exps.bias"][e], 7.0), np.clip(u + w[b + "ffn_up_exps.bias"][e], -7, 7)
+                    act = a / (1 + np.exp(-1.702 * a)) * (u + 1)
+                    y += g * (w[b + "ffn_down_exps.weight"][e] @ act + w[b + "ffn_down_exps.bias"][e])
+                    continue
                 y += g * (w[b + "ffn_down_exps.weight"][e] @ (a / (1 + np.exp(-a)) * u))
-            if hp.arch == "qwen2moe":
+            if b + "ffn_gate_shexp.weight" in w:
                 a = w[b + "ffn_gate_shexp.weight"] @ h2
                 u = w[b + "ffn_up_shexp.weight"] @ h2
                 shared = w[b + "ffn_down_shexp.weight"] @ (a / (1 + np.exp(-a)) * u)
-                y += shared / (1 + np.exp(-(w[b + "ffn_gate_inp_shexp.weight"] @ h2)))
+                if hp.arch == "qwen2moe":  # gated by sigmoid(w . h)
+                    shared = shared / (1 + np.exp(-(w[b + "ffn_gate_inp_shexp.weight"] @ h2)))
+                y += shared
             x = x + y
         logits = w["output.weight"] @ self._rms(x, w["output_norm.weight"])
         return logits, float(margin)

@@ -100,7 +100,7 @@ def cache_bytes_for(path: str, describe: dict, budget: Budget) -> int:
     if resolve_budget is not None:
         cfg = describe["config"]
         with GGUFFile.open(path) as f:
-            layout = f.expert_layout(cfg["n_layers"], cfg["n_expert"])
+            layout = f.expert_layout(cfg["moe_layers"], cfg["n_expert"])
         nbytes, _why = resolve_budget(budget.worker_value, layout, cfg["n_expert_used"], describe["dense_bytes"])
         return int(nbytes)
     if budget.fraction is not None:
@@ -111,8 +111,11 @@ def cache_bytes_for(path: str, describe: dict, budget: Budget) -> int:
 
 
 def kv_bytes(describe: dict, n_ctx: int) -> int:
-    """Clutor's KV cache: float32 keys and values for every layer and position."""
+    """Clutor's KV cache: float32, as the architecture lays it out (keys and values, or MLA's latent),
+    for every layer and position."""
     c = describe["config"]
+    if "kv_floats" in c:
+        return c["n_layers"] * c["kv_floats"] * n_ctx * 4
     return c["n_layers"] * c["n_head_kv"] * n_ctx * (c["head_dim"] + c["head_dim_v"]) * 4
 
 

@@ -17,27 +17,29 @@ def add_parser(sub):
 
 def describe(path: str) -> dict:
     """Everything `clutor info` prints, as a dict (also used by tests and other commands)."""
-    from ..model.arch import read_config
+    from ..model.arch import read_arch
     from ..model.gguf import GGUFFile
     from ..model.options import min_budget
     from ..model.quants import type_name
+    from ..model.weights import resident_bytes
 
     with GGUFFile.open(path) as f:
-        cfg = read_config(f)
-        layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+        arch = read_arch(f)
+        cfg = arch.cfg
+        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
         types = Counter()
         type_bytes = Counter()
         dense = 0
         for t in f.tensors.values():
             types[type_name(t.qtype)] += 1
             type_bytes[type_name(t.qtype)] += t.nbytes
-            if not t.name.endswith("_exps.weight"):
-                dense += t.nbytes
-        per_layer = [layout.expert_bytes(l) for l in range(cfg.n_layers)]
+        dense = resident_bytes(f, arch)
+        per_layer = [layout.expert_bytes(l) for l in range(layout.n_layers)]
         return {
             "path": path,
             "files": list(f.paths),
             "config": asdict(cfg),
+            "arch": arch.describe(),
             "tensor_types": {k: {"tensors": types[k], "bytes": type_bytes[k]} for k in sorted(types)},
             "dense_bytes": dense,
             "expert_bytes_total": layout.total_bytes,
@@ -73,17 +75,23 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
-    c = d["config"]
+    c, a = d["config"], d["arch"]
     lines = [
         f"file            {d['path']}" + (f" (+{len(d['files']) - 1} parts)" if len(d["files"]) > 1 else ""),
         f"architecture    {c['arch']}",
-        f"layers          {c['n_layers']}",
+        f"layers          {c['n_layers']}" + (f" ({a['dense_layers']} dense first)" if a["dense_layers"] else ""),
         f"embedding       {c['n_embd']}",
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
+        f"attention       {a['attention']}, RoPE {a['rope']}"
+        + (f", sliding window {a['sliding_window']}" if a["sliding_window"] else ""),
+        f"KV cache        {_fmt(a['kv_bytes_per_token'])} per token (float32)",
+        f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"context         {c['n_ctx_train']}",
         f"experts         {c['n_expert']}, top-{c['n_expert_used']}, hidden {c['n_ff_exp']}"
-        + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else ""),
+        + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else "")
+        + (", gate+up fused in one tensor" if a.get("fused_gate_up") else "")
+        + (f"; {a['mtp_layers_skipped']} MTP layers skipped" if a.get("mtp_layers_skipped") else ""),
         "weight types    " + ", ".join(f"{k} x{v['tensors']} ({_fmt(v['bytes'])})" for k, v in d["tensor_types"].items()),
         f"dense bytes     {_fmt(d['dense_bytes'])} (resident)",
         f"expert bytes    {_fmt(d['expert_bytes_total'])} in all, {_fmt(d['expert_bytes_one'])} per expert",
@@ -92,5 +100,5 @@ def run(args) -> int:
         "suggested       " + ", ".join(f"{k}: {_fmt(v)}" for k, v in d["suggested_expert_cache"].items())
         + "  (--expert-cache; more cache, fewer reads)",
     ]
-    print("\n".join(lines))
+    print("\n".join(line for line in lines if line))
     return 0

@@ -11,7 +11,7 @@ read Backend (io_uring or a thread pool), and an ExpertCache with a replacement 
 Memory: ``slot_bytes`` is the largest expert with each of its 3 slabs widened to block alignment,
 and ``(n_slots + n_spare) * slot_bytes <= budget`` always; nothing else grows with the model.
 
-Ordering: the misses of one get() go to the backend as ONE batch (3 reads per expert), ahead of any
+Ordering: the misses of one get() go to the backend as ONE batch (one read per slab: 3 per expert, 6 with biases), ahead of any
 prefetch read the backend has not started (those are withdrawn and re-queued behind). The store
 itself hands at most ``PREFETCH_DEPTH`` prefetched experts to the backend at a time, so a demand
 read never waits behind more than that.
@@ -51,7 +51,7 @@ __all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "spl
 # Opens a backend over (files, buffers); the default calls open_backend with the store's io/direct.
 BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
 
-PREFETCH_DEPTH = 4  # prefetched experts handed to the backend at once (3 reads each)
+PREFETCH_DEPTH = 4  # prefetched experts handed to the backend at once (3 or 6 reads each)
 _MAX_SPARES = 4     # spare buffers for bypass reads, carved out of the budget
 
 
@@ -118,37 +118,38 @@ class _Part:
 @dataclass(frozen=True)
 class _Geometry:
     align: int
-    region: tuple[int, int, int]  # bytes reserved in a slot for gate, up, down (multiples of align)
-    start: tuple[int, int, int]   # where each region starts inside the slot
+    region: tuple[int, ...]  # bytes reserved in a slot for each part: gate, up, down[, biases] (multiples of align)
+    start: tuple[int, ...]   # where each region starts inside the slot
     slot_bytes: int
 
 
-def _max_skip(offset: int, slab: int, n: int, align: int) -> int:
-    """Largest (offset + e * slab) % align over experts e < n: how far into its first aligned block
-    an expert's slab may start. The skips repeat with period align / gcd(slab, align), so this looks
-    at no more than that many experts (none at all once n covers a whole period), never at all n."""
-    g = math.gcd(slab % align, align) or align
+def _max_skip(offset: int, step: int, n: int, align: int) -> int:
+    """Largest (offset + e * step) % align over experts e < n: how far into its first aligned block
+    an expert's slab may start (step: bytes from one expert's slab to the next). The skips repeat
+    with period align / gcd(step, align), so this looks at no more than that many experts (none at
+    all once n covers a whole period), never at all n."""
+    g = math.gcd(step % align, align) or align
     period = align // g
     if n >= period:
         return offset % g + align - g  # every value congruent to offset mod g below align occurs
     e = np.arange(n, dtype=np.int64)  # [n], n < period <= align
-    return int(((offset % align + e * (slab % align)) % align).max())
+    return int(((offset % align + e * (step % align)) % align).max())
 
 
 def _geometry(layout: ExpertLayout, align: int) -> _Geometry:
-    region = [0, 0, 0]
-    seen: set[tuple[int, int, int]] = set()  # (part, offset % align, slab % align) already measured
+    region = [0] * layout.n_parts
+    seen: set[tuple[int, int, int, int]] = set()  # (part, offset % align, step % align, slab) measured
     for tensors in layout.layers:
         for p, t in enumerate(tensors):
             if t.slab_bytes <= 0:
                 raise ClutorError(f"{t.path}: expert slab of {t.slab_bytes} bytes at offset {t.offset}")
-            key = (p, t.offset % align, t.slab_bytes)
+            key = (p, t.offset % align, t.step % align, t.slab_bytes)
             if key in seen:
                 continue
             seen.add(key)
-            skip = _max_skip(t.offset, t.slab_bytes, layout.n_experts, align)
+            skip = _max_skip(t.offset, t.step, layout.n_experts, align)
             region[p] = max(region[p], round_up(skip + t.slab_bytes, align))
-    start = (0, region[0], region[0] + region[1])
+    start = tuple(sum(region[:p]) for p in range(len(region)))
     return _Geometry(align, tuple(region), start, sum(region))
 
 
@@ -158,7 +159,7 @@ def slot_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> int:
 
 
 class _Load:
-    """One expert being read into a slot (or a spare): 3 reads, one future for whoever waits."""
+    """One expert being read into a slot (or a spare): one read per part, one future for whoever waits."""
 
     __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "done", "released")
 
@@ -243,7 +244,8 @@ class ExpertStore:
             arena = Arena(n_slots, geo.slot_bytes, n_spare=n_spare, align=align)
             try:
                 buffers = [
-                    arena.region(i, geo.start[p], geo.region[p]) for i in range(arena.n_buffers) for p in range(3)
+                    arena.region(i, geo.start[p], geo.region[p]) for i in range(arena.n_buffers)
+                    for p in range(len(geo.region))
                 ]
                 be = backend(files, buffers)
             except BaseException:
@@ -270,6 +272,7 @@ class ExpertStore:
         self.n_slots = arena.n_slots
         self.n_spare = arena.n_spare
         self.slot_bytes = geo.slot_bytes
+        self._n_parts = len(geo.region)
         staging = self.n_slots // 4 if prefetch_slots is None else prefetch_slots
         self.cache = ExpertCache(self.n_slots, make_policy(policy, self.n_slots), max_staging=staging)
         self._files = {path: i for i, path in enumerate(layout.files)}
@@ -611,7 +614,7 @@ class ExpertStore:
         load.done.cancel()
 
     # -- internals: reads --------------------------------------------------------------------------
-    def _parts_of(self, key: tuple[int, int]) -> tuple[_Part, _Part, _Part]:
+    def _parts_of(self, key: tuple[int, int]) -> tuple[_Part, ...]:
         parts = self._parts.get(key)
         if parts is None:
             align = self._geo.align
@@ -632,7 +635,7 @@ class ExpertStore:
         requests = []
         nbytes = 0
         for load in loads:
-            buf = 3 * self._buffer_of(load)
+            buf = self._n_parts * self._buffer_of(load)
             for p, part in enumerate(self._parts_of(load.key)):
                 requests.append(ReadRequest(part.file, part.offset, part.length, buf + p))
                 nbytes += part.length
@@ -656,9 +659,10 @@ class ExpertStore:
             self._c.bytes_prefetch += nbytes
         t0 = time.perf_counter()
         for i, load in enumerate(loads):
-            hs = handles[3 * i:3 * i + 3]
+            n = self._n_parts
+            hs = handles[n * i:n * i + n]
             load.handles = hs
-            load.remaining = 3
+            load.remaining = n
             self._outstanding += 1
             if load.prefetch:
                 self._pf_submitted.add(load)
@@ -746,8 +750,8 @@ class ExpertStore:
 
     def _view(self, layer: int, expert: int, buffer: int) -> ExpertView:
         arena, geo = self._arena, self._geo
-        g, u, d = (
+        g, u, d, *b = (
             arena.region_array(buffer, geo.start[p] + part.skip, part.nbytes)
             for p, part in enumerate(self._parts_of((layer, expert)))
         )
-        return ExpertView(layer, expert, g, u, d)
+        return ExpertView(layer, expert, g, u, d, tuple(b))

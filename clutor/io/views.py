@@ -16,6 +16,7 @@ class ExpertView:
     gate: np.ndarray  # uint8 [slab_bytes] exactly the gate slab as stored in the file
     up: np.ndarray    # uint8 [slab_bytes]
     down: np.ndarray  # uint8 [slab_bytes]
+    biases: tuple[np.ndarray, ...] = ()  # uint8 slabs of the gate, up and down biases (gpt-oss), else empty
 
 
 class ExpertBatch:

@@ -122,7 +122,7 @@ class Engine:
         self.model = model
         self.max_sequences = max_sequences
         self.step_tokens = step_tokens
-        self.bytes_per_token = cfg.n_layers * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4
+        self.bytes_per_token = cfg.kv_bytes_per_token  # the architecture's KV layout (MLA: the latent)
         self.prefix = PrefixCache(prefix_bytes, self.bytes_per_token)
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []

@@ -27,7 +27,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -59,7 +59,7 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(
     int(t)
     for t in (
         _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
-        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS,
+        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS, _T.MXFP4,
     )
 )
 
@@ -563,15 +563,34 @@ class GGUFFile:
             done += n
         return out
 
-    def expert_layout(self, n_layers: int, n_experts: int) -> ExpertLayout:
-        """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight)."""
+    def expert_layout(self, layers_: int | Sequence[int], n_experts: int) -> ExpertLayout:
+        """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight),
+        for the layers 0..n-1 or the listed ones (the MoE layers of a model with leading dense
+        layers); the layout's layer i is the i-th of them. Where the file has per-expert biases
+        (blk.L.ffn_{gate,up,down}_exps.bias, gpt-oss) each expert has three more slabs, its biases."""
         layers = []
-        for l in range(n_layers):
+        ls = list(range(layers_) if isinstance(layers_, int) else layers_)
+        biased = bool(ls) and f"blk.{ls[0]}.ffn_gate_exps.bias" in self.tensors
+        kinds = ("weight",) + (("bias",) if biased else ())
+        for l in ls:
             parts = []
-            for part in ("gate", "up", "down"):
-                name = f"blk.{l}.ffn_{part}_exps.weight"
+            for kind, part in ((k, p) for k in kinds for p in ("gate", "up", "down")):
+                fused = f"blk.{l}.ffn_gate_up_exps.weight"
+                if kind == "weight" and part in ("gate", "up") and fused in self.tensors:
+                    # one tensor [E, 2F, D]: each expert's gate rows, then its up rows
+                    t = self.tensor(fused)
+                    if len(t.shape) != 3 or t.shape[0] != n_experts or t.nbytes % (2 * n_experts):
+                        raise ModelFileError(t.path, f"tensor {fused} shape", f"({n_experts}, 2 x rows, cols)",
+                                             str(t.shape))
+                    half = t.nbytes // n_experts // 2
+                    parts.append(ExpertTensor(t.path, t.offset + (half if part == "up" else 0), half, 2 * half))
+                    continue
+                name = f"blk.{l}.ffn_{part}_exps.{kind}"
                 t = self.tensor(name)
-                if len(t.shape) != 3 or t.shape[0] != n_experts:
+                if kind == "bias" and (len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0):
+                    raise ModelFileError(t.path, f"tensor {name}", f"F32 of shape ({n_experts}, rows)",
+                                         f"{_type_name(t.qtype)} {tuple(t.shape)}")
+                if kind == "weight" and (len(t.shape) != 3 or t.shape[0] != n_experts):
                     raise ModelFileError(t.path, f"tensor {name} shape", f"({n_experts}, rows, cols)", str(t.shape))
                 if t.nbytes % n_experts:
                     raise ModelFileError(

@@ -1,4 +1,4 @@
-"""The numeric building blocks shared by all three architectures (numpy, float32).
+"""The numeric building blocks the architectures share (numpy, float32).
 
 Dimension letters: T = tokens in this step, D = n_embd, H = query heads, Hkv = kv heads,
 G = H // Hkv, hd = head dim, N = positions in the KV cache so far, E = experts, K = top-k, F = expert hidden.
@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import BudgetError
 
-__all__ = ["rmsnorm", "silu", "softmax", "Rope", "KVCache", "attention", "route"]
+__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "KVCache", "LatentKV", "attention", "route", "gate"]
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -23,40 +23,79 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+class Yarn:
+    """YaRN's frequency blend as ggml computes it: dims rotating faster than beta_fast turns over the
+    original context keep their frequency, those slower than beta_slow turns are divided by factor,
+    with a linear ramp between."""
+
+    def __init__(self, factor: float, n_ctx_orig: int, beta_fast: float = 32.0, beta_slow: float = 1.0):
+        self.factor, self.n_ctx_orig, self.beta_fast, self.beta_slow = factor, n_ctx_orig, beta_fast, beta_slow
+
+    def frequencies(self, inv: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+        def corr_dim(beta: float) -> float:
+            return n_rot * np.log(self.n_ctx_orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+        lo = max(0.0, np.floor(corr_dim(self.beta_fast)))
+        hi = min(n_rot - 1.0, np.ceil(corr_dim(self.beta_slow)))
+        i = np.arange(len(inv), dtype=np.float64)
+        keep = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)  # 1: extrapolate (original frequency)
+        return inv / self.factor * (1.0 - keep) + inv * keep
+
+
 class Rope:
-    """NEOX-ordered rotary embedding: pair (x[i], x[i + n_rot/2]) rotated by pos * base^(-2i/n_rot).
+    """Rotary embedding of the first n_rot dims of each head, by pos * base^(-2i/n_rot).
+
+    style "neox" rotates the pairs (x[i], x[i + n_rot/2]) (olmoe, qwen, glm4moe); "norm" the
+    adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through.
 
     The angles are computed for the positions of each call, not tabled for the whole context: a
     table of n_ctx x n_rot/2 would let the context length (or a file's key_length) decide an
     allocation of gigabytes at open, while a step's own positions cost T x n_rot/2 numbers.
     """
 
-    def __init__(self, n_rot: int, base: float, n_ctx: int):
+    def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox", yarn: "Yarn | None" = None,
+                 mscale: float = 1.0):
         self.half = n_rot // 2
         self.n_ctx = n_ctx
-        self.inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
+        self.style = style
+        self.mscale = np.float32(mscale)  # magnitude applied to cos and sin (YaRN's, where an arch keeps it)
+        inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
+        self.inv = yarn.frequencies(inv, n_rot, base) if yarn is not None else inv
 
     def angles(self, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin float32 [T, n_rot/2] for positions p0..p0+T-1."""
         if not 0 <= p0 <= p0 + T <= self.n_ctx:
             raise ValueError(f"RoPE positions {p0}..{p0 + T - 1} outside the context of {self.n_ctx}")
         ang = np.arange(p0, p0 + T, dtype=np.float64)[:, None] * self.inv[None, :]  # [T, n_rot/2]
-        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        if self.mscale != 1:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos, sin
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
         T, half = x.shape[0], self.half
         cos, sin = self.angles(p0, T)
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
-        x1, x2 = x[..., :half], x[..., half : 2 * half]
         out = np.empty_like(x)
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half : 2 * half] = x2 * cos + x1 * sin
+        if self.style == "neox":
+            x1, x2 = x[..., :half], x[..., half : 2 * half]
+            out[..., :half] = x1 * cos - x2 * sin
+            out[..., half : 2 * half] = x2 * cos + x1 * sin
+        else:
+            x1, x2 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+            out[..., 0 : 2 * half : 2] = x1 * cos - x2 * sin
+            out[..., 1 : 2 * half : 2] = x2 * cos + x1 * sin
         out[..., 2 * half :] = x[..., 2 * half :]
         return out
 
@@ -108,8 +147,37 @@ class KVCache:
         self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
 
 
-def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) -> np.ndarray:
-    """Causal GQA attention of q [T, H, hd] (positions p0..) over the cache -> [T, H * hdv]."""
+class LatentKV:
+    """MLA's cache: per layer and position one compressed latent c_kv [C] and the RoPE key shared by all
+    heads [r], stored together as k [L, 1, n_ctx, C + r]; the values are the latent itself (``v`` is a
+    view of k's first C columns), so a position costs (C + r) floats per layer, not heads x head dims."""
+
+    def __init__(self, n_layers: int, n_ctx: int, kv_lora: int, n_rope: int):
+        self.k = _lazy_zeros((n_layers, 1, n_ctx, kv_lora + n_rope))  # [L, 1, n_ctx, C + r]
+        self.v = self.k[..., :kv_lora]  # [L, 1, n_ctx, C] (a view)
+        self.n_ctx = n_ctx
+        self.n = 0
+        self.high = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes
+
+    def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray | None = None) -> None:
+        """k [T, 1, C + r] (latent then rope key) at positions p0..p0+T-1."""
+        T = k.shape[0]
+        self.high = max(self.high, p0 + T)
+        self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
+
+
+def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float, *, window: int = 0,
+              sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention of q [T, H, hd] (positions p0..) over the cache -> [T, H * hdv].
+
+    window > 0: a query at position i sees keys j with i - j < window only (sliding window).
+    sinks [H]: one learned logit per head that joins each softmax's denominator (gpt-oss)."""
+    if window or sinks is not None:
+        return _attention_masked(q, cache, layer, p0, scale, window, sinks)
     T, H, hd = q.shape
     Hkv = cache.k.shape[1]
     G = H // Hkv
@@ -128,6 +196,34 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float) 
     return o.reshape(Hkv, G, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
 
 
+def _attention_masked(q, cache, layer, p0, scale, window, sinks):
+    T, H, hd = q.shape
+    Hkv = cache.k.shape[1]
+    G = H // Hkv
+    n = p0 + T
+    lo = max(0, p0 - window + 1) if window else 0  # keys no query of this step can see are not read
+    K = cache.k[layer, :, lo:n]  # [Hkv, N', hd]
+    V = cache.v[layer, :, lo:n]
+    qg = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3)  # [Hkv, G, T, hd]
+    s = (qg @ K[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hkv, G, T, N']
+    qpos = (p0 + np.arange(T))[:, None]
+    kpos = np.arange(lo, n)[None, :]
+    masked = kpos > qpos
+    if window:
+        masked |= qpos - kpos >= window
+    s[:, :, masked] = -np.inf
+    m = s.max(axis=-1, keepdims=True)  # [Hkv, G, T, 1]
+    if sinks is not None:
+        sk = sinks.reshape(Hkv, G, 1, 1).astype(np.float32)
+        m = np.maximum(m, sk)
+    e = np.exp(s - m)
+    den = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(sk - m)  # the sink takes probability mass and adds no value
+    o = (e / den) @ V[:, None]  # [Hkv, G, T, hdv]
+    return o.transpose(2, 0, 1, 3).reshape(T, -1)
+
+
 def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.ndarray, np.ndarray]:
     """Router: h [T, D], router [E, D] -> (experts [T, K] int64, weights [T, K] float32).
 
@@ -137,4 +233,48 @@ def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.n
     w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
     if renorm:
         w = w / np.sum(w, axis=-1, keepdims=True)
+    return sel, w.astype(np.float32)
+
+
+def gate(h: np.ndarray, router: np.ndarray, k: int, *, func: str = "softmax", bias: np.ndarray | None = None,
+         norm: bool = False, scale: float = 0.0, groups: tuple[int, int] | None = None,
+         logit_bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The router as llama.cpp computes it: h [T, D], router [E, D] -> (experts [T, K], weights [T, K]).
+
+    func: "softmax" | "sigmoid" | "softmax_weight" (softmax over the k chosen logits) turns the logits
+    (+ logit_bias) into probabilities; ``bias`` [E] (exp_probs_b) shifts which experts are chosen but
+    not their weights; ``groups`` (n_group, n_group_used): only experts of the n_group_used groups
+    with the best sum of their top-2 biased scores compete; ``norm`` divides the weights by their sum
+    (clamped to F16's smallest normal); ``scale`` multiplies them unless 0 or 1. Ties -> lower id."""
+    if func == "softmax" and bias is None and groups is None and logit_bias is None and scale in (0.0, 1.0):
+        return route(h, router, k, norm)  # softmax probabilities sum to >= 1/E: the clamp never acts
+    logits = h @ router.T  # [T, E]
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if func == "softmax":
+        probs = softmax(logits)
+    elif func == "sigmoid":
+        probs = sigmoid(logits)
+    elif func == "softmax_weight":
+        probs = logits
+    else:
+        raise ValueError(f"unknown gating function {func!r}")
+    select = probs if bias is None else probs + bias  # [T, E]
+    if groups is not None and groups[0] > 1:
+        n_group, n_used = groups
+        T, E = select.shape
+        g = select.reshape(T, n_group, E // n_group)  # [T, G, E/G]
+        score = np.sort(g, axis=-1)[..., -2:].sum(-1)  # [T, G]: the sum of each group's top 2
+        keep = np.argsort(-score, axis=-1, kind="stable")[:, :n_used]  # [T, n_used]
+        mask = np.full((T, n_group), True)
+        np.put_along_axis(mask, keep, False, axis=-1)
+        select = np.where(np.repeat(mask, E // n_group, axis=-1), -np.inf, select)
+    sel = np.argsort(-select, axis=-1, kind="stable")[:, :k]  # [T, K]
+    w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
+    if func == "softmax_weight":
+        w = softmax(w)
+    if norm:
+        w = w / np.maximum(np.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        w = w * scale
     return sel, w.astype(np.float32)

@@ -15,10 +15,10 @@ import numpy as np
 from .._util import AwaitableContext
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
-from .arch import read_config
+from .arch import Arch, read_arch
 from .config import ModelConfig
+from .layers import rmsnorm
 from .gguf import GGUFFile
-from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from . import kernels
 from .compute import compute
 from .engine import Engine
@@ -27,7 +27,7 @@ from .quants import apply_all, matmul_jobs
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
-from .weights import DenseWeights, LayerWeights, load_dense
+from .weights import DenseWeights, load_dense, resident_bytes
 
 if TYPE_CHECKING:
     from .generate import GenerationChunk
@@ -36,10 +36,11 @@ __all__ = ["Model", "SequenceState"]
 
 
 class SequenceState:
-    """One sequence's state: its KV cache and how many positions it holds."""
+    """One sequence's state: its KV cache (laid out as its architecture stores it) and how many
+    positions it holds."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int):
-        self.kv = KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
+    def __init__(self, arch: Arch, n_ctx: int):
+        self.kv = arch.new_kv(n_ctx)
 
     @property
     def n(self) -> int:
@@ -67,17 +68,20 @@ class _Step:
 class Model:
     """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
 
-    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, dense: DenseWeights, tokenizer: Tokenizer,
+    def __init__(self, path: str, f: GGUFFile, arch: Arch, dense: DenseWeights, tokenizer: Tokenizer,
                  experts: ExpertSource, n_ctx: int, *, options: ModelOptions, cache_note: str,
                  trace: TraceWriter | None = None):
+        cfg = arch.cfg
         self.path = path
+        self.arch = arch
         self.config = cfg
+        self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert store's layer
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self._file = f
         self._w = dense
         self._experts = experts
-        self._rope = Rope(cfg.n_rot, cfg.rope_base, n_ctx)
+        self._rope = arch.make_rope(n_ctx)
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
@@ -128,11 +132,12 @@ class Model:
         def load():
             f = GGUFFile.open(path)
             try:
-                cfg = read_config(f)
+                arch = read_arch(f)
+                cfg = arch.cfg
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
-                layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+                layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
                 if opts.trace:
                     check_output(opts.trace, f.paths)  # refused before the dense read, not after
                 ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)
@@ -140,17 +145,18 @@ class Model:
                     raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
                 budget = None
                 if opts.io != "memory":
-                    dense_bytes = sum(t.nbytes for n, t in f.tensors.items() if not n.endswith("_exps.weight"))
+                    dense_bytes = resident_bytes(f, arch)
                     budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes)
-                dense = load_dense(f, cfg, _progress_of(progress, f))
+                dense = load_dense(f, arch, _progress_of(progress, resident_bytes(f, arch)))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup()
             except BaseException:
                 f.close()
                 raise
-            return f, cfg, tok, dense, layout, ctx, budget
+            return f, arch, tok, dense, layout, ctx, budget
 
-        f, cfg, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
+        f, arch, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
+        cfg = arch.cfg
         experts: ExpertSource | None = None
         trace: TraceWriter | None = None
         try:
@@ -164,9 +170,9 @@ class Model:
                 why = budget[1]
             if opts.trace:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
-                trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used,
+                trace = TraceWriter(opts.trace, TraceHeader(len(cfg.moe_layers), cfg.n_expert, cfg.n_expert_used,
                                                             experts.slot_bytes), protect=f.paths)
-            return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
+            return cls(path, f, arch, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
         except BaseException:
             # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
             # eventfd, arena) and the file's fds before re-raising.
@@ -196,7 +202,7 @@ class Model:
     # (``await compute(...)``); what stays on the event loop is only the expert I/O: reserving a
     # layer's experts, submitting the misses and taking completions (``self._experts.get_ready``).
     def new_sequence(self) -> SequenceState:
-        return SequenceState(self.config, self.n_ctx)
+        return SequenceState(self.arch, self.n_ctx)
 
     async def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]."""
@@ -222,7 +228,7 @@ class Model:
             # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
             # the previous layer's expert sum (or the embedding), then this layer's attention and router.
             x, h, sel, w = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
-            ys = await self._routed_experts(l, x, h, sel, w, step)
+            ys = await self._routed_experts(l, x, h, sel, w, step) if sel is not None else []
         for seg in step.segments:  # the positions are filled only once every layer has written them
             seg.seq.kv.n = seg.p0 + len(seg.ids)
         return await compute(self._head, x, h, ys, step, all_logits, head)
@@ -251,40 +257,20 @@ class Model:
 
     # -- compute thread ------------------------------------------------------------------------
     def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: "_Step"):
-        """The residual entering layer l (the embedding, or layer l-1's output: x plus its experts'
-        sum), then its attention and router: (x + attention [R, D], h = ffn_norm [R, D],
-        experts [R, K], weights [R, K])."""
-        cfg, lw = self.config, self._w.layers[l]
+        """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
+        then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
+        experts [R, K], weights [R, K]; both None in a dense layer)."""
+        arch, lw = self.arch, self._w.layers[l]
         x = self._w.tok_embd.rows(step.ids) if l == 0 else self._moe_add(l - 1, x, h, ys)  # [R, D]
-        x = x + self._attention(lw, l, x, step)
-        h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [R, D]
-        sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [R, K], [R, K]
+        x = x + arch.attention(lw, l, x, step, self._rope)
+        h = arch.ffn_input(lw, x)  # [R, D]
+        if lw.experts is None:
+            return x, h, None, None
+        sel, w = arch.route(lw, h)  # [R, K], [R, K]
         if self._trace is not None:
             for r in range(len(sel)):
-                self._trace.write(int(step.pos[r]), l, sel[r].tolist(), w[r].tolist())
+                self._trace.write(int(step.pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist())
         return x, h, sel, w
-
-    def _attention(self, lw: LayerWeights, l: int, x: np.ndarray, step: "_Step") -> np.ndarray:
-        cfg = self.config
-        R = x.shape[0]
-        h = rmsnorm(x, lw.attn_norm, cfg.eps)  # [R, D]
-        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [R, H*hd], [R, Hkv*hd], [R, Hkv*hdv]
-        if cfg.qkv_bias:
-            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-        if cfg.qk_norm == "full":  # olmoe: over the whole vectors, before the head split
-            q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
-        q = q.reshape(R, cfg.n_head, cfg.head_dim)
-        k = k.reshape(R, cfg.n_head_kv, cfg.head_dim)
-        v = v.reshape(R, cfg.n_head_kv, cfg.head_dim_v)
-        if cfg.qk_norm == "head":  # qwen3moe: per head, after the split
-            q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
-        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)  # [R, H*hdv]
-        for s in step.segments:  # each sequence attends over its own cache, at its own positions
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            qs, ks = self._rope(q[rows], s.p0), self._rope(k[rows], s.p0)
-            s.seq.kv.write(l, s.p0, ks, v[rows])
-            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim))
-        return lw.wo(o)
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                      views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -300,23 +286,30 @@ class Model:
         gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
         matmul_jobs([job for v, t0, n in zip(views, starts, counts)
                      for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
-        a = silu(gu[:, :F]) * gu[:, F:]  # [S, F]
+        biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
+        if biased:
+            for v, t0, n in zip(views, starts, counts):
+                gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
+                gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
+        a = self.arch.expert_act(gu, F)  # [S, F]
         y = np.empty((len(xg), D), np.float32)  # [S, D]
         matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
+        if biased:
+            for v, t0, n in zip(views, starts, counts):
+                y[t0 : t0 + n] += v.biases[2].view(np.float32)
         y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
         return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
         """x + the routed experts' outputs (summed in the order the experts were asked for, so the
-        result never depends on which read finished first) + qwen2moe's gated shared expert."""
-        lw = self._w.layers[l]
+        result never depends on which read finished first) + what the architecture adds (shared
+        experts, or a dense layer's FFN)."""
         out = np.zeros_like(h)  # [R, D]
         for rows, y in ys:
             out[rows] += y
-        if self.config.n_ff_shexp:
-            g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [R]
-            s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [R, D]
-            out += g[:, None].astype(np.float32) * s
+        extra = self.arch.ffn_extra(self._w.layers[l], h)
+        if extra is not None:
+            out += extra
         return x + out
 
     def _head(self, x: np.ndarray, h: np.ndarray, ys: list, step: "_Step", all_logits: bool, head: Callable | None):
@@ -338,8 +331,8 @@ class Model:
 
     def _predict(self, l: int, x: np.ndarray) -> list[int]:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
-        cfg, lw = self.config, self._w.layers[l]
-        sel, _ = route(rmsnorm(x, lw.ffn_norm, cfg.eps), lw.router, cfg.n_expert_used, cfg.norm_topk)
+        lw = self._w.layers[l]
+        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))
         return _by_votes(sel)[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------
@@ -352,15 +345,15 @@ class Model:
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i in range(0, len(wanted), self._max_batch):
             chunk = wanted[i : i + self._max_batch]
-            groups = self._experts.get_ready(l, chunk)
+            groups = self._experts.get_ready(self._moe_index[l], chunk)
             try:
                 first = True
                 async for views in groups:
-                    if first and i == 0 and self._prefetch and decode and l + 1 < self.config.n_layers:
+                    if first and i == 0 and self._prefetch and decode and l + 1 in self._moe_index:
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # layer l+1's router picks from the current hidden state, read while this
                         # layer computes. (In a prefill nearly every expert is demanded anyway.)
-                        self._experts.prefetch(l + 1, await compute(self._predict, l + 1, x))
+                        self._experts.prefetch(self._moe_index[l + 1], await compute(self._predict, l + 1, x))
                     first = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
             finally:
@@ -413,11 +406,10 @@ async def _close_all(closers) -> None:
         raise first
 
 
-def _progress_of(progress, f) -> Callable[[int], None] | None:
+def _progress_of(progress, total: int) -> Callable[[int], None] | None:
     """Adapt progress(done, total) to load_dense's per-tensor byte counts."""
     if progress is None:
         return None
-    total = sum(t.nbytes for name, t in f.tensors.items() if not name.endswith("_exps.weight"))
     done = 0
 
     def step(nbytes: int) -> None:

@@ -103,8 +103,8 @@ class InMemoryExperts:
             self._check(path)  # before any page of the mapping is touched (see the class docstring)
         views = []
         for e in experts:
-            g, u, d = self.layout.slabs(layer, int(e))
-            views.append(ExpertView(layer, int(e), self._slab(g), self._slab(u), self._slab(d)))
+            g, u, d, *b = (self._slab(s) for s in self.layout.slabs(layer, int(e)))
+            views.append(ExpertView(layer, int(e), g, u, d, tuple(b)))
         return ExpertBatch(views)
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:

@@ -50,7 +50,7 @@ __all__ = [
 GENERATOR_VERSION = 2
 
 ALIGNMENT = 32
-ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
+ARCHS = ("olmoe", "qwen2moe", "qwen3moe", "llama", "glm4moe", "deepseek2", "gpt-oss")
 
 # Target standard deviation of the final logits (see module docstring).
 LOGIT_STD = 3.0
@@ -94,7 +94,7 @@ class ModelSpec:
     ``expert_qtype`` (if set) overrides it for the routed-expert tensors (``ffn_*_exps``)."""
 
     name: str
-    arch: str  # "olmoe" | "qwen2moe" | "qwen3moe"
+    arch: str  # one of ARCHS
     n_layer: int
     n_embd: int
     n_head: int
@@ -111,6 +111,29 @@ class ModelSpec:
     tied_output: bool = False  # no `output` tensor: llama.cpp reuses token_embd
     qtype: str = "F16"
     expert_qtype: str | None = None
+    # glm4moe / deepseek2 (the defaults leave the other architectures' files unchanged)
+    n_dense_lead: int = 0       # leading layers with a dense FFN of width n_ff
+    n_ff: int = 0
+    n_expert_shared: int = 0    # shared experts, each of width n_ff_exp
+    n_rot: int = 0              # RoPE dims per head (0: all of head_dim)
+    qk_norm: bool = False       # glm4moe's optional per-head q/k norm
+    qkv_bias: bool = False      # glm4moe's q/k/v biases
+    n_nextn: int = 0            # MTP layers appended after the n_layer ones (written, never computed)
+    gating: int = 0             # expert_gating_func (1 softmax, 2 sigmoid); 0 = key absent
+    norm_w: bool = False        # expert_weights_norm
+    w_scale: float = 0.0        # expert_weights_scale (0 = key absent)
+    probs_bias: bool = False    # exp_probs_b.bias per MoE layer
+    n_group: int = 0            # expert_group_count / expert_group_used_count (0 = absent)
+    n_group_used: int = 0
+    q_lora_rank: int = 0        # deepseek2 MLA: 0 = attn_q directly
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0
+    mla_split: bool = True      # attn_k_b / attn_v_b (True) or the older attn_kv_b
+    yarn_factor: float = 0.0    # rope.scaling.* (YaRN) when > 0
+    yarn_orig_ctx: int = 0
+    yarn_log_mul: float = 0.0   # rope.scaling.yarn_log_multiplier (0.1 * mscale_all_dim)
+    sliding_window: int = 0     # gpt-oss: attention.sliding_window (even layers slide)
+    fused_gate_up: bool = False  # experts' gate and up in one ffn_gate_up_exps tensor [E, 2F, D]
 
     @property
     def n_q(self) -> int:
@@ -136,10 +159,51 @@ PRESETS: dict[str, ModelSpec] = {
         n_expert=8, n_expert_used=2, n_ff_exp=256, vocab_size=512, n_ctx=512, rope_base=1e6, eps=1e-6,
         tied_output=True,
     ),
+    # Small fixtures of the other architectures (n_embd 128 keeps each file near 1 MB; llama.cpp's
+    # quantiser falls back to Q5_0 / Q8_0 where a row is shorter than a K-quant block).
+    "tiny-mixtral": ModelSpec(
+        name="tiny-mixtral", arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+        n_expert=4, n_expert_used=2, n_ff_exp=128, vocab_size=512, n_ctx=512, rope_base=1e6, eps=1e-5,
+    ),
+    "tiny-glm4moe": ModelSpec(
+        name="tiny-glm4moe", arch="glm4moe", n_layer=3, n_embd=128, n_head=4, n_head_kv=2, head_dim=32,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, vocab_size=512, n_ctx=512, rope_base=1e6, eps=1e-5,
+        n_dense_lead=1, n_ff=192, n_expert_shared=1, n_rot=16, qk_norm=True, qkv_bias=True, n_nextn=1,
+        gating=2, norm_w=True, w_scale=1.5, probs_bias=True,
+    ),
+    "tiny-deepseek2": ModelSpec(
+        name="tiny-deepseek2", arch="deepseek2", n_layer=3, n_embd=128, n_head=4, n_head_kv=1, head_dim=48,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, vocab_size=512, n_ctx=512, rope_base=1e4, eps=1e-6,
+        n_dense_lead=1, n_ff=192, n_expert_shared=2, n_rot=16, gating=2, norm_w=True, w_scale=2.5,
+        probs_bias=True, n_group=4, n_group_used=2, q_lora_rank=64, kv_lora_rank=64, v_head_dim=32,
+        yarn_factor=4.0, yarn_orig_ctx=128, yarn_log_mul=0.0707,
+    ),
+    # DeepSeek-V2-Lite's form: no q compression, the older attn_kv_b, softmax gating, no groups; and
+    # the experts' gate and up fused in one tensor per layer (ffn_gate_up_exps).
+    "tiny-deepseek2-lite": ModelSpec(
+        name="tiny-deepseek2-lite", arch="deepseek2", n_layer=2, n_embd=128, n_head=4, n_head_kv=4, head_dim=48,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, vocab_size=512, n_ctx=512, rope_base=1e4, eps=1e-6,
+        n_dense_lead=1, n_ff=192, n_expert_shared=2, n_rot=16, gating=1, w_scale=1.0, q_lora_rank=0,
+        kv_lora_rank=64, v_head_dim=32, mla_split=False, fused_gate_up=True,
+    ),
+    # gpt-oss: sinks, q/k/v/o biases, router and per-expert biases, sliding window on even layers,
+    # attention wider than n_embd (8 heads x 32), YaRN.
+    "tiny-gptoss": ModelSpec(
+        name="tiny-gptoss", arch="gpt-oss", n_layer=2, n_embd=128, n_head=8, n_head_kv=2, head_dim=32,
+        n_expert=4, n_expert_used=2, n_ff_exp=128, vocab_size=512, n_ctx=512, rope_base=1.5e5, eps=1e-5,
+        n_rot=32, qkv_bias=True, sliding_window=8, yarn_factor=4.0, yarn_orig_ctx=64,
+    ),
     # OLMoE structure sized to about 1 GB, most of it in experts: what `clutor demo` runs.
     "demo": ModelSpec(
         name="demo", arch="olmoe", n_layer=16, n_embd=1024, n_head=8, n_head_kv=8, head_dim=128,
         n_expert=32, n_expert_used=4, n_ff_exp=512, vocab_size=4096, n_ctx=4096, eps=1e-5, qtype="Q8_0",
+    ),
+    # gpt-oss-20b's shapes (the benchmark of issue 11): experts MXFP4, the dense rest Q8_0 (~12 GB).
+    "gpt-oss-20b-mxfp4": ModelSpec(
+        name="gpt-oss-20b-mxfp4", arch="gpt-oss", n_layer=24, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64,
+        n_expert=32, n_expert_used=4, n_ff_exp=2880, vocab_size=201088, n_ctx=131072, rope_base=1.5e5, eps=1e-5,
+        n_rot=64, qkv_bias=True, sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096, qtype="Q8_0",
+        expert_qtype="MXFP4",
     ),
     # OLMoE-1B-7B's real shapes, every matrix Q8_0 (7.4 GB).
     "olmoe-1b-7b-q8": ModelSpec(
@@ -248,6 +312,28 @@ class TensorPlan:
         return n // block * size
 
 
+def _mla_plans(spec: ModelSpec, b: str, w, norm, gain: float) -> list[TensorPlan]:
+    """deepseek2's multi-head latent attention: q through an optional low-rank bottleneck, one
+    compressed latent c_kv (kv_lora_rank) + one shared RoPE key (n_rot) per token, per-head
+    up-projections of the latent to keys (attn_k_b) and values (attn_v_b), or both in attn_kv_b."""
+    D, H, hk, hv = spec.n_embd, spec.n_head, spec.head_dim, spec.v_head_dim
+    rope, C, Lq = spec.n_rot, spec.kv_lora_rank, spec.q_lora_rank
+    nope = hk - rope
+    plans = [norm(b + "attn_norm.weight", D)]
+    if Lq:
+        plans += [w(b + "attn_q_a.weight", (Lq, D), 1 / np.sqrt(D)), norm(b + "attn_q_a_norm.weight", Lq),
+                  w(b + "attn_q_b.weight", (H * hk, Lq), 1 / np.sqrt(Lq))]
+    else:
+        plans.append(w(b + "attn_q.weight", (H * hk, D), 1 / np.sqrt(D)))
+    plans += [w(b + "attn_kv_a_mqa.weight", (C + rope, D), 1 / np.sqrt(D)), norm(b + "attn_kv_a_norm.weight", C)]
+    if spec.mla_split:
+        plans += [w(b + "attn_k_b.weight", (H, C, nope), 1 / np.sqrt(C)), w(b + "attn_v_b.weight", (H, hv, C), 1 / np.sqrt(C))]
+    else:
+        plans.append(w(b + "attn_kv_b.weight", (H * (nope + hv), C), 1 / np.sqrt(C)))
+    plans.append(w(b + "attn_output.weight", (D, H * hv), gain / np.sqrt(H * hv)))
+    return plans
+
+
 def _qtype(where: str, name: str, field: str) -> GGMLQuantizationType:
     try:
         qt = GGMLQuantizationType[name.upper()]
@@ -282,16 +368,19 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
         plans = [w("token_embd.weight", (V, D), out_std, quiet=True)]
     else:
         plans = [w("token_embd.weight", (V, D), 1.0)]
-    for i in range(spec.n_layer):
+    for i in range(spec.n_layer + spec.n_nextn):
         b = f"blk.{i}."
-        plans += [
-            norm(b + "attn_norm.weight", D),
-            w(b + "attn_q.weight", (Q, D), 1 / np.sqrt(D)),
-            w(b + "attn_k.weight", (KV, D), 1 / np.sqrt(D)),
-            w(b + "attn_v.weight", (KV, D), 1 / np.sqrt(D)),
-            w(b + "attn_output.weight", (D, Q), gain / np.sqrt(Q)),
-        ]
-        if spec.arch == "qwen2moe":
+        if spec.arch == "deepseek2":
+            plans += _mla_plans(spec, b, w, norm, gain)
+        else:
+            plans += [
+                norm(b + "attn_norm.weight", D),
+                w(b + "attn_q.weight", (Q, D), 1 / np.sqrt(D)),
+                w(b + "attn_k.weight", (KV, D), 1 / np.sqrt(D)),
+                w(b + "attn_v.weight", (KV, D), 1 / np.sqrt(D)),
+                w(b + "attn_output.weight", (D, Q), gain / np.sqrt(Q)),
+            ]
+        if spec.arch == "qwen2moe" or spec.qkv_bias:
             plans += [
                 TensorPlan(b + "attn_q.bias", (Q,), f32, "normal", 0.2),
                 TensorPlan(b + "attn_k.bias", (KV,), f32, "normal", 0.2),
@@ -299,15 +388,33 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
             ]
         if spec.arch == "olmoe":  # QK-norm over the whole q / k vectors
             plans += [norm(b + "attn_q_norm.weight", Q), norm(b + "attn_k_norm.weight", KV)]
-        if spec.arch == "qwen3moe":  # QK-norm per head
+        if spec.arch == "qwen3moe" or spec.qk_norm:  # QK-norm per head
             plans += [norm(b + "attn_q_norm.weight", spec.head_dim), norm(b + "attn_k_norm.weight", spec.head_dim)]
-        plans += [
-            norm(b + "ffn_norm.weight", D),
-            w(b + "ffn_gate_inp.weight", (E, D), ROUTER_STD / np.sqrt(D), f32),
-            w(b + "ffn_gate_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
-            w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
-            w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp),
-        ]
+        if spec.arch == "gpt-oss":
+            plans += [TensorPlan(b + "attn_output.bias", (D,), f32, "normal", 0.2),
+                      TensorPlan(b + "attn_sinks.weight", (spec.n_head,), f32, "normal", 1.0)]
+        post = spec.arch in ("glm4moe", "gpt-oss")
+        plans.append(norm(b + ("post_attention_norm.weight" if post else "ffn_norm.weight"), D))
+        if i < spec.n_dense_lead:
+            Fd = spec.n_ff
+            plans += [w(b + "ffn_gate.weight", (Fd, D), 1 / np.sqrt(D)), w(b + "ffn_up.weight", (Fd, D), 1 / np.sqrt(D)),
+                      w(b + "ffn_down.weight", (D, Fd), gain / np.sqrt(Fd))]
+            continue
+        plans.append(w(b + "ffn_gate_inp.weight", (E, D), ROUTER_STD / np.sqrt(D), f32))
+        if spec.fused_gate_up:
+            plans.append(w(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), 1 / np.sqrt(D), exp))
+        else:
+            plans += [w(b + "ffn_gate_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
+                      w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp)]
+        plans.append(w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp))
+        if spec.arch == "gpt-oss":
+            plans += [TensorPlan(b + "ffn_gate_inp.bias", (E,), f32, "normal", 0.5),
+                      TensorPlan(b + "ffn_gate_exps.bias", (E, F), f32, "normal", 0.2),
+                      TensorPlan(b + "ffn_up_exps.bias", (E, F), f32, "normal", 0.2),
+                      TensorPlan(b + "ffn_down_exps.bias", (E, D), f32, "normal", 0.2)]
+        if spec.probs_bias:
+            # sigmoid probabilities are in (0, 1): a bias of this size reorders close experts only
+            plans.append(TensorPlan(b + "exp_probs_b.bias", (E,), f32, "normal", 0.05))
         if spec.arch == "qwen2moe":
             S = spec.n_ff_shexp
             plans += [
@@ -316,6 +423,13 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
                 w(b + "ffn_up_shexp.weight", (S, D), 1 / np.sqrt(D)),
                 w(b + "ffn_down_shexp.weight", (D, S), gain / np.sqrt(S)),
             ]
+        if spec.n_expert_shared:
+            S = spec.n_ff_exp * spec.n_expert_shared
+            plans += [w(b + "ffn_gate_shexp.weight", (S, D), 1 / np.sqrt(D)), w(b + "ffn_up_shexp.weight", (S, D), 1 / np.sqrt(D)),
+                      w(b + "ffn_down_shexp.weight", (D, S), gain / np.sqrt(S))]
+        if i >= spec.n_layer:  # an MTP (nextn) layer: its own projection and norms
+            plans += [w(b + "nextn.eh_proj.weight", (D, 2 * D), 1 / np.sqrt(2 * D)), norm(b + "nextn.enorm.weight", D),
+                      norm(b + "nextn.hnorm.weight", D), norm(b + "nextn.shared_head_norm.weight", D)]
     plans.append(norm("output_norm.weight", D))
     if not spec.tied_output:
         plans.append(w("output.weight", (V, D), out_std, quiet=True))
@@ -471,6 +585,25 @@ def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return packed
 
 
+# std of ggml's MXFP4 levels (the E2M1 values doubled) when each of the 16 codes is equally likely
+_MXFP4_STD = float(np.sqrt(np.mean(np.square([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]))))
+
+
+def _mxfp4_chunks(plan: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Random MXFP4 blocks of 32: [E8M0 exponent e][16 bytes of 4-bit codes], value 2^(e-128) * level;
+    the exponent is the power of two nearest the wanted spread, jittered by one step either way."""
+    n_blocks = int(np.prod(plan.shape)) // 32
+    per = _CHUNK // 32
+    e0 = 128 + np.log2(plan.std / _MXFP4_STD)
+    for b0 in range(0, n_blocks, per):
+        nb = min(n_blocks, b0 + per) - b0
+        out = np.empty((nb, 17), dtype=np.uint8)
+        e = e0 + np.log2(_block_gain(plan, b0, nb, 32)) + rng.integers(-1, 2, size=nb) * 0.5
+        out[:, 0] = np.clip(np.rint(e), 1, 254).astype(np.uint8)
+        out[:, 1:] = rng.integers(0, 256, size=(nb, 16), dtype=np.uint8)
+        yield out
+
+
 def _f32_chunks(plan: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
     yield from _float_chunks(plan, rng)
 
@@ -485,6 +618,7 @@ _WRITERS: dict[GGMLQuantizationType, Callable[[TensorPlan, np.random.Generator],
     GGMLQuantizationType.F16: _f16_chunks,
     GGMLQuantizationType.Q8_0: _q8_0_chunks,
     GGMLQuantizationType.Q4_K: _q4_k_chunks,
+    GGMLQuantizationType.MXFP4: _mxfp4_chunks,
 }
 # Other types gguf-py can quantise from floats (slow: for small models only).
 _FLOAT_QUANTISERS = {
@@ -545,13 +679,21 @@ def _file_type(plans: list[TensorPlan]) -> int:
     for p in plans:
         by_type[p.qtype] = by_type.get(p.qtype, 0) + p.nbytes
     main = max(by_type, key=by_type.__getitem__)
-    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M"}
+    names = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q4_K": "MOSTLY_Q4_K_M", "MXFP4": "MOSTLY_MXFP4_MOE"}
     return int(LlamaFileType[names.get(main.name, "MOSTLY_" + main.name)])
+
+
+_V2_FIELDS = ("name", "arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_expert", "n_expert_used",
+               "n_ff_exp", "vocab_size", "n_ctx", "n_ff_shexp", "rope_base", "eps", "tied_output", "qtype",
+               "expert_qtype")
 
 
 def model_fingerprint(spec: ModelSpec, seed: int, qtype: str | None = None) -> str:
     """Hex digest identifying the bytes :func:`write_model` produces for these arguments."""
-    ident = {"spec": dataclasses.asdict(spec), "seed": seed, "qtype": qtype or spec.qtype, "version": GENERATOR_VERSION}
+    # Fields added after version 2 enter only when set, so older presets keep their fingerprint.
+    fields = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    d = {k: v for k, v in dataclasses.asdict(spec).items() if k in _V2_FIELDS or v != fields[k]}
+    ident = {"spec": d, "seed": seed, "qtype": qtype or spec.qtype, "version": GENERATOR_VERSION}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -569,9 +711,9 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
         _kv("clutor.synth.fingerprint", STR, fp),
         _kv(f"{a}.context_length", U32, spec.n_ctx),
         _kv(f"{a}.embedding_length", U32, spec.n_embd),
-        _kv(f"{a}.block_count", U32, spec.n_layer),
+        _kv(f"{a}.block_count", U32, spec.n_layer + spec.n_nextn),
         _kv(f"{a}.attention.head_count", U32, spec.n_head),
-        _kv(f"{a}.attention.head_count_kv", U32, spec.n_head_kv),
+        _kv(f"{a}.attention.head_count_kv", U32, spec.n_head_kv if a != "deepseek2" or not spec.mla_split else 1),
         _kv(f"{a}.rope.freq_base", F32, spec.rope_base),
         _kv(f"{a}.attention.layer_norm_rms_epsilon", F32, spec.eps),
         _kv(f"{a}.expert_count", U32, spec.n_expert),
@@ -579,9 +721,37 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
     ]
     # Written only when they differ from the default n_embd / n_head, as converters do for
     # olmoe; Qwen3 files always carry them.
-    if spec.arch == "qwen3moe" or spec.head_dim * spec.n_head != spec.n_embd:
+    if a == "deepseek2":
+        kvs += _mla_metadata(spec)
+    elif spec.arch == "qwen3moe" or spec.head_dim * spec.n_head != spec.n_embd or a in ("glm4moe", "gpt-oss"):
         kvs += [_kv(f"{a}.attention.key_length", U32, spec.head_dim), _kv(f"{a}.attention.value_length", U32, spec.head_dim)]
-    if a == "olmoe":  # olmoe has no expert-specific key: feed_forward_length is the expert size
+    if spec.n_rot and a != "deepseek2":
+        kvs.append(_kv(f"{a}.rope.dimension_count", U32, spec.n_rot))
+    if a in ("glm4moe", "deepseek2"):
+        kvs += [_kv(f"{a}.leading_dense_block_count", U32, spec.n_dense_lead),
+                _kv(f"{a}.expert_shared_count", U32, spec.n_expert_shared)]
+        if spec.n_ff:
+            kvs.append(_kv(f"{a}.feed_forward_length", U32, spec.n_ff))
+    if spec.n_nextn:
+        kvs.append(_kv(f"{a}.nextn_predict_layers", U32, spec.n_nextn))
+    if spec.gating:
+        kvs.append(_kv(f"{a}.expert_gating_func", U32, spec.gating))
+    if a in ("glm4moe", "deepseek2"):
+        kvs.append(_kv(f"{a}.expert_weights_norm", BOOL, spec.norm_w))
+    if spec.w_scale:
+        kvs.append(_kv(f"{a}.expert_weights_scale", F32, spec.w_scale))
+    if spec.n_group:
+        kvs += [_kv(f"{a}.expert_group_count", U32, spec.n_group), _kv(f"{a}.expert_group_used_count", U32, spec.n_group_used)]
+    if spec.sliding_window:
+        kvs.append(_kv(f"{a}.attention.sliding_window", U32, spec.sliding_window))
+    if spec.yarn_factor:
+        kvs += [_kv(f"{a}.rope.scaling.type", STR, "yarn"), _kv(f"{a}.rope.scaling.factor", F32, spec.yarn_factor),
+                _kv(f"{a}.rope.scaling.original_context_length", U32, spec.yarn_orig_ctx)]
+        if spec.yarn_log_mul:
+            kvs.append(_kv(f"{a}.rope.scaling.yarn_log_multiplier", F32, spec.yarn_log_mul))
+    if a == "llama":  # the expert size is feed_forward_length
+        kvs.append(_kv(f"{a}.feed_forward_length", U32, spec.n_ff_exp))
+    elif a == "olmoe":  # olmoe has no expert-specific key: feed_forward_length is the expert size
         kvs.append(_kv(f"{a}.feed_forward_length", U32, spec.n_ff_exp))
     else:
         kvs.append(_kv(f"{a}.expert_feed_forward_length", U32, spec.n_ff_exp))
@@ -605,6 +775,19 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
         _kv("tokenizer.ggml.add_bos_token", BOOL, False),
         _kv("tokenizer.chat_template", STR, OLMOE_TEMPLATE if a == "olmoe" else CHATML_TEMPLATE),
     ]
+    return kvs
+
+
+def _mla_metadata(spec: ModelSpec) -> list[bytes]:
+    U32 = GGUFValueType.UINT32
+    a, hk, hv, C = spec.arch, spec.head_dim, spec.v_head_dim, spec.kv_lora_rank
+    kvs = [_kv(f"{a}.attention.q_lora_rank", U32, spec.q_lora_rank), _kv(f"{a}.attention.kv_lora_rank", U32, C),
+           _kv(f"{a}.rope.dimension_count", U32, spec.n_rot)]
+    if spec.mla_split:  # the MQA form over the latent, and the per-head sizes under their _mla keys
+        kvs += [_kv(f"{a}.attention.key_length", U32, C + spec.n_rot), _kv(f"{a}.attention.value_length", U32, C),
+                _kv(f"{a}.attention.key_length_mla", U32, hk), _kv(f"{a}.attention.value_length_mla", U32, hv)]
+    else:
+        kvs += [_kv(f"{a}.attention.key_length", U32, hk), _kv(f"{a}.attention.value_length", U32, hv)]
     return kvs
 
 

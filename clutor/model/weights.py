@@ -1,5 +1,6 @@
 """The resident (dense) part of a model, read once at open into memory the process owns, and the
-description of the routed experts that stay on disk."""
+description of the routed experts that stay on disk. Which tensors there are is the architecture's
+business (clutor.model.arch: ``layer_tensors``); this module validates and reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,6 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ModelFileError
-from .config import ModelConfig
 from .quants import SUPPORTED, Weight, dequantize, type_name
 
 __all__ = ["LayerWeights", "ExpertTypes", "DenseWeights", "load_dense"]
@@ -23,25 +23,21 @@ class ExpertTypes:
     down: int  # slab shape (D, F)
 
 
-@dataclass(eq=False)
 class LayerWeights:
-    attn_norm: np.ndarray          # [D]
-    wq: Weight                     # (H*hd, D)
-    wk: Weight                     # (Hkv*hd, D)
-    wv: Weight                     # (Hkv*hdv, D)
-    wo: Weight                     # (D, H*hdv)
-    bq: np.ndarray | None          # [H*hd]   qwen2moe
-    bk: np.ndarray | None          # [Hkv*hd]
-    bv: np.ndarray | None          # [Hkv*hdv]
-    q_norm: np.ndarray | None      # olmoe: [H*hd]; qwen3moe: [hd]
-    k_norm: np.ndarray | None      # olmoe: [Hkv*hd]; qwen3moe: [hd]
-    ffn_norm: np.ndarray           # [D]
-    router: np.ndarray             # [E, D] float32
-    experts: ExpertTypes
-    sh_gate_inp: np.ndarray | None  # [D]  qwen2moe shared-expert gate
-    sh_gate: Weight | None          # (Fs, D)
-    sh_up: Weight | None            # (Fs, D)
-    sh_down: Weight | None          # (D, Fs)
+    """One layer's resident tensors, one attribute per entry of the architecture's layer_tensors:
+    a Weight (matrices, kept in their file type) or a float32 array (norms, biases, routers).
+    A tensor the file does not have, or the architecture does not read, is None. ``experts`` is
+    the routed experts' types in a MoE layer (None in a dense layer)."""
+
+    experts: ExpertTypes | None = None
+
+    def __init__(self, **tensors):
+        self.__dict__.update(tensors)
+
+    def __getattr__(self, name: str):  # only called for attributes not set: an absent tensor
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 @dataclass(eq=False)
@@ -70,87 +66,58 @@ class DenseWeights:
         return sum(seen.values())
 
 
-def load_dense(f, cfg: ModelConfig, progress: Callable[[int], None] | None = None) -> DenseWeights:
+def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseWeights:
     """Validate every tensor's shape and type, then read the dense ones. Experts are only checked.
 
     Validation of the whole tensor table happens before the first read, so a bad file fails fast
     without having allocated anything large."""
-    D, V, E, F = cfg.n_embd, cfg.n_vocab, cfg.n_expert, cfg.n_ff_exp
-    qd, kd, vd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
-    od = cfg.n_head * cfg.head_dim_v
-    norm_q = {"full": (qd,), "head": (cfg.head_dim,)}.get(cfg.qk_norm)
-    norm_k = {"full": (kd,), "head": (cfg.head_dim,)}.get(cfg.qk_norm)
-
-    want: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
-    if not cfg.tied_output:
-        want["output.weight"] = (V, D)
-    for l in range(cfg.n_layers):
-        b = f"blk.{l}."
-        want |= {
-            b + "attn_norm.weight": (D,), b + "attn_q.weight": (qd, D), b + "attn_k.weight": (kd, D),
-            b + "attn_v.weight": (vd, D), b + "attn_output.weight": (D, od), b + "ffn_norm.weight": (D,),
-            b + "ffn_gate_inp.weight": (E, D), b + "ffn_gate_exps.weight": (E, F, D),
-            b + "ffn_up_exps.weight": (E, F, D), b + "ffn_down_exps.weight": (E, D, F),
-        }
-        if cfg.qkv_bias:
-            want |= {b + "attn_q.bias": (qd,), b + "attn_k.bias": (kd,), b + "attn_v.bias": (vd,)}
-        if norm_q:
-            want |= {b + "attn_q_norm.weight": norm_q, b + "attn_k_norm.weight": norm_k}
-        if cfg.n_ff_shexp:
-            Fs = cfg.n_ff_shexp
-            want |= {b + "ffn_gate_inp_shexp.weight": (D,), b + "ffn_gate_shexp.weight": (Fs, D),
-                     b + "ffn_up_shexp.weight": (Fs, D), b + "ffn_down_shexp.weight": (D, Fs)}
-    for name, shape in want.items():
-        info = f.tensor(name)  # raises ModelFileError naming a missing tensor
-        if tuple(info.shape) != shape:
-            raise ModelFileError(f.path, f"tensor {name} shape", f"{shape} (numpy order)", tuple(info.shape))
-        if info.qtype not in SUPPORTED:
-            raise ModelFileError(f.path, f"tensor {name} type", "a supported type", type_name(info.qtype))
-
-    done = 0
+    cfg = arch.cfg
+    tables = [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(cfg.n_layers)]
+    for table in tables:
+        for t in table.values():
+            if t.name not in f.tensors and not t.required:
+                continue
+            info = f.tensor(t.name)  # raises ModelFileError naming a missing tensor
+            if tuple(info.shape) != t.shape:
+                raise ModelFileError(f.path, f"tensor {t.name} shape", f"{t.shape} (numpy order)", tuple(info.shape))
+            if info.qtype not in SUPPORTED:
+                raise ModelFileError(f.path, f"tensor {t.name} type", "a supported type", type_name(info.qtype))
+    arch.check_file(f)
 
     def read(name: str):
-        nonlocal done
         raw = f.read(name)
-        done += raw.nbytes
         if progress:
             progress(raw.nbytes)
         return raw
 
-    def weight(name: str) -> Weight:
-        info = f.tensors[name]
-        return Weight(name, read(name), info.qtype, tuple(info.shape))
+    def load(t):
+        if t.name not in f.tensors:
+            return None
+        info = f.tensors[t.name]
+        if t.kind == "weight":
+            return Weight(t.name, read(t.name), info.qtype, tuple(info.shape))
+        return np.ascontiguousarray(dequantize(read(t.name), info.qtype, tuple(info.shape)), dtype=np.float32)
 
-    def vector(name: str) -> np.ndarray:
-        info = f.tensors[name]
-        return np.ascontiguousarray(dequantize(read(name), info.qtype, tuple(info.shape)), dtype=np.float32)
-
-    def opt(name: str, fn):
-        return fn(name) if name in want else None
-
-    tok = weight("token_embd.weight")
+    glob = {k: load(t) for k, t in tables[0].items()}
     layers = []
-    for l in range(cfg.n_layers):
-        b = f"blk.{l}."
-        layers.append(LayerWeights(
-            attn_norm=vector(b + "attn_norm.weight"),
-            wq=weight(b + "attn_q.weight"), wk=weight(b + "attn_k.weight"),
-            wv=weight(b + "attn_v.weight"), wo=weight(b + "attn_output.weight"),
-            bq=opt(b + "attn_q.bias", vector), bk=opt(b + "attn_k.bias", vector), bv=opt(b + "attn_v.bias", vector),
-            q_norm=opt(b + "attn_q_norm.weight", vector), k_norm=opt(b + "attn_k_norm.weight", vector),
-            ffn_norm=vector(b + "ffn_norm.weight"),
-            router=vector(b + "ffn_gate_inp.weight"),
-            experts=ExpertTypes(*(f.tensors[b + f"ffn_{p}_exps.weight"].qtype for p in ("gate", "up", "down"))),
-            sh_gate_inp=opt(b + "ffn_gate_inp_shexp.weight", vector),
-            sh_gate=opt(b + "ffn_gate_shexp.weight", weight), sh_up=opt(b + "ffn_up_shexp.weight", weight),
-            sh_down=opt(b + "ffn_down_shexp.weight", weight),
-        ))
-    return DenseWeights(
-        tok_embd=tok,
-        output_norm=vector("output_norm.weight"),
-        output=tok if cfg.tied_output else weight("output.weight"),
-        layers=layers,
-    )
+    for table in tables[1:]:
+        lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.kind != "expert"})
+        exps = [t for t in table.values() if t.kind == "expert" and t.name.endswith("_exps.weight")]
+        if exps:
+            types = [f.tensors[t.name].qtype for t in exps]
+            lw.experts = ExpertTypes(types[0], types[0], types[1]) if len(types) == 2 else ExpertTypes(*types)
+        arch.prepare(lw)
+        layers.append(lw)
+    return DenseWeights(tok_embd=glob["tok_embd"], output_norm=glob["output_norm"],
+                        output=glob["tok_embd"] if glob.get("output") is None else glob["output"], layers=layers)
+
+
+def resident_bytes(f, arch) -> int:
+    """Bytes of the tensors load_dense reads (what stays in memory; MTP layers a file may carry and
+    routed experts are not among them)."""
+    names = {t.name for table in [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(arch.cfg.n_layers)]
+             for t in table.values() if t.kind != "expert"}
+    return sum(f.tensors[n].nbytes for n in names if n in f.tensors)
 
 
 def dense_tensor_names(f) -> list[str]:

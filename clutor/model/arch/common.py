@@ -1,40 +1,83 @@
-"""Metadata reading shared by the architecture modules, with the sanity bounds every value must meet."""
+"""What every architecture shares: metadata reading with sanity bounds, the tensor table, and the
+`Arch` base class whose methods are the steps an architecture may compute differently.
+
+The model's layer loop (clutor.model.model) calls, for each layer, on the compute thread:
+    arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual
+    arch.ffn_input(lw, x)                  -> h [R, D], what the FFN (router, experts) reads
+    arch.route(lw, h)                      -> (experts [R, K], weights [R, K])   (MoE layers only)
+    arch.expert_act(gu, F)                 -> [S, F] from gate | up [S, 2F]       (each routed expert)
+    arch.ffn_extra(lw, h)                  -> [R, D] or None: shared expert(s) or a dense layer's FFN
+The base class implements the GQA attention with a float KV cache of keys and values, softmax top-k
+routing and SwiGLU experts; an architecture module overrides what it does differently.
+"""
 from __future__ import annotations
 
-from ...errors import ModelFileError
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
+from ..layers import KVCache, Rope, attention, gate, rmsnorm, silu
+from ..quants import apply_all
+
+__all__ = ["Arch", "T", "read_int", "read_float", "read_common"]
 
 
-def _int(f, key: str, lo: int, hi: int, default=None) -> int:
+# ---- metadata -----------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def read_int(f, key: str, lo: int, hi: int, default=_MISSING) -> int:
     full = f"{f.arch}.{key}"
-    v = f.get(full, default) if default is not None else f.get(full)
+    v = f.get(full) if default is _MISSING else f.get(full, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ModelFileError(f.path, full, f"an integer in [{lo}, {hi}]", repr(v))
     return v
 
 
-def _float(f, key: str, default=None) -> float:
+def read_float(f, key: str, default=_MISSING, *, positive: bool = True) -> float:
     full = f"{f.arch}.{key}"
-    v = f.get(full, default) if default is not None else f.get(full)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v == v) or v <= 0:
-        raise ModelFileError(f.path, full, "a positive number", repr(v))
+    v = f.get(full) if default is _MISSING else f.get(full, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v == v) or (positive and v <= 0):
+        raise ModelFileError(f.path, full, "a positive number" if positive else "a number", repr(v))
     return float(v)
 
 
-def base_config(f, *, qk_norm: str, qkv_bias: bool, norm_topk: bool, ff_key: str, shared_ff: bool) -> ModelConfig:
-    n_embd = _int(f, "embedding_length", 1, MAX_DIM)
-    n_head = _int(f, "attention.head_count", 1, 4096)
-    n_head_kv = _int(f, "attention.head_count_kv", 1, n_head, default=n_head)
+def read_bool(f, key: str, default: bool) -> bool:
+    full = f"{f.arch}.{key}"
+    v = f.get(full, default)
+    if not isinstance(v, bool):
+        raise ModelFileError(f.path, full, "a boolean", repr(v))
+    return v
+
+
+def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: int = 0, n_ff_shexp: int = 0,
+                n_ff: int = 0, head_dim: int | None = None, head_dim_v: int | None = None,
+                n_head_kv: int | None = None, kv_floats: int | None = None) -> ModelConfig:
+    """The ModelConfig fields every architecture reads the same way; the arguments are what an
+    architecture reads its own way (layer count without MTP layers, MLA head sizes, ...)."""
+    n_embd = read_int(f, "embedding_length", 1, MAX_DIM)
+    n_head = read_int(f, "attention.head_count", 1, 4096)
+    if n_head_kv is None:
+        n_head_kv = read_int(f, "attention.head_count_kv", 1, n_head, default=n_head)
     if n_head % n_head_kv:
         raise ModelFileError(f.path, f"{f.arch}.attention.head_count_kv", f"a divisor of head_count {n_head}", n_head_kv)
     default_hd = n_embd // n_head
-    head_dim = _int(f, "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
-    head_dim_v = _int(f, "attention.value_length", 1, MAX_HEAD_DIM, default=default_hd)
-    n_rot = _int(f, "rope.dimension_count", 2, head_dim, default=head_dim)
+    if head_dim is None:
+        head_dim = read_int(f, "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
+    if head_dim_v is None:
+        head_dim_v = read_int(f, "attention.value_length", 1, MAX_HEAD_DIM, default=default_hd)
+    n_rot = read_int(f, "rope.dimension_count", 2, head_dim, default=head_dim)
     if n_rot % 2:
         raise ModelFileError(f.path, f"{f.arch}.rope.dimension_count", "an even number", n_rot)
-    n_expert = _int(f, "expert_count", 1, MAX_EXPERTS)
-    n_expert_used = _int(f, "expert_used_count", 1, n_expert)
+    n_expert = read_int(f, "expert_count", 1, MAX_EXPERTS)
+    n_expert_used = read_int(f, "expert_used_count", 1, n_expert)
+    if n_layers is None:
+        n_layers = read_int(f, "block_count", 1, MAX_LAYERS)
+    if not 0 <= n_dense_lead < n_layers:
+        raise ModelFileError(f.path, f"{f.arch}.leading_dense_block_count", f"an integer in [0, {n_layers})", n_dense_lead)
     tok = f.tensor("token_embd.weight")
     if len(tok.shape) != 2 or tok.shape[1] != n_embd:
         raise ModelFileError(f.path, "tensor token_embd.weight", f"shape (n_vocab, {n_embd})", tok.shape)
@@ -42,7 +85,7 @@ def base_config(f, *, qk_norm: str, qkv_bias: bool, norm_topk: bool, ff_key: str
         raise ModelFileError(f.path, "tensor token_embd.weight", f"at most {MAX_VOCAB} vocabulary rows", tok.shape[0])
     return ModelConfig(
         arch=f.arch,
-        n_layers=_int(f, "block_count", 1, MAX_LAYERS),
+        n_layers=n_layers,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
@@ -50,15 +93,181 @@ def base_config(f, *, qk_norm: str, qkv_bias: bool, norm_topk: bool, ff_key: str
         head_dim_v=head_dim_v,
         n_rot=n_rot,
         n_vocab=tok.shape[0],
-        n_ctx_train=_int(f, "context_length", 1, MAX_CTX),
-        rope_base=_float(f, "rope.freq_base", default=10000.0),
-        eps=_float(f, "attention.layer_norm_rms_epsilon"),
+        n_ctx_train=read_int(f, "context_length", 1, MAX_CTX),
+        rope_base=read_float(f, "rope.freq_base", default=10000.0),
+        eps=read_float(f, "attention.layer_norm_rms_epsilon"),
         n_expert=n_expert,
         n_expert_used=n_expert_used,
-        n_ff_exp=_int(f, ff_key, 1, MAX_DIM),
-        n_ff_shexp=_int(f, "expert_shared_feed_forward_length", 1, MAX_DIM) if shared_ff else 0,
-        qk_norm=qk_norm,
-        qkv_bias=qkv_bias,
-        norm_topk=norm_topk,
+        n_ff_exp=read_int(f, ff_key, 1, MAX_DIM),
+        n_ff_shexp=n_ff_shexp,
+        n_ff=n_ff,
+        moe_layers=tuple(range(n_dense_lead, n_layers)),
+        kv_floats=n_head_kv * (head_dim + head_dim_v) if kv_floats is None else kv_floats,
         tied_output="output.weight" not in f.tensors,
     )
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class T:
+    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "vector"
+    (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store)."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    kind: str = "weight"
+    required: bool = True
+
+
+class Arch:
+    """One architecture: its hyper-parameters (``cfg`` and its own attributes) and its computation.
+
+    Subclasses set ``name`` and implement ``read(f)``; they override the compute methods where they
+    differ from the default (GQA attention, softmax top-k routing, SwiGLU experts)."""
+
+    name: ClassVar[str] = ""
+    attention_kind: ClassVar[str] = "GQA"
+    fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
+    rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
+
+    def __init__(self, path: str, cfg: ModelConfig):
+        self.path = path
+        self.cfg = cfg
+
+    @classmethod
+    def read(cls, f) -> "Arch":
+        raise NotImplementedError
+
+    # -- what the file must hold ------------------------------------------------------------------
+    def global_tensors(self) -> dict[str, T]:
+        cfg = self.cfg
+        want = {"tok_embd": T("token_embd.weight", (cfg.n_vocab, cfg.n_embd)),
+                "output_norm": T("output_norm.weight", (cfg.n_embd,), "vector")}
+        if not cfg.tied_output:
+            want["output"] = T("output.weight", (cfg.n_vocab, cfg.n_embd))
+        return want
+
+    def layer_tensors(self, l: int) -> dict[str, T]:
+        """attribute -> tensor of layer l; LayerWeights gets one attribute per entry (None when an
+        optional tensor is absent)."""
+        return {**self.attention_tensors(l), **self.ffn_tensors(l)}
+
+    def attention_tensors(self, l: int) -> dict[str, T]:
+        cfg, b = self.cfg, f"blk.{l}."
+        D = cfg.n_embd
+        qd, kd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        vd, od = cfg.n_head_kv * cfg.head_dim_v, cfg.n_head * cfg.head_dim_v
+        return {
+            "attn_norm": T(b + "attn_norm.weight", (D,), "vector"),
+            "wq": T(b + "attn_q.weight", (qd, D)), "wk": T(b + "attn_k.weight", (kd, D)),
+            "wv": T(b + "attn_v.weight", (vd, D)), "wo": T(b + "attn_output.weight", (D, od)),
+            # llama.cpp reads q/k/v biases wherever they are present
+            "bq": T(b + "attn_q.bias", (qd,), "vector", False), "bk": T(b + "attn_k.bias", (kd,), "vector", False),
+            "bv": T(b + "attn_v.bias", (vd,), "vector", False),
+        }
+
+    ffn_norm_name: ClassVar[str] = "ffn_norm"  # glm4moe: post_attention_norm
+
+    def ffn_tensors(self, l: int) -> dict[str, T]:
+        cfg, b = self.cfg, f"blk.{l}."
+        D, E, F = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+        want = {"ffn_norm": T(b + self.ffn_norm_name + ".weight", (D,), "vector")}
+        if l in cfg.moe_layers:
+            want["router"] = T(b + "ffn_gate_inp.weight", (E, D), "vector")
+            if self.fused_gate_up:  # gate and up of each expert in one tensor (llama.cpp's ffn_gate_up_exps)
+                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert")
+            else:
+                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert"),
+                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert")}
+            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert")
+            if cfg.n_ff_shexp:
+                S = cfg.n_ff_shexp
+                want |= {"sh_gate": T(b + "ffn_gate_shexp.weight", (S, D)), "sh_up": T(b + "ffn_up_shexp.weight", (S, D)),
+                         "sh_down": T(b + "ffn_down_shexp.weight", (D, S))}
+        else:
+            Fd = cfg.n_ff
+            want |= {"ffn_gate": T(b + "ffn_gate.weight", (Fd, D)), "ffn_up": T(b + "ffn_up.weight", (Fd, D)),
+                     "ffn_down": T(b + "ffn_down.weight", (D, Fd))}
+        return want
+
+    def prepare(self, lw) -> None:
+        """Rearrange a layer's freshly loaded tensors (deepseek2 splits its older attn_kv_b)."""
+
+    def check_file(self, f) -> None:
+        """Refuse what the file holds that this architecture would silently ignore (llama.cpp reads it)."""
+
+    # -- compute (all on the compute thread) ----------------------------------------------------
+    def make_rope(self, n_ctx: int) -> Rope:
+        return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style)
+
+    def new_kv(self, n_ctx: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
+
+    def qkv(self, lw, h: np.ndarray):
+        """Projections of the normed input h [R, D]: q [R, H, hd], k [R, Hkv, hd], v [R, Hkv, hdv]."""
+        cfg, R = self.cfg, h.shape[0]
+        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [R, H*hd], [R, Hkv*hd], [R, Hkv*hdv]
+        if lw.bq is not None:
+            q = q + lw.bq
+        if lw.bk is not None:
+            k = k + lw.bk
+        if lw.bv is not None:
+            v = v + lw.bv
+        return (q.reshape(R, cfg.n_head, cfg.head_dim), k.reshape(R, cfg.n_head_kv, cfg.head_dim),
+                v.reshape(R, cfg.n_head_kv, cfg.head_dim_v))
+
+    def attention(self, lw, l: int, x: np.ndarray, step, rope: Rope) -> np.ndarray:
+        """GQA self-attention of the residual x [R, D]: each sequence of the step over its own cache."""
+        cfg, R = self.cfg, x.shape[0]
+        q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
+        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)  # [R, H*hdv]
+        for s in step.segments:  # each sequence attends over its own cache, at its own positions
+            rows = slice(s.r0, s.r0 + len(s.ids))
+            qs, ks = rope(q[rows], s.p0), rope(k[rows], s.p0)
+            s.seq.kv.write(l, s.p0, ks, v[rows])
+            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim))
+        return lw.wo(o)
+
+    def ffn_input(self, lw, x: np.ndarray) -> np.ndarray:
+        return rmsnorm(x, lw.ffn_norm, self.cfg.eps)  # [R, D]
+
+    def route(self, lw, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax over all experts, top-k, weights not renormalised (olmoe, qwen2moe)."""
+        return gate(h, lw.router, self.cfg.n_expert_used)
+
+    def expert_act(self, gu: np.ndarray, F: int) -> np.ndarray:
+        """SwiGLU of gate | up [S, 2F] -> [S, F]."""
+        return silu(gu[:, :F]) * gu[:, F:]
+
+    def ffn_extra(self, lw, h: np.ndarray) -> np.ndarray | None:
+        """What the layer's FFN adds besides routed experts: a leading dense layer's FFN, the
+        ungated shared expert(s) of glm4moe/deepseek2 (overridden by qwen2moe's gated one)."""
+        if lw.ffn_gate is not None:  # a dense layer
+            return lw.ffn_down(silu(lw.ffn_gate(h)) * lw.ffn_up(h))
+        if lw.sh_gate is not None:
+            return lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))
+        return None
+
+    # -- what `clutor info` says ---------------------------------------------------------------------
+    def gating(self) -> str:
+        return "softmax, top-k"
+
+    def describe(self) -> dict:
+        cfg = self.cfg
+        n_dense = cfg.n_layers - len(cfg.moe_layers)
+        return {
+            "attention": self.attention_kind,
+            "rope": f"{self.rope_style}, {cfg.n_rot} of {cfg.head_dim} dims",
+            "gating": self.gating(),
+            "dense_layers": n_dense,
+            "shared_expert": cfg.n_ff_shexp,
+            "sliding_window": None,
+            "fused_gate_up": self.fused_gate_up,
+            "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        }
+
+
+def refuse_tensor(f, name: str, why: str) -> None:
+    if name in f.tensors:
+        raise UnsupportedError(f.path, f"tensor {name}", why, "present")

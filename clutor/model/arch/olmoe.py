@@ -1,11 +1,30 @@
 """OLMoE: QK-norm over the whole q and k vectors (before the head split and RoPE); no biases;
-top-k router weights are NOT renormalised; the per-expert hidden size is in `feed_forward_length`
-(newer converters also write `expert_feed_forward_length`, which wins when present)."""
+softmax top-k router weights NOT renormalised; the per-expert hidden size is in
+`feed_forward_length` (newer converters also write `expert_feed_forward_length`, which wins)."""
 from __future__ import annotations
 
-from .common import base_config
+from ..layers import rmsnorm
+from .common import Arch, T, read_common
 
 
-def config(f):
-    ff_key = "expert_feed_forward_length" if f"{f.arch}.expert_feed_forward_length" in f.metadata else "feed_forward_length"
-    return base_config(f, qk_norm="full", qkv_bias=False, norm_topk=False, ff_key=ff_key, shared_ff=False)
+class OLMoE(Arch):
+    name = "olmoe"
+
+    @classmethod
+    def read(cls, f) -> "OLMoE":
+        key = "expert_feed_forward_length" if f"{f.arch}.expert_feed_forward_length" in f.metadata else "feed_forward_length"
+        return cls(f.path, read_common(f, ff_key=key))
+
+    def attention_tensors(self, l):
+        cfg, b = self.cfg, f"blk.{l}."
+        return super().attention_tensors(l) | {
+            "q_norm": T(b + "attn_q_norm.weight", (cfg.n_head * cfg.head_dim,), "vector"),
+            "k_norm": T(b + "attn_k_norm.weight", (cfg.n_head_kv * cfg.head_dim,), "vector")}
+
+    def qkv(self, lw, h):
+        cfg, R = self.cfg, h.shape[0]
+        q, k, v = super().qkv(lw, h)
+        # over the whole vectors, before the head split
+        q = rmsnorm(q.reshape(R, -1), lw.q_norm, cfg.eps).reshape(q.shape)
+        k = rmsnorm(k.reshape(R, -1), lw.k_norm, cfg.eps).reshape(k.shape)
+        return q, k, v

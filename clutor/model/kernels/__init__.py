@@ -4,7 +4,7 @@
 
 w is the raw bytes of a 2-D weight (numpy shape (n_rows, n_cols), blocks along n_cols) exactly as in
 the file or an expert-cache slot. Types: F32 (BLAS), F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-IQ4_NL, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
+IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
 
 - "q8" activations (x86 with AVX2; CLUTOR_ACTIVATIONS=q8 or set_activation_mode("q8")): each row
   of x is rounded to int8 blocks with one float scale per 32 (Q8_0-style) or per 256 (K-quants,
@@ -58,13 +58,13 @@ __all__ = [
 
 # GGML type ids -> (elements per block, bytes per block). F32 goes straight to BLAS.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K, IQ4_NL, BF16 = 12, 13, 14, 20, 30
+Q4_K, Q5_K, Q6_K, IQ4_NL, BF16, MXFP4 = 12, 13, 14, 20, 30, 39
 _BLOCKS: dict[int, tuple[int, int]] = {
     F32: (1, 4), F16: (32, 64), BF16: (32, 64),
-    Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), IQ4_NL: (32, 18),
+    Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), IQ4_NL: (32, 18), MXFP4: (32, 17),
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
-_Q8_BLOCK = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, IQ4_NL: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+_Q8_BLOCK = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, IQ4_NL: 32, MXFP4: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 
 # Token counts from which dequantise-then-BLAS is used (tools/bench_kernels.py --sweep-t, 2 cores).
 # On a quiet machine BLAS wins from T ~ 16 (f32 mode) and T ~ 32 (Q8_0) to ~96 (Q4_K) with int8
@@ -187,7 +187,7 @@ def set_blas_min_tokens(f32: int | None, q8: int | None) -> None:
 
 def info() -> KernelInfo:
     names = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
-             Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+             Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
     return KernelInfo(_ir.BACKEND, activation_mode(), _threads, _BLAS_MIN_T_F32, _BLAS_MIN_T_Q8,
                       tuple(names[q] for q in _BLOCKS if has_kernel(q)))
 

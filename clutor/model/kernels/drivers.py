@@ -25,7 +25,7 @@ __all__ = ["FORMATS", "ROWS_PER_TASK", "dequantize_rows", "matmul_jobs_f32", "ma
 FORMATS = {1: floats.FORMATS["F16"], 30: floats.FORMATS["BF16"], 8: legacy.FORMATS["Q8_0"],
            2: legacy.FORMATS["Q4_0"], 3: legacy.FORMATS["Q4_1"], 6: legacy.FORMATS["Q5_0"],
            7: legacy.FORMATS["Q5_1"], 20: legacy.FORMATS["IQ4_NL"], 12: kquants.FORMATS["Q4_K"],
-           13: kquants.FORMATS["Q5_K"], 14: kquants.FORMATS["Q6_K"]}
+           13: kquants.FORMATS["Q5_K"], 14: kquants.FORMATS["Q6_K"], 39: legacy.FORMATS["MXFP4"]}
 
 ROWS_PER_TASK = 16
 

@@ -1,0 +1,239 @@
+"""Mixtral, GLM-4.5 and DeepSeek (MLA) fixtures against llama.cpp's recorded logits and greedy tokens
+(tests/golden, made by tools/record_reference.py), and streamed against in-memory bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import clutor
+from clutor.model.arch import read_arch
+from clutor.model.gguf import GGUFFile
+from clutor.model.options import slot_bytes
+from conftest import NEW_ARCHS, NEW_FIXTURES, fixture_path, golden, run
+
+
+async def _logits(path, ids, **opts):
+    async with clutor.Model.open(path, **opts) as model:
+        return await model.logits(ids)
+
+
+@pytest.mark.parametrize("arch, qtype", NEW_FIXTURES)
+def test_logits_match_llama_cpp(arch, qtype):
+    g = golden(arch, qtype)
+    ref = g["logits"].astype(np.float32)  # [T, V]
+    got = run(_logits(fixture_path(arch, qtype), g["prompt_ids"].tolist()))
+    assert got.shape == ref.shape
+    diff = np.abs(got - ref)
+    same_argmax = np.mean(got.argmax(-1) == ref.argmax(-1))
+    if qtype == "F16":
+        assert diff.max() <= 0.02, f"max |diff| {diff.max():.4f} (max |logit| {np.abs(ref).max():.3f})"
+        assert same_argmax == 1.0, f"argmax agrees at {same_argmax:.1%} of positions"
+    else:
+        assert same_argmax >= 0.90, f"argmax agrees at {same_argmax:.1%} of positions"
+        assert diff.mean() <= 0.01 * np.abs(ref).max(), f"mean |diff| {diff.mean():.4f} vs max |logit| {np.abs(ref).max():.3f}"
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_greedy_matches_llama_cpp(arch):
+    g = golden(arch, "F16")
+    want = g["greedy_ids"].tolist()
+
+    async def gen():
+        async with clutor.Model.open(fixture_path(arch, "F16")) as model:
+            return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=len(want),
+                                                         temperature=0, ignore_eos=True) if o.token is not None]
+
+    assert run(gen()) == want
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_prefill_equals_incremental_decode(arch):
+    async def both():
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            ids = golden(arch, "Q8_0")["prompt_ids"].tolist()[:16]
+            full = await model.logits(ids)
+            seq = model.new_sequence()
+            half = await model.forward(seq, ids[:8], all_logits=True)
+            rest = [(await model.forward(seq, [i]))[0] for i in ids[8:]]
+            return full, np.concatenate([half, np.stack(rest)])
+
+    full, mixed = run(both())
+    np.testing.assert_allclose(mixed, full, rtol=0, atol=1e-4 * np.abs(full).max())
+    assert (mixed.argmax(-1) == full.argmax(-1)).all()
+
+
+def _slot(path) -> tuple[int, int]:
+    with GGUFFile.open(path) as f:
+        cfg = read_arch(f).cfg
+        return cfg.n_expert_used, slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+
+
+async def _streamed(path, prompt, **opts):
+    async with clutor.Model.open(path, **opts) as model:
+        full = await model.logits(prompt)
+        seq = model.new_sequence()
+        steps = [(await model.forward(seq, prompt[:5]))[-1]]
+        for _ in range(8):
+            steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
+        return full, np.stack(steps), model.io_stats()
+
+
+@pytest.mark.parametrize("io", ["threads", "uring"])
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_streamed_equals_memory_bit_for_bit(arch, io):
+    path = fixture_path(arch, "Q4_K_M")
+    prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
+    k, slot = _slot(path)
+    full, steps, _ = run(_streamed(path, prompt, io="memory"))
+    for cache, prefetch in ((k * slot, False), ((k + 2) * slot, True)):
+        try:
+            got, got_steps, st = run(_streamed(path, prompt, io=io, expert_cache=cache, prefetch=prefetch))
+        except clutor.ClutorError as e:
+            if io == "uring":
+                pytest.skip(f"io_uring unavailable here: {e}")
+            raise
+        what = f"{arch} io={io} cache={cache // slot} slots prefetch={prefetch}"
+        assert np.array_equal(got, full), f"{what}: prefill logits differ from io=memory"
+        assert np.array_equal(got_steps, steps), f"{what}: decode logits differ from io=memory"
+        assert st.backend == io and st.misses > 0 and st.evictions > 0, f"{what}: {st}"
+
+
+def test_kv_cache_follows_the_architecture():
+    """MLA caches the latent (kv_lora + rope floats per layer and position), the engine counts that."""
+    async def go(arch):
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            seq = model.new_sequence()
+            await model.forward(seq, [1, 2, 3])
+            return model.config, seq.kv, model.engine.bytes_per_token
+    cfg, kv, per_token = run(go("deepseek2"))
+    assert cfg.kv_floats == 64 + 16 and per_token == cfg.n_layers * (64 + 16) * 4
+    assert kv.k.shape[-1] == 64 + 16 and kv.nbytes == per_token * kv.n_ctx
+    cfg, kv, per_token = run(go("glm4moe"))
+    assert per_token == cfg.n_layers * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4 == kv.nbytes // kv.n_ctx
+
+
+@pytest.mark.parametrize("arch, words", [
+    ("mixtral", ["RoPE norm", "softmax, top-k, renormalised"]),
+    ("glm4moe", ["1 dense first", "sigmoid + selection bias", "1 MTP layers skipped", "16 of 32 dims"]),
+    ("deepseek2", ["MLA: latent 64 + rope 16", "top 2 of 4 groups", "YaRN x4", "1 dense first"]),
+    ("deepseek2-lite", ["attn_kv_b", "q direct", "softmax", "gate+up fused in one tensor"]),
+    ("gptoss", ["GQA with sinks", "sliding window 8 on 1 of 2 layers", "YaRN x4", "softmax over the chosen"]),
+])
+def test_info_shows_the_arch_specifics(arch, words, capsys):
+    from clutor.cli import main
+
+    assert main(["info", str(fixture_path(arch, "Q8_0"))]) == 0
+    out = capsys.readouterr().out
+    for w in words:
+        assert w in out, (w, out)
+
+
+def test_old_per_expert_mixtral_layout_is_refused(tmp_path):
+    """One tensor per expert (blk.N.ffn_gate.E.weight) is the layout llama.cpp no longer loads."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "llama")
+    w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(32); w.add_head_count(2)
+    w.add_expert_count(2); w.add_expert_used_count(1); w.add_layer_norm_rms_eps(1e-5); w.add_feed_forward_length(32)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    for e in range(2):
+        for part in ("gate", "up", "down"):
+            w.add_tensor(f"blk.0.ffn_{part}.{e}.weight", np.zeros((32, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with GGUFFile.open(tmp_path / "old.gguf") as f:
+        with pytest.raises(clutor.ModelFileError, match="one tensor per expert"):
+            read_arch(f)
+
+
+def _tiny_file(path, arch: str, keys: dict, tensors: dict) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in keys.items():
+        if isinstance(v, bool):
+            w.add_bool(f"{arch}.{k}", v)
+        elif isinstance(v, int):
+            w.add_uint32(f"{arch}.{k}", v)
+        elif isinstance(v, float):
+            w.add_float32(f"{arch}.{k}", v)
+        else:
+            w.add_string(f"{arch}.{k}", v)
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+_BASE = {"block_count": 2, "context_length": 64, "embedding_length": 32, "attention.head_count": 2,
+         "attention.layer_norm_rms_epsilon": 1e-5, "feed_forward_length": 32}
+
+
+@pytest.mark.parametrize("arch, keys, field", [
+    ("llama", {}, "llama.expert_count"),                                     # a dense llama: nothing to stream
+    ("deepseek2", {"expert_count": 6, "expert_used_count": 2, "expert_group_count": 4,
+                   "attention.q_lora_rank": 0, "attention.kv_lora_rank": 16, "rope.dimension_count": 8,
+                   "attention.key_length": 24, "attention.value_length": 16, "expert_feed_forward_length": 32,
+                   "expert_shared_count": 1}, "deepseek2.expert_group_count"),  # groups must divide the experts
+    ("glm4moe", {"rope.dimension_sections": 4}, "glm4moe.rope.dimension_sections"),  # M-RoPE
+    ("llama", {"expert_count": 2, "expert_used_count": 1, "rope.scaling.type": "linear"},
+     "llama.rope.scaling.type"),
+])
+def test_bad_arch_metadata_is_a_clear_error(tmp_path, arch, keys, field):
+    path = tmp_path / "bad.gguf"
+    _tiny_file(path, arch, _BASE | keys, {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with GGUFFile.open(path) as f:
+        with pytest.raises(clutor.ModelFileError) as e:
+            read_arch(f)
+    assert e.value.field == field and str(path) in str(e.value)
+
+
+def test_gptoss_expert_biases_travel_with_the_expert():
+    """gpt-oss's per-expert biases are slabs of the expert (read by the store with its weights), not
+    resident dense weights: the slot holds all six, and the logits match llama.cpp (above)."""
+    path = fixture_path("gptoss", "Q8_0")
+    with GGUFFile.open(path) as f:
+        cfg = read_arch(f).cfg
+        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        bias_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.bias"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
+        weight_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
+    assert layout.n_parts == 6 and layout.expert_bytes(0) == weight_bytes + bias_bytes
+
+    async def go():
+        async with clutor.Model.open(path, io="threads", expert_cache=f"{3 * slot_bytes(layout)}") as model:
+            lw = model._w.layers[0]
+            batch = await model._experts.get(0, [1])
+            try:
+                v = batch[0]
+                return lw.gate_b, [b.view(np.float32).copy() for b in v.biases]
+            finally:
+                batch.release()
+
+    resident, biases = run(go())
+    assert resident is None
+    import gguf
+    want = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.0.ffn_")}
+    for got, p in zip(biases, ("gate", "up", "down")):
+        np.testing.assert_array_equal(got, want[f"blk.0.ffn_{p}_exps.bias"][1])
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "gptoss"])
+def test_prefix_reuse_with_the_arch_kv_layout(arch):
+    """A second prompt that starts like a finished one reuses its KV (MLA's latent cache, gpt-oss's
+    sliding-window layers) and generates what a fresh model does."""
+    ids = golden(arch, "Q8_0")["prompt_ids"].tolist()
+    first, second = ids[:30], ids[:30] + ids[40:50]
+
+    async def gen(model, prompt):
+        outs = [o async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)]
+        return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
+
+    async def go():
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            await gen(model, first)
+            reused = await gen(model, second)
+        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+            fresh = await gen(model, second)
+        return reused, fresh
+
+    (tokens, cached), (want, cached_fresh) = run(go())
+    assert cached >= 29 and cached_fresh == 0
+    assert tokens == want
