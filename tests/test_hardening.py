@@ -142,9 +142,9 @@ def test_failure_inside_model_init_closes_every_fd(monkeypatch, io):
     import clutor.model.model as mm
 
     def boom(*a, **k):
-        raise MemoryError("simulated: the RoPE table did not fit")
+        raise MemoryError("simulated: an allocation in Model.__init__ did not fit")
 
-    monkeypatch.setattr(mm, "Rope", boom)
+    monkeypatch.setattr(mm, "Engine", boom)  # built last in Model.__init__
 
     async def go():
         before = _open_fds()
