@@ -51,6 +51,19 @@ def test_format_bytes():
 
 
 # -- trace files ---------------------------------------------------------------------------------
+def test_trace_version_1_still_reads_and_version_2_keeps_predictions(tmp_path):
+    v1 = tmp_path / "v1.jsonl"
+    v1.write_text('{"clutor_trace": 1, "n_layers": 2, "n_experts": 8, "top_k": 2}\n'
+                  '{"token": 0, "layer": 0, "experts": [1, 2]}\n')
+    tr = read_trace(v1)
+    assert tr.header == TraceHeader(2, 8, 2) and tr.records == (TraceRecord(0, 0, (1, 2)),)
+    recs = (TraceRecord(0, 0, (1, 2), None, (3, 4)), TraceRecord(0, 1, (3, 5)))
+    path = tmp_path / "v2.jsonl"
+    write_trace(path, recs, TraceHeader(2, 8, 2))
+    assert json.loads(path.read_text().splitlines()[0])["clutor_trace"] == 2
+    assert read_trace(path).records == recs
+
+
 def test_trace_roundtrip(tmp_path):
     header = TraceHeader(2, 8, 2, expert_bytes=1000)
     recs = (
@@ -82,7 +95,10 @@ def test_trace_roundtrip(tmp_path):
         (['{"token": -1, "layer": 0, "experts": [1]}'], "line 1: token"),
         (['{"token": 0, "layer": 0, "experts": []}'], "line 1: experts"),
         (['{"token": 0, "layer": 0, "experts": [1]}', '{"clutor_trace": 1, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 2"),
-        (['{"clutor_trace": 2, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 1: clutor_trace"),
+        (['{"clutor_trace": 3, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 1: clutor_trace"),
+        (['{"clutor_trace": 2, "n_layers": 2, "n_experts": 8, "top_k": 2}', '{"token": 0, "layer": 0, "experts": [1, 2], "next": [8]}'], "line 2: next"),
+        (['{"clutor_trace": 2, "n_layers": 2, "n_experts": 8, "top_k": 2}', '{"token": 0, "layer": 1, "experts": [1, 2], "next": [3]}'], "line 2: next"),
+        (['{"token": 0, "layer": 0, "experts": [1, 2], "next": 3}'], "line 1: next"),
         (['[1, 2]'], "line 1"),
         ([""], "records"),
     ],

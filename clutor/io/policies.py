@@ -27,7 +27,9 @@ import math
 from collections import OrderedDict
 from typing import Generator, Hashable, Iterable, Iterator, Sequence
 
-__all__ = ["Key", "Policy", "LRU", "LFU", "LRFU", "LRU2", "Belady", "POLICIES", "make_policy"]
+import numpy as np
+
+__all__ = ["Key", "Policy", "LRU", "LFU", "LRFU", "LRU2", "Forecast", "Belady", "POLICIES", "make_policy"]
 
 Key = Hashable  # (layer, expert) in the store; any hashable in tests
 
@@ -50,6 +52,10 @@ class Policy:
 
     def on_remove(self, key: Key) -> None:
         raise NotImplementedError
+
+    def on_hint(self, layer: Hashable, keys: Sequence[Key]) -> None:
+        """A prediction: ``keys`` (resident or not) are expected at ``layer``'s next request. The
+        policies that do not predict ignore it."""
 
     def victims(self) -> Generator[Key, None, None]:
         """Resident keys, best victim first, as a generator. Lazy: the caller stops at the first key it
@@ -341,6 +347,210 @@ class LRFU(Policy):
         return self._current[key]  # tie-break between layers: older entry first; keeps keys uncompared
 
 
+class Forecast(Policy):
+    """Evict the expert expected to be needed last, from what the routing itself predicts.
+
+    Keys are ``(layer, expert)`` with small non-negative ints (arrays grow to fit). Time is counted
+    in rounds of each layer, as in LRFU (a round = one get() of the layer; one token in a decode).
+    For each layer, the chance p_j(e) that expert e is used j+1 rounds after the layer's latest
+    round (j < ``steps``) comes from a transition model: decayed counts of "a used at round t, b
+    used at round t+j+1", averaged over the experts a of the latest round and shrunk towards e's
+    decayed popularity (its uses per round, which also covers the rounds beyond ``steps``). So the
+    previous token's experts predict the next token's, and per-layer popularity the rest.
+    A hint (the next layer's router on the current hidden state, ``on_hint``) replaces the
+    next-round chance of that layer by the hit rate hints have had so far: P(used | hinted) for the
+    hinted experts, P(used | not hinted) for the others.
+
+    The score is the expected number of layer steps until the expert is used: d(layer) + g(e),
+    where d is how far the layer's next round is from the layer being served (1..L) and g depends
+    only on that layer's state (it changes at the layer's rounds and hints, a few numpy operations
+    over its experts). ``victims()`` takes the resident maximum, and sorts only if the cache
+    passes over it (pinned, loading or staged). The current layer's own score uses the experts it
+    has been asked for so far in this round.
+
+    Measured (``clutor simulate`` on decode-order traces of a small MoE trained on real text, see
+    the README): 87-88% of Belady's hits at a quarter of all experts, against LRFU's 78-81%. The
+    next-layer hint adds little there (a perfect next-layer oracle added 0.4 points): the layer
+    about to run is the one every policy already protects by distance; most of the gain is the
+    transition model's.
+    """
+
+    name = "forecast"
+
+    def __init__(self, steps: int = 2, half_life: float = 128.0, popularity_half_life: float = 16.0,
+                 prior_weight: float = 4.0):
+        self.steps = int(steps)
+        self.prior_weight = float(prior_weight)
+        self._k = 1  # most experts one round has used
+        self._decay = 2.0 ** (-1.0 / half_life)
+        self._pop_decay = 2.0 ** (-1.0 / popularity_half_life)
+        self._n = 0
+        self._layer: int | None = None   # layer of the round in progress
+        self._round: list[int] = []      # its experts so far, in access order
+        self._hist: list[list[list[int]]] = []  # per layer: its latest `steps` rounds, newest last
+        # [hinted?, used?] counts over past hints; the prior trusts a fresh hint half (P(used | hinted)
+        # = 0.5) and gives an expert the hint leaves out 5%
+        self._hints = np.array([[2.0, 0.1], [0.5, 0.5]])
+        self._hinted: dict[int, np.ndarray] = {}  # layer -> [E] bool mask of its pending hint
+        self._L = self._E = 0
+        self._alloc(1, 1)
+
+    def _alloc(self, L: int, E: int) -> None:
+        J, oL, oE = self.steps, self._L, self._E
+        T = np.zeros((L, J, E, E), np.float32)  # [L, J, E, E] decayed counts: a at round t, b at t+j+1
+        N = np.zeros((L, J, E), np.float32)     # [L, J, E] decayed rounds of a with a round t+j+1 after
+        pop = np.zeros((L, E))                  # [L, E] decayed uses
+        rounds = np.zeros(L)                    # [L] decayed rounds
+        reuse = np.zeros((L, J, 2))             # [L, J, (reused, of)] experts of round t used again at t+j+1
+        g = np.zeros((L, E))                    # [L, E] expected steps from the layer's next round to use
+        res = np.zeros((L, E), bool)            # [L, E] resident
+        if oL:
+            T[:oL, :, :oE, :oE] = self._T
+            N[:oL, :, :oE] = self._N
+            pop[:oL, :oE] = self._pop
+            rounds[:oL] = self._rounds
+            reuse[:oL] = self._reuse
+            g[:oL, :oE] = self._g
+            res[:oL, :oE] = self._res
+        self._hist += [[] for _ in range(L - oL)]
+        self._hinted = {l: np.pad(m, (0, E - len(m))) for l, m in self._hinted.items()}
+        self._T, self._N, self._pop, self._rounds, self._g, self._res = T, N, pop, rounds, g, res
+        self._reuse = reuse
+        self._L, self._E = L, E
+        for l in range(L):
+            self._refresh(l)
+
+    def _fit(self, key: Key) -> tuple[int, int]:
+        l, e = key
+        if l >= self._L or e >= self._E:
+            self._alloc(max(l + 1, self._L), max(e + 1, self._E))
+        return l, e
+
+    # -- the model ---------------------------------------------------------------------------------
+    def _chances(self, l: int, latest: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
+        """([J, E] chance of use at each of layer l's next J rounds, [E] uses per round) after ``latest``."""
+        rate = (self._pop[l] + 1.0 / self._E) / (self._rounds[l] + 1.0)  # [E], shrunk towards 1/E
+        rate = np.minimum(rate, 1.0)
+        if not latest:
+            return np.broadcast_to(rate, (self.steps, self._E)), rate
+        a = np.asarray(latest)
+        # Prior: an expert of `latest` comes back j+1 rounds later at the layer's measured reuse rate
+        # r_j; the other experts share the rest of a round's uses in proportion to their popularity.
+        reuse = (self._reuse[l, :, 0] + 0.5) / (self._reuse[l, :, 1] + 1.0)  # [J]
+        others = rate.copy()
+        others[a] = 0.0
+        rest = np.maximum(self._k - reuse * len(a), 0.0)  # [J] expected uses outside `latest`
+        prior = rest[:, None] * others / max(others.sum(), 1e-12)  # [J, E]
+        prior[:, a] = reuse[:, None]
+        # Each transition row a -> b, shrunk towards the prior with the weight of `prior_weight` rounds.
+        c = self.prior_weight
+        p = ((self._T[l][:, a] + c * prior[:, None, :]) / (self._N[l][:, a, None] + c)).mean(axis=1)  # [J, E]
+        return p, rate
+
+    def _wait(self, p: np.ndarray, rate: np.ndarray) -> np.ndarray:
+        """[E] expected layer rounds after the next one until use, times L: the distance-free part."""
+        J = len(p)
+        p = np.clip(p, 1e-4, 1.0 - 1e-4)
+        surv = np.cumprod(np.vstack([np.ones_like(rate), 1.0 - p]), axis=0)  # [J + 1, E] not used before round j
+        w = (surv[:J] * p * np.arange(J)[:, None]).sum(axis=0) + surv[J] * (J - 1 + 1.0 / np.maximum(rate, 1e-4))
+        return w * self._L
+
+    def _refresh(self, l: int) -> None:
+        hist = self._hist[l]
+        p, rate = self._chances(l, hist[-1] if hist else None)
+        hinted = self._hinted.get(l)
+        if hinted is not None:
+            h = self._hints
+            p = np.array(p)
+            p[0] = np.where(hinted, h[1, 1] / h[1].sum(), h[0, 1] / h[0].sum())
+        self._g[l] = self._wait(p, rate)
+
+    def _close_round(self) -> None:
+        l, S = self._layer, self._round
+        hinted = self._hinted.pop(l, None)
+        if hinted is not None:
+            used = np.zeros(self._E, bool)
+            used[S] = True
+            self._hints[1, 1] += np.count_nonzero(hinted & used)
+            self._hints[1, 0] += np.count_nonzero(hinted & ~used)
+            self._hints[0, 1] += np.count_nonzero(~hinted & used)
+            self._hints[0, 0] += np.count_nonzero(~hinted & ~used)
+        T, N, hist = self._T[l], self._N[l], self._hist[l]
+        T *= self._decay
+        N *= self._decay
+        self._reuse[l] *= self._decay
+        self._k = max(self._k, len(S))
+        for j in range(min(self.steps, len(hist))):
+            a = np.asarray(hist[-1 - j])
+            T[j][a[:, None], np.asarray(S)[None, :]] += 1.0
+            N[j][a] += 1.0
+            self._reuse[l, j] += (len(set(hist[-1 - j]) & set(S)), len(a))
+        self._pop[l] *= self._pop_decay
+        self._pop[l][S] += 1.0
+        self._rounds[l] = self._rounds[l] * self._pop_decay + 1.0
+        hist.append(list(S))
+        del hist[: -self.steps]
+        self._refresh(l)
+
+    # -- events ------------------------------------------------------------------------------------
+    def on_insert(self, key: Key) -> None:
+        l, e = self._fit(key)
+        self._res[l, e] = True
+        self._n += 1
+
+    def on_remove(self, key: Key) -> None:
+        self._res[key] = False
+        self._n -= 1
+
+    def on_access(self, key: Key) -> None:
+        l, e = self._fit(key)
+        if l != self._layer or e in self._round:
+            if self._layer is not None:
+                self._close_round()
+            self._layer, self._round = l, []
+        self._round.append(e)
+
+    def on_hint(self, layer: Hashable, keys: Sequence[Key]) -> None:
+        l = int(layer)
+        if keys:
+            self._fit((l, max(e for _, e in keys)))
+        elif l >= self._L:
+            self._fit((l, 0))
+        mask = np.zeros(self._E, bool)
+        mask[[e for _, e in keys]] = True
+        self._hinted[l] = mask
+        self._refresh(l)
+
+    def __contains__(self, key: Key) -> bool:
+        try:
+            return bool(self._res[key])
+        except (IndexError, TypeError):
+            return False
+
+    def __len__(self) -> int:
+        return self._n
+
+    # -- ranking -----------------------------------------------------------------------------------
+    def victims(self) -> Generator[Key, None, None]:
+        L, cur = self._L, self._layer if self._layer is not None else 0
+        d = (np.arange(L) - cur) % L  # [L] layer steps until each layer's next round
+        d[cur] = L
+        score = self._g + d[:, None]  # [L, E]
+        if self._round:  # the current layer's next round follows this one: predict it from this one
+            p, rate = self._chances(cur, self._round)
+            score[cur] = L + self._wait(p, rate)
+        score[~self._res] = -np.inf
+        flat = score.reshape(-1)
+        i = int(np.argmax(flat))
+        if flat[i] == -np.inf:
+            return
+        yield divmod(i, self._E)
+        for i in np.argsort(-flat, kind="stable")[1:]:
+            if flat[i] == -np.inf:
+                return
+            yield divmod(int(i), self._E)
+
+
 class LRU2(_ScoredPolicy):
     """LRU-K with K = 2 (O'Neil et al. 1993): evict the key whose second-last access is oldest.
 
@@ -408,6 +618,7 @@ POLICIES: dict[str, type[Policy]] = {
     "lfu": LFU,
     "lrfu": LRFU,
     "lru2": LRU2,
+    "forecast": Forecast,
 }
 
 

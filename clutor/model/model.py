@@ -213,9 +213,15 @@ class Model:
         D, F = cfg.n_embd, cfg.n_ff_exp
         h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [T, D]
         sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
+        nxt = None
+        if len(x) == 1 and l + 1 < cfg.n_layers:
+            # Decode: layer l+1's router on this residual predicts its experts. Told to the cache
+            # before this layer's get, so this layer's misses do not evict them (and prefetch reads them).
+            nxt = self._predict(l + 1, x)
+            self._experts.hint(l + 1, nxt)
         if self._trace is not None:
             for t in range(len(sel)):
-                self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist())
+                self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist(), next=nxt)
         wanted = _by_votes(sel)  # each expert read once per layer per batch
         out = np.zeros_like(h)  # [T, D]
         for i in range(0, len(wanted), self._max_batch):
@@ -232,7 +238,7 @@ class Model:
                         # Decode only: this layer's experts are pinned and its misses submitted; now
                         # queue the experts layer l+1's router picks from the current hidden state.
                         # (In a prefill nearly every expert is demanded anyway; it measured slower.)
-                        self._experts.prefetch(l + 1, self._predict(l + 1, x))
+                        self._experts.prefetch(l + 1, nxt)
                     ys.update(self._experts_out(l, h, sel, w, views))
             finally:
                 await groups.aclose()
