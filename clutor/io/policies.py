@@ -381,7 +381,7 @@ class Forecast(Policy):
                  prior_weight: float = 4.0):
         self.steps = int(steps)
         self.prior_weight = float(prior_weight)
-        self._k = 1  # most experts one round has used
+        self._k = np.ones(1)  # [L] most experts one round of the layer has used
         self._decay = 2.0 ** (-1.0 / half_life)
         self._pop_decay = 2.0 ** (-1.0 / popularity_half_life)
         self._n = 0
@@ -402,6 +402,7 @@ class Forecast(Policy):
         pop = np.zeros((L, E))                  # [L, E] decayed uses
         rounds = np.zeros(L)                    # [L] decayed rounds
         reuse = np.zeros((L, J, 2))             # [L, J, (reused, of)] experts of round t used again at t+j+1
+        k = np.ones(L)
         g = np.zeros((L, E))                    # [L, E] expected steps from the layer's next round to use
         res = np.zeros((L, E), bool)            # [L, E] resident
         if oL:
@@ -410,12 +411,13 @@ class Forecast(Policy):
             pop[:oL, :oE] = self._pop
             rounds[:oL] = self._rounds
             reuse[:oL] = self._reuse
+            k[:oL] = self._k
             g[:oL, :oE] = self._g
             res[:oL, :oE] = self._res
         self._hist += [[] for _ in range(L - oL)]
         self._hinted = {l: np.pad(m, (0, E - len(m))) for l, m in self._hinted.items()}
         self._T, self._N, self._pop, self._rounds, self._g, self._res = T, N, pop, rounds, g, res
-        self._reuse = reuse
+        self._reuse, self._k = reuse, k
         self._L, self._E = L, E
         for l in range(L):
             self._refresh(l)
@@ -439,7 +441,7 @@ class Forecast(Policy):
         reuse = (self._reuse[l, :, 0] + 0.5) / (self._reuse[l, :, 1] + 1.0)  # [J]
         others = rate.copy()
         others[a] = 0.0
-        rest = np.maximum(self._k - reuse * len(a), 0.0)  # [J] expected uses outside `latest`
+        rest = np.maximum(self._k[l] - reuse * len(a), 0.0)  # [J] expected uses outside `latest`
         prior = rest[:, None] * others / max(others.sum(), 1e-12)  # [J, E]
         prior[:, a] = reuse[:, None]
         # Each transition row a -> b, shrunk towards the prior with the weight of `prior_weight` rounds.
@@ -479,7 +481,7 @@ class Forecast(Policy):
         T *= self._decay
         N *= self._decay
         self._reuse[l] *= self._decay
-        self._k = max(self._k, len(S))
+        self._k[l] = max(self._k[l], len(S))
         for j in range(min(self.steps, len(hist))):
             a = np.asarray(hist[-1 - j])
             T[j][a[:, None], np.asarray(S)[None, :]] += 1.0
@@ -512,6 +514,9 @@ class Forecast(Policy):
 
     def on_hint(self, layer: Hashable, keys: Sequence[Key]) -> None:
         l = int(layer)
+        if l == self._layer:  # a hint for the layer of the round in progress: that round is over
+            self._close_round()
+            self._layer, self._round = None, []
         if keys:
             self._fit((l, max(e for _, e in keys)))
         elif l >= self._L:
