@@ -392,6 +392,8 @@ class Forecast(Policy):
         # = 0.5) and gives an expert the hint leaves out 5%
         self._hints = np.array([[2.0, 0.1], [0.5, 0.5]])
         self._hinted: dict[int, np.ndarray] = {}  # layer -> [E] bool mask of its pending hint
+        self._made: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> its next round's ([E] prior, [E] transition) chances
+        self._partial: tuple | None = None  # (layer, experts so far, [E] score) of the round in progress
         self._L = self._E = 0
         self._alloc(1, 1)
 
@@ -403,7 +405,8 @@ class Forecast(Policy):
         rounds = np.zeros(L)                    # [L] decayed rounds
         reuse = np.zeros((L, J, 2))             # [L, J, (reused, of)] experts of round t used again at t+j+1
         k = np.ones(L)
-        g = np.zeros((L, E))                    # [L, E] expected steps from the layer's next round to use
+        evidence = np.full(L, -4.0)             # [L] log-likelihood ratio, transitions vs prior (decayed); starts on the prior
+        g = np.zeros((2, L, E))                 # [2, L, E] the distance-free parts of each hit density
         res = np.zeros((L, E), bool)            # [L, E] resident
         if oL:
             T[:oL, :, :oE, :oE] = self._T
@@ -412,12 +415,16 @@ class Forecast(Policy):
             rounds[:oL] = self._rounds
             reuse[:oL] = self._reuse
             k[:oL] = self._k
-            g[:oL, :oE] = self._g
+            evidence[:oL] = self._evidence
+            g[:, :oL, :oE] = self._g
             res[:oL, :oE] = self._res
         self._hist += [[] for _ in range(L - oL)]
         self._hinted = {l: np.pad(m, (0, E - len(m))) for l, m in self._hinted.items()}
+        self._made.clear()
+        self._mixed: dict[int, np.ndarray] = {}  # layer -> [J, E] chances after its latest round, before any hint
+        self._partial = None
         self._T, self._N, self._pop, self._rounds, self._g, self._res = T, N, pop, rounds, g, res
-        self._reuse, self._k = reuse, k
+        self._reuse, self._k, self._evidence = reuse, k, evidence
         self._L, self._E = L, E
         for l in range(L):
             self._refresh(l)
@@ -430,11 +437,20 @@ class Forecast(Policy):
 
     # -- the model ---------------------------------------------------------------------------------
     def _chances(self, l: int, latest: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
-        """([J, E] chance of use at each of layer l's next J rounds, [E] uses per round) after ``latest``."""
+        """([J, E] chance of use at each of layer l's next J rounds, [E] uses per round) after ``latest``:
+        the prior and the transition model mixed by how well each predicted this layer so far."""
+        prior, trans, rate = self._models(l, latest)
+        if trans is None:
+            return prior, rate
+        w = 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, self._evidence[l]))))
+        return w * trans + (1.0 - w) * prior, rate
+
+    def _models(self, l: int, latest: Sequence[int] | None):
+        """([J, E] prior, [J, E] transition model or None, [E] uses per round) after ``latest``."""
         rate = (self._pop[l] + 1.0 / self._E) / (self._rounds[l] + 1.0)  # [E], shrunk towards 1/E
         rate = np.minimum(rate, 1.0)
         if not latest:
-            return np.broadcast_to(rate, (self.steps, self._E)), rate
+            return np.broadcast_to(rate, (self.steps, self._E)), None, rate
         a = np.asarray(latest)
         # Prior: an expert of `latest` comes back j+1 rounds later at the layer's measured reuse rate
         # r_j; the other experts share the rest of a round's uses in proportion to their popularity.
@@ -445,27 +461,42 @@ class Forecast(Policy):
         prior = rest[:, None] * others / max(others.sum(), 1e-12)  # [J, E]
         prior[:, a] = reuse[:, None]
         # Each transition row a -> b, shrunk towards the prior with the weight of `prior_weight` rounds.
+        # mean over a of (T[a, b] + c prior[b]) / (N[a] + c), as one weighted sum per step
         c = self.prior_weight
-        p = ((self._T[l][:, a] + c * prior[:, None, :]) / (self._N[l][:, a, None] + c)).mean(axis=1)  # [J, E]
-        return p, rate
+        w = 1.0 / (self._N[l][:, a] + c)  # [J, |a|]
+        trans = (np.einsum("ja,jae->je", w, self._T[l][:, a]) + c * prior * w.sum(axis=1)[:, None]) / len(a)  # [J, E]
+        return prior, trans, rate
 
-    def _wait(self, p: np.ndarray, rate: np.ndarray) -> np.ndarray:
-        """[E] expected layer rounds after the next one until use, times L: the distance-free part."""
-        J = len(p)
+    def _parts(self, p: np.ndarray) -> np.ndarray:
+        """[2, E] the distance-free parts of the hit density (see _density) from p [J, E]: the chance
+        of a use within the next J rounds, and the layer steps spent waiting after the next round."""
         p = np.clip(p, 1e-4, 1.0 - 1e-4)
-        surv = np.cumprod(np.vstack([np.ones_like(rate), 1.0 - p]), axis=0)  # [J + 1, E] not used before round j
-        w = (surv[:J] * p * np.arange(J)[:, None]).sum(axis=0) + surv[J] * (J - 1 + 1.0 / np.maximum(rate, 1e-4))
-        return w * self._L
+        surv = np.cumprod(1.0 - p, axis=0)  # [J, E] not used in rounds 0..j
+        return np.stack([1.0 - surv[-1], surv[:-1].sum(axis=0) * self._L])
 
-    def _refresh(self, l: int) -> None:
-        hist = self._hist[l]
-        p, rate = self._chances(l, hist[-1] if hist else None)
+    @staticmethod
+    def _density(parts: np.ndarray, d) -> np.ndarray:
+        """Expected hits per layer step of cache occupancy, for a next round d steps away."""
+        return parts[0] / (parts[1] + d)
+
+    def _refresh(self, l: int, models: bool = True) -> None:
+        """Layer l's scores, after a round (models=True) or a hint (the chances of its last round kept)."""
+        if models or l not in self._mixed:
+            hist = self._hist[l]
+            prior, trans, rate = self._models(l, hist[-1] if hist else None)
+            p = prior
+            if trans is not None:
+                self._made[l] = (prior[0], trans[0])  # scored against the round when it comes
+                w = 1.0 / (1.0 + math.exp(-max(-50.0, min(50.0, self._evidence[l]))))
+                p = w * trans + (1.0 - w) * prior
+            self._mixed[l] = p
+        p = self._mixed[l]
         hinted = self._hinted.get(l)
         if hinted is not None:
             h = self._hints
             p = np.array(p)
             p[0] = np.where(hinted, h[1, 1] / h[1].sum(), h[0, 1] / h[0].sum())
-        self._g[l] = self._wait(p, rate)
+        self._g[:, l] = self._parts(p)
 
     def _close_round(self) -> None:
         l, S = self._layer, self._round
@@ -478,6 +509,15 @@ class Forecast(Policy):
             self._hints[0, 1] += np.count_nonzero(~hinted & used)
             self._hints[0, 0] += np.count_nonzero(~hinted & ~used)
         T, N, hist = self._T[l], self._N[l], self._hist[l]
+        made = self._made.pop(l, None)
+        if made is not None:
+            # Which model predicted this round better (log-likelihood of who was used), decayed.
+            prior, trans = made
+            used = np.zeros(self._E, bool)
+            used[S] = True
+            lp = np.clip(np.where(used, prior, 1.0 - prior), 1e-6, 1.0)
+            lt = np.clip(np.where(used, trans, 1.0 - trans), 1e-6, 1.0)
+            self._evidence[l] = self._evidence[l] * self._decay + float(np.log(lt).sum() - np.log(lp).sum())
         T *= self._decay
         N *= self._decay
         self._reuse[l] *= self._decay
@@ -524,7 +564,7 @@ class Forecast(Policy):
         mask = np.zeros(self._E, bool)
         mask[[e for _, e in keys]] = True
         self._hinted[l] = mask
-        self._refresh(l)
+        self._refresh(l, models=False)
 
     def __contains__(self, key: Key) -> bool:
         try:
@@ -540,10 +580,17 @@ class Forecast(Policy):
         L, cur = self._L, self._layer if self._layer is not None else 0
         d = (np.arange(L) - cur) % L  # [L] layer steps until each layer's next round
         d[cur] = L
-        score = self._g + d[:, None]  # [L, E]
-        if self._round:  # the current layer's next round follows this one: predict it from this one
-            p, rate = self._chances(cur, self._round)
-            score[cur] = L + self._wait(p, rate)
+        score = -self._density(self._g, d[:, None])  # [L, E], larger goes first
+        if self._round:
+            # The current layer's next round follows this one: predicted from this one's experts as
+            # known at the round's first eviction (the request's hits and first miss; not redone for
+            # each miss: it measured the same and costs a tenth).
+            part = self._partial
+            if part is None or part[0] != cur or part[1] is not self._round:
+                p, _ = self._chances(cur, self._round)
+                part = self._partial = (cur, self._round, -self._density(self._parts(p), L))
+            score[cur] = part[2]
+            score[cur, self._round] = -1e300  # in use now (pinned in the store): last, after every other
         score[~self._res] = -np.inf
         flat = score.reshape(-1)
         i = int(np.argmax(flat))
