@@ -72,7 +72,7 @@ class Model:
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
-             prefetch: bool | None = None, policy: str = "lrfu", io: str = "auto", direct: bool = True,
+             prefetch: bool | None = None, policy: str = "forecast", io: str = "auto", direct: bool = True,
              trace: str | os.PathLike | None = None,
              progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
