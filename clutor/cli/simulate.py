@@ -1,7 +1,9 @@
 """clutor simulate: replay a routing trace through the expert cache's policies, next to Belady's optimum.
 
 The replay uses the store's own ExpertCache and policy code (no I/O), at a byte budget turned into
-slots (budget // expert_bytes) or at a slot count. Prefetch is not modelled.
+slots (budget // expert_bytes) or at a slot count. The next-layer predictions a version-2 trace
+carries are replayed as the store received them (hints); prefetch is not modelled. The "of OPT" column
+is each policy's hits as a share of Belady's at the same size.
 """
 from __future__ import annotations
 

@@ -396,7 +396,6 @@ class Forecast(Policy):
                  prior_weight: float = 4.0):
         self.steps = int(steps)
         self.prior_weight = float(prior_weight)
-        self._k = np.ones(1)  # [L] most experts one round of the layer has used
         self._decay = 2.0 ** (-1.0 / half_life)
         self._pop_decay = 2.0 ** (-1.0 / popularity_half_life)
         self._n = 0
@@ -419,7 +418,6 @@ class Forecast(Policy):
         pop = np.zeros((L, E))                  # [L, E] decayed uses
         rounds = np.zeros(L)                    # [L] decayed rounds
         reuse = np.zeros((L, J, 2))             # [L, J, (reused, of)] experts of round t used again at t+j+1
-        k = np.ones(L)
         evidence = np.full(L, -4.0)             # [L] log-likelihood ratio, transitions vs prior (decayed); starts on the prior
         g = np.zeros((2, L, E))                 # [2, L, E] the distance-free parts of each hit density
         res = np.zeros((L, E), bool)            # [L, E] resident
@@ -429,7 +427,6 @@ class Forecast(Policy):
             pop[:oL, :oE] = self._pop
             rounds[:oL] = self._rounds
             reuse[:oL] = self._reuse
-            k[:oL] = self._k
             evidence[:oL] = self._evidence
             g[:, :oL, :oE] = self._g
             res[:oL, :oE] = self._res
@@ -439,7 +436,7 @@ class Forecast(Policy):
         self._mixed: dict[int, np.ndarray] = {}  # layer -> [J, E] chances after its latest round, before any hint
         self._partial = None
         self._T, self._N, self._pop, self._rounds, self._g, self._res = T, N, pop, rounds, g, res
-        self._reuse, self._k, self._evidence = reuse, k, evidence
+        self._reuse, self._evidence = reuse, evidence
         self._L, self._E = L, E
         for l in range(L):
             self._refresh(l)
@@ -472,7 +469,10 @@ class Forecast(Policy):
         reuse = (self._reuse[l, :, 0] + 0.5) / (self._reuse[l, :, 1] + 1.0)  # [J]
         others = rate.copy()
         others[a] = 0.0
-        rest = np.maximum(self._k[l] - reuse * len(a), 0.0)  # [J] expected uses outside `latest`
+        # [J] expected uses outside `latest`: the layer's mean round size (decayed: a prefill's
+        # round of many experts fades within a few dozen decode rounds) less the expected reuses
+        k = self._pop[l].sum() / self._rounds[l] if self._rounds[l] > 0 else float(len(a))
+        rest = np.maximum(k - reuse * len(a), 0.0)
         prior = rest[:, None] * others / max(others.sum(), 1e-12)  # [J, E]
         prior[:, a] = reuse[:, None]
         # Each transition row a -> b, shrunk towards the prior with the weight of `prior_weight` rounds.
@@ -508,9 +508,14 @@ class Forecast(Policy):
         p = self._mixed[l]
         hinted = self._hinted.get(l)
         if hinted is not None:
+            # Bayes: the model's odds times how much likelier the hint's verdict is for a used expert
             h = self._hints
+            used, unused = h[:, 1].sum(), h[:, 0].sum()
+            ratio = np.where(hinted, (h[1, 1] / used) / (h[1, 0] / unused), (h[0, 1] / used) / (h[0, 0] / unused))
             p = np.array(p)
-            p[0] = np.where(hinted, h[1, 1] / h[1].sum(), h[0, 1] / h[0].sum())
+            q = np.clip(p[0], 1e-4, 1.0 - 1e-4)
+            odds = q / (1.0 - q) * ratio
+            p[0] = odds / (1.0 + odds)
         self._g[:, l] = self._parts(p)
 
     def _close_round(self) -> None:
@@ -533,7 +538,6 @@ class Forecast(Policy):
         T *= self._decay
         N *= self._decay
         self._reuse[l] *= self._decay
-        self._k[l] = max(self._k[l], len(S))
         for j in range(min(self.steps, len(hist))):
             a = np.asarray(hist[-1 - j])
             T[j][a[:, None], s[None, :]] += 1.0

@@ -1,11 +1,12 @@
 """Replay a routing trace through the store's own ExpertCache and policies, without any I/O.
 
 Each record is one ``get(layer, experts)``, preceded (version-2 traces) by the hint the model gave
-for the next layer at that step (``hint(layer + 1, next)``, as the store receives it): its experts are pinned together (so one expert of a
-request never evicts another of the same request, as in the store), a miss is loaded at once, and
-all are unpinned before the next record. Prefetch is not modelled. Replayed in the trace's order
-(the order the model asked the store for experts), the counts are the store's own. Belady (OPT) runs the same loop
-with the future known, giving the ceiling any online policy can reach at that slot count.
+for the next layer at that step (``hint(layer + 1, next)``, as the store receives it). A record's
+experts are pinned together (so one expert of a request never evicts another of the same request,
+as in the store), a miss is loaded at once, and all are unpinned before the next record. Prefetch is
+not modelled. Replayed in the trace's order (the order the model asked the store for experts), the
+counts are the store's own. Belady (OPT) runs the same loop with the future known, giving the
+ceiling any online policy can reach at that slot count.
 """
 from __future__ import annotations
 
