@@ -526,6 +526,7 @@ class Forecast(Policy):
         hinted = self._hinted.pop(l, None)
         if hinted is not None:
             n_hinted, n_hit = np.count_nonzero(hinted), np.count_nonzero(hinted[s])
+            self._hints *= self._decay  # (decayed: trust follows the hints' recent worth)
             self._hints += ((self._E - n_hinted - len(S) + n_hit, len(S) - n_hit), (n_hinted - n_hit, n_hit))
         T, N, hist = self._T[l], self._N[l], self._hist[l]
         made = self._made.pop(l, None)
