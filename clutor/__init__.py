@@ -6,11 +6,16 @@
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ModelFileError, UnsupportedError
-from .model.generate import GenerationChunk, GenerationStats, IOReport
-from .model.model import Model
-from .model.sampling import SamplingParams
-from .model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .model.generate import GenerationChunk, GenerationStats, IOReport
+    from .model.model import Model
+    from .model.sampling import SamplingParams
+    from .model.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -28,3 +33,28 @@ __all__ = [
     "BudgetError",
     "ClosedError",
 ]
+
+# Imported on first use (numpy, numba and the kernels take a noticeable fraction of a second): the
+# command line starts at once, and a Ctrl-C during those imports reaches its handler, not the
+# interpreter's traceback printer.
+_LAZY = {
+    "Model": ".model.model",
+    "Tokenizer": ".model.tokenizer",
+    "GenerationChunk": ".model.generate",
+    "GenerationStats": ".model.generate",
+    "IOReport": ".model.generate",
+    "SamplingParams": ".model.sampling",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'clutor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

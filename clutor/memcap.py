@@ -5,6 +5,7 @@ Needs root (or a delegated cgroup). Everything here is for tests and benchmarks,
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["unavailable_reason", "CapResult", "run_capped"]
+__all__ = ["unavailable_reason", "CapResult", "run_capped", "capped_popen"]
 
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
@@ -91,4 +92,49 @@ def run_capped(cmd: Sequence[str], limit: int, *, timeout: float = 900, env: dic
                 cg.rmdir()
                 break
             except OSError:  # the last process may still be exiting
+                time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def capped_popen(cmd: Sequence[str], limit: int, *, drop_caches: bool = False, **popen):
+    """Start cmd inside a fresh memory cgroup of `limit` bytes and yield (process, peak) where peak()
+    reads the cgroup's peak charge so far (bytes, -1 if the kernel does not say). On exit the process
+    is killed if still running and the cgroup removed. For long-lived children (a server under test)."""
+    why = unavailable_reason()
+    if why:
+        raise RuntimeError(why)
+    mode = _mode()
+    cg = (V1 if mode == "v1" else V2) / f"clutor-{os.getpid()}-{next(_seq)}"
+    cg.mkdir()
+    p = None
+    try:
+        if mode == "v1":
+            (cg / "memory.limit_in_bytes").write_text(str(limit))
+        else:
+            (cg / "memory.max").write_text(str(limit))
+            (cg / "memory.swap.max").write_text("0")
+        if drop_caches:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        procs = str(cg / "cgroup.procs")
+
+        def enter():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        def peak() -> int:
+            f = cg / ("memory.max_usage_in_bytes" if mode == "v1" else "memory.peak")
+            return int(f.read_text()) if f.exists() else -1
+
+        p = subprocess.Popen(list(cmd), preexec_fn=enter, **popen)
+        yield p, peak
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
                 time.sleep(0.1)

@@ -71,16 +71,27 @@ async def _generate(args) -> dict:
 
     async with clutor.Model.open(args.model, io=args.io, direct=not args.buffered, expert_cache=args.cache,
                                  prefetch=not args.no_prefetch) as model:
-        tokens, stats = [], None
-        async for out in model.generate(args.prompt, max_tokens=args.tokens, temperature=0, ignore_eos=True):
-            if out.token is not None:
-                tokens.append(out.token)
-            stats = out.stats or stats
+        async def one(prompt: str):
+            tokens, stats = [], None
+            async for out in model.generate(prompt, max_tokens=args.tokens, temperature=0, ignore_eos=True):
+                if out.token is not None:
+                    tokens.append(out.token)
+                stats = out.stats or stats
+            return tokens, stats
+
+        # --concurrency N: N generations at once, each its own prompt, in one batch
+        runs = await asyncio.gather(*(one(args.prompt + " " * i + str(i) if i else args.prompt)
+                                      for i in range(args.concurrency)))
+        tokens, stats = runs[0]
+        streams = [t for t, _ in runs]
+        engine = model.engine_stats()
         store = model.io_stats()
         figures = os_figures()  # before close: the arena is still mapped and resident
     io = stats.io
     return {
         "tokens": tokens,
+        "streams": streams,
+        "steps": engine.steps,
         "peak_rss": stats.peak_rss,
         "io": {k: getattr(io, k) for k in ("backend", "mode", "cache_bytes", "accesses", "hits", "misses",
                                             "prefetch_issued", "bytes_read")},
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--prompt", default="The expert cache streams")
     g.add_argument("--buffered", action="store_true")
     g.add_argument("--no-prefetch", action="store_true")
+    g.add_argument("--concurrency", type=int, default=1)
     b = sub.add_parser("baseline")
     b.add_argument("model")
     s = sub.add_parser("slurp")

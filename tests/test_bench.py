@@ -47,6 +47,30 @@ def _worker(module: str, model: str, args: dict) -> tuple[int, dict]:
     return p.returncode, json.loads(lines[0])
 
 
+def test_concurrency_worker_reports_the_steady_state_of_n_streams(tiny):
+    rc, d = _worker("clutor.bench.worker", tiny, {"io": "threads", "expert_cache": "50%", "prompt_tokens": 8,
+                                                   "tokens": 6, "concurrency": 3})
+    assert rc == 0, d
+    assert d["concurrency"] == 3
+    w = d["window"]
+    # the window runs from the last stream's first token to the first stream's end: 3 streams x 5 tokens
+    assert w["tokens"] == 3 * 5 and w["steps"] == 5 and w["seconds"] > 0
+    assert d["aggregate_decode_tps"] == pytest.approx(w["tokens"] / w["seconds"])
+    assert d["stream_decode_tps"] == pytest.approx(d["aggregate_decode_tps"] / 3)
+    assert 0 <= d["hit_rate"] <= 1 and d["bytes_per_step"] >= 0 and d["loop_lag_p99"] >= 0
+
+
+def test_bench_concurrency_table(tiny, capsys):
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [tiny, "--concurrency", "1,2", "--budgets", "50%", "--prefetch", "off", "--io", "threads",
+         "--tokens", "4", "--prompt-tokens", "8", "--fio-seconds", "0"])
+    assert bench_cli.run(args) == 0
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if l[:1].isdigit()]
+    assert [l.split()[0] for l in lines] == ["1", "2"], out
+    assert "1.00x" in lines[0] and "aggregate tok/s" in out
+
+
 # ---- workers ---------------------------------------------------------------------------------
 
 def test_worker_prints_one_json_line_with_positive_speeds(tiny):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from clutor.errors import ClutorError
-from clutor.model.sampling import Sampler, SamplingParams
+from clutor.model.sampling import Sampler, SamplingParams, token_logprobs
 
 
 def _params(**kw) -> SamplingParams:
@@ -154,6 +154,8 @@ def test_seed_determinism():
         ("repeat_last_n", -2),
         ("seed", -1),
         ("seed", "x"),
+        ("frequency_penalty", float("nan")),
+        ("presence_penalty", "x"),
     ],
 )
 def test_invalid_params(field, value):
@@ -164,3 +166,31 @@ def test_invalid_params(field, value):
 def test_bad_logits_shape():
     with pytest.raises(ClutorError, match="logits"):
         Sampler().sample(np.zeros((2, 3), dtype=np.float32), [])
+
+
+def test_frequency_and_presence_penalties_follow_llama_cpp():
+    # llama.cpp's penalties sampler: logit -= count * frequency + (count > 0) * presence, after the
+    # repeat penalty, over the last repeat_last_n tokens
+    s = Sampler(_params(frequency_penalty=0.5, presence_penalty=0.25, repeat_penalty=2.0, repeat_last_n=4))
+    logits = np.array([3.0, -1.0, 2.0, 0.5], dtype=np.float32)
+    out = s._penalise(logits, [9, 0, 0, 1, 0])  # window: 0, 0, 1, 0 (9 is outside it and out of range)
+    assert out.tolist() == pytest.approx([3.0 / 2 - 3 * 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.25, 2.0, 0.5])
+    assert logits.tolist() == [3.0, -1.0, 2.0, 0.5]  # the caller's array is left alone
+    greedy = Sampler(_params(temperature=0.0, presence_penalty=1.0))
+    assert greedy.sample(np.array([2.0, 1.5], dtype=np.float32), [0]) == 1
+    assert Sampler(_params(temperature=0.0, frequency_penalty=-1.0)).sample(
+        np.array([1.0, 1.5], dtype=np.float32), [0]) == 0  # negative values encourage repeats
+
+
+def test_token_logprobs_are_the_log_softmax():
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal(300).astype(np.float32) * 4
+    logits[[5, 17]] = logits.max() + 1  # a tie at the top: the lower id first
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x).sum())
+    lp, top = token_logprobs(logits, 42, 5)
+    assert lp == pytest.approx(ref[42], abs=1e-9)
+    assert [i for i, _ in top] == np.lexsort((np.arange(300), -ref))[:5].tolist() and top[0][0] == 5
+    assert [v for _, v in top] == pytest.approx(np.sort(ref)[::-1][:5], abs=1e-9)
+    assert token_logprobs(logits, 3, 0) == (pytest.approx(ref[3], abs=1e-9), [])
+    assert len(token_logprobs(logits[:3], 0, 10)[1]) == 3  # n past the vocabulary: all of it

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..units import format_bytes
 
-__all__ = ["render_report", "render_sweep", "render_comparison", "format_table", "decode_read_per_token",
+__all__ = ["render_report", "render_concurrency", "render_sweep", "render_comparison", "format_table", "decode_read_per_token",
            "disk_limit_tps"]
 
 
@@ -241,3 +241,39 @@ def render_report(report: dict) -> str:
         parts += ["", "", "Clutor vs llama.cpp", "",
                   render_comparison(report["comparison"], disk.get("bytes_per_second"), st["tokens"])]
     return "\n".join(parts)
+
+
+# ---- concurrency -----------------------------------------------------------------------------
+
+CONCURRENCY_HEADERS = ("streams", "aggregate tok/s", "per stream", "vs 1 stream", "MiB/step", "MiB/token",
+                       "hit rate", "loop lag p99", "disk-bound tok/s", "of limit", "peak")
+
+
+def render_concurrency(report: dict) -> str:
+    """The --concurrency table: steady-state decode with N streams in one batch (see the worker)."""
+    c = report["concurrency"]
+    bps = c["disk_bytes_per_second"]
+    one = next((r["result"]["aggregate_decode_tps"] for r in c["rows"] if r["ok"] and r["streams"] == 1), None)
+    rows = []
+    for row in c["rows"]:
+        if not row["ok"]:
+            rows.append([str(row["streams"]), f"FAILED: {row['error']}"])
+            continue
+        r = row["result"]
+        per_tok = r.get("bytes_per_token")
+        limit = bps / per_tok if bps and per_tok else None
+        peak = row.get("cgroup_peak") or r.get("peak_rss")
+        rows.append([str(row["streams"]), _rate(r["aggregate_decode_tps"]), _rate(r["stream_decode_tps"]),
+                     _ratio(r["aggregate_decode_tps"], one),
+                     "-" if r.get("bytes_per_step") is None else f"{r['bytes_per_step'] / 2**20:.0f}",
+                     "-" if per_tok is None else f"{per_tok / 2**20:.1f}", _pct(r.get("hit_rate")),
+                     f"{1e3 * r['loop_lag_p99']:.1f} ms", _rate(limit),
+                     "-" if limit is None else f"{100 * r['aggregate_decode_tps'] / limit:.0f}%", _bytes(peak)])
+    cap = c["cap"]
+    head = (f"{report['model']['path']}: expert cache {c['budget']}, prefetch {_onoff(c['prefetch'])}, policy "
+            f"{c['policy']}, " + (f"whole process capped at {format_bytes(cap)}" if cap else "uncapped") +
+            (f"; disk {bps / 2**30:.2f} GiB/s (fio)" if bps else "; disk not measured"))
+    legend = ("aggregate: tokens all streams generated per second while every stream was decoding; MiB/step and "
+              "MiB/token: expert bytes read in that window; disk-bound tok/s: the disk's bandwidth over the bytes "
+              "read per generated token")
+    return "\n".join([head, "", format_table(CONCURRENCY_HEADERS, rows), "", legend])

@@ -36,6 +36,7 @@ DEFAULTS: dict = {
     "policy": DEFAULT_POLICY,
     "io": "auto",
     "direct": True,
+    "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
 }
 OPEN_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
@@ -107,6 +108,8 @@ async def _run(path: str, opts: dict) -> dict:
     from ..model.model import Model
 
     kwargs, ignored = _open_kwargs(Model.open, opts)
+    if opts["concurrency"] is not None:
+        return await _run_concurrent(path, opts, kwargs)
     t0 = time.perf_counter()
     async with Model.open(path, **kwargs) as model:
         t_open = time.perf_counter() - t0
@@ -146,6 +149,85 @@ async def _run(path: str, opts: dict) -> dict:
         else {"prefill": read_mid - read0, "decode": read1 - read_mid},
         "seconds": {"open": t_open, "warmup": t_warm, "generate": t_gen, "total": t_total},
         "threads": os.cpu_count(),
+    }
+
+
+async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
+    """N greedy streams at once, each from its own seeded prompt, started together; the figures are
+    those of the steady state in which all N decode together: from the moment the last stream has
+    its first token until the first stream ends. Beside it a 5 ms ticker measures the event loop's lag."""
+    import asyncio
+
+    import numpy as np
+
+    from ..model.model import Model
+
+    n = int(opts["concurrency"])
+    if n < 1:
+        raise ClutorError(f"concurrency must be >= 1, got {n}")
+    kwargs = {**kwargs, "max_sequences": max(n, 1), "prefix_cache": 0,
+              "n_ctx": opts["prompt_tokens"] + opts["tokens"] + 8}
+    async with Model.open(path, **kwargs) as model:
+        prompts = [bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 100 + i) for i in range(n)]
+        if opts["warmup"]:
+            await _generate(model, bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 1), 1)
+        # per stream: (engine step that produced the token, when its reader got it)
+        stamps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        io_at: dict[int, object] = {}  # engine step -> the store's counters just after it
+        lags: list[float] = []
+        running = True
+
+        async def stream(i: int):
+            async for chunk in model.generate(prompts[i], max_tokens=opts["tokens"], temperature=0, ignore_eos=True):
+                if chunk.token is not None:
+                    step = model.engine_stats().steps
+                    stamps[i].append((step, time.perf_counter()))
+                    io_at.setdefault(step, model.io_stats())
+
+        async def ticker():
+            while running:
+                t = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lags.append(time.perf_counter() - t - 0.005)
+
+        tick = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream(i) for i in range(n)))
+        t_all = time.perf_counter() - t0
+        running = False
+        await tick
+    # The steady state: after the step that gave the last stream its first token, up to the step that
+    # gave some stream its last one; every stream decodes in every step of it.
+    sa = max(st[0][0] for st in stamps)
+    sb = min(st[-1][0] for st in stamps)
+    when = {}
+    for st in stamps:
+        for step, t in st:
+            when[step] = min(t, when.get(step, t))
+    ta, tb = when[sa], when[sb]
+    window = max(tb - ta, 1e-9)
+    tokens = sum(1 for st in stamps for step, _ in st if sa < step <= sb)
+    ioa, iob = io_at[sa], io_at[sb]
+    read = None if ioa is None else (iob.bytes_demand + iob.bytes_prefetch) - (ioa.bytes_demand + ioa.bytes_prefetch)
+    acc = None if ioa is None else iob.accesses - ioa.accesses
+    lag = np.array(lags) if lags else np.zeros(1)
+    return {
+        "engine": "clutor",
+        "model": path,
+        "options": {k: opts[k] for k in DEFAULTS},
+        "concurrency": n,
+        "aggregate_decode_tps": tokens / window,
+        "stream_decode_tps": tokens / window / n,
+        "window": {"seconds": window, "tokens": tokens, "steps": sb - sa},
+        "time_to_all_first_tokens": ta - t0,
+        "total_seconds": t_all,
+        "bytes_per_step": None if read is None or sb == sa else read / (sb - sa),
+        "bytes_per_token": None if read is None or not tokens else read / tokens,
+        "hit_rate": None if not acc else (iob.hits - ioa.hits) / acc,
+        "loop_lag_p99": float(np.percentile(lag, 99)),
+        "loop_lag_max": float(lag.max()),
+        "peak_rss": peak_memory()["ru_maxrss"],
+        "memory": peak_memory(),
     }
 
 

@@ -84,6 +84,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _counts(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stream counts like 1,4,16, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected stream counts >= 1 like 1,4,16, got {text!r}")
+    return out
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -113,6 +123,10 @@ def add_parser(sub):
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
     w.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
+    w.add_argument("--concurrency", type=_counts, default=None, metavar="N,N,...",
+                   help="instead of the sweep: N streams at once (each its own prompt), one run per N, with "
+                        "the first budget/prefetch/policy given; aggregate and per-stream decode, bytes per step "
+                        "and per token, hit rate, event-loop lag, disk-bound limit (capped with --cap SIZE)")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
     c.add_argument("--cap", type=_cap, default="auto",
@@ -233,6 +247,16 @@ def run(args) -> int:
     disk = disk_bandwidth(args.model, args.fio_seconds, on_start=_say)
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
 
+    if args.concurrency:
+        report["concurrency"] = _concurrency(args, common, report["disk"]["bytes_per_second"])
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            from ..bench.report import render_concurrency
+
+            print(render_concurrency(report))
+        return 0 if all(r["ok"] for r in report["concurrency"]["rows"]) else 1
+
     if args.io == "memory":  # experts read from the mapped file: no cache, so nothing to sweep
         combos = [(Budget("none (io memory)"), "-", "-")]
     else:
@@ -247,6 +271,26 @@ def run(args) -> int:
     else:
         print(render_report(report))
     return 0 if any(r["ok"] for r in sweep) else 1
+
+
+def _concurrency(args, common: dict, disk_bps: float | None) -> dict:
+    """One run per stream count, same budget/prefetch/policy, capped when --cap SIZE is given."""
+    from ..bench.runner import run_worker
+
+    budget, prefetch, policy = args.budgets[0], args.prefetch[0], args.policy[0]
+    cap = args.cap if isinstance(args.cap, int) else None
+    progress = _Progress(len(args.concurrency))
+    rows = []
+    for n in args.concurrency:
+        progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
+                       + (f", capped" if cap else ""))
+        o = run_worker(args.model, "clutor", {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n},
+                       cap=cap, drop_caches=cap is not None or args.drop_caches, timeout=args.timeout)
+        r = o.result or {}
+        _say(f"{r['aggregate_decode_tps']:.3g} tok/s aggregate ({o.seconds:.0f} s)" if o.ok else f"FAILED: {o.error}")
+        rows.append({"streams": n, **o.to_json()})
+    return {"budget": budget.text, "prefetch": prefetch, "policy": policy, "cap": cap,
+            "disk_bytes_per_second": disk_bps, "rows": rows}
 
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:

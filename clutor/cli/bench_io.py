@@ -16,14 +16,12 @@ import tempfile
 from dataclasses import asdict
 
 from clutor.errors import ClutorError
+
+from .common import Formatter
 from clutor.units import format_bytes, parse_bytes
 
 MODES = ("direct", "buffered")
 BACKENDS = ("uring", "threads")
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def _list(parse):
@@ -49,7 +47,7 @@ def _choices(allowed):
 
 def add_parser(sub):
     p = sub.add_parser(
-        "bench-io", help="measure disk read bandwidth of the I/O backends (vs fio)", formatter_class=_Formatter,
+        "bench-io", help="measure disk read bandwidth of the I/O backends (vs fio)", formatter_class=Formatter,
         description=__doc__,
         epilog="example:\n  clutor bench-io --block 1MiB,4MiB --depth 8,32 --mode direct --seconds 5",
     )
@@ -95,6 +93,10 @@ def _check_args(args) -> None:
     for d in args.depth:
         if not 1 <= d <= 4096:
             raise ClutorError(f"--depth: expected 1..4096, got {d}")
+    if not getattr(args, "path", None) and args.size < max(args.block):
+        # refused before the test file is written, not after
+        raise ClutorError(f"--size {args.size} bytes is smaller than block {max(args.block)}: "
+                          "the test file must hold at least one block")
 
 
 async def run(args) -> int:

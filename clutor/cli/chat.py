@@ -1,16 +1,20 @@
 """clutor chat MODEL: talk to a model through its chat template.
 
-/exit or Ctrl-D leaves; Ctrl-C stops the current reply and keeps the conversation."""
+Commands: /help, /clear (forget the conversation), /save FILE and /load FILE (the messages as JSON),
+/exit (or Ctrl-D). Ctrl-C stops the current reply and keeps the conversation; at the prompt it
+clears the line. Start a message with // to send a text that begins with /."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 from pathlib import Path
 
 from ..errors import ClutorError
-from .common import Formatter, add_model_args, add_sampling_args, model_kwargs, print_stats, sampling_kwargs
+from .common import (Formatter, OutputError, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
+                     read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 PROMPT = "> "
 
@@ -21,10 +25,21 @@ def add_parser(sub):
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-stats", action="store_true", help="do not print per-reply statistics")
-    add_sampling_args(p, temperature=0.7)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model's")
+    add_sampling_args(p, temperature=0.7, max_tokens=512)
     add_model_args(p)
-    p.set_defaults(max_tokens=512)
     return p
+
+
+HELP = """commands:
+  /help         this list
+  /clear        forget the conversation (the --system message stays)
+  /save FILE    write the conversation to FILE (JSON: a list of {"role", "content"})
+  /load FILE    replace the conversation with the one in FILE
+  /exit         leave (also Ctrl-D)
+Ctrl-C stops a reply (what was said is kept); at the prompt it clears the line.
+A message starting with // is sent with one / (e.g. //usr is sent as /usr)."""
 
 
 def history_path() -> Path:
@@ -32,7 +47,9 @@ def history_path() -> Path:
 
 
 def _setup_readline():
-    """Line editing and a private history file (directory 0700, file 0600), when a terminal is attached."""
+    """Line editing and a private history file (directory 0700, file 0600), when a terminal is attached.
+    History is a convenience: when it cannot be kept (~/.clutor is a file, HOME is read-only) the chat
+    goes on without it, after one line saying why."""
     if not sys.stdin.isatty():
         return None
     try:
@@ -40,31 +57,57 @@ def _setup_readline():
     except ImportError:
         return None
     path = history_path()
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
-    if not path.exists():
-        path.touch(mode=0o600)
-    os.chmod(path, 0o600)
     try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+        if not path.exists():
+            path.touch(mode=0o600)
+        os.chmod(path, 0o600)
         readline.read_history_file(path)
-    except OSError:
-        pass
+    except OSError as e:
+        print(f"clutor: note: chat history not kept ({path}: {e.strerror or e})", file=sys.stderr)
+        return None
     readline.set_history_length(1000)
-    return lambda: readline.write_history_file(path)
+
+    def save() -> None:
+        try:
+            readline.write_history_file(path)
+        except OSError as e:
+            print(f"clutor: note: chat history not saved ({path}: {e.strerror or e})", file=sys.stderr)
+
+    return save
 
 
 def _read_line() -> str | None:
-    """One user turn, or None at end of input. Ctrl-C at the prompt just clears the line."""
-    while True:
-        try:
-            if sys.stdin.isatty():
-                return input(PROMPT)
-            line = sys.stdin.readline()
-            return None if line == "" else line.rstrip("\n")
-        except EOFError:
-            return None
-        except KeyboardInterrupt:
-            print("^C", file=sys.stderr)
+    """One user turn, or None at end of input. Ctrl-C at the prompt just clears the line.
+
+    While waiting here SIGINT raises KeyboardInterrupt in input(), whatever handler the event loop
+    installed (asyncio.run's would instead cancel the main task, and the next reply would be the one
+    stopped by a Ctrl-C typed long before it)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The loop's wakeup fd would also record this Ctrl-C, and the loop would deliver it to the
+        # reply's SIGINT handler the moment that is installed: detach it while we wait here.
+        wakeup = signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        while True:
+            try:
+                if sys.stdin.isatty():
+                    return input(PROMPT)
+                line = sys.stdin.readline()
+                return None if line == "" else line.rstrip("\n")
+            except EOFError:
+                if sys.stdin.isatty():
+                    print()  # Ctrl-D: leave the shell prompt on a line of its own
+                return None
+            except KeyboardInterrupt:
+                print("^C", file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.set_wakeup_fd(wakeup)
+            signal.signal(signal.SIGINT, previous)
 
 
 async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
@@ -72,7 +115,7 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
     loop = asyncio.get_running_loop()
     parts: list[str] = []
     stats = None
-    options = sampling_kwargs(args)
+    options = sampling_kwargs(args, model.n_ctx)
     options["max_tokens"] = min(options["max_tokens"], model.n_ctx - len(ids))  # the rest of the context
 
     async def stream():
@@ -80,8 +123,7 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
         async for chunk in model.generate(ids, **options):
             if chunk.text:
                 parts.append(chunk.text)
-                out.write(chunk.text)
-                out.flush()
+                write_out(chunk.text, out)
             if chunk.stats:
                 stats = chunk.stats
 
@@ -106,7 +148,8 @@ async def _reply(model, ids: list[int], args, out) -> tuple[str, object]:
     return "".join(parts), stats
 
 
-def _fit(model, messages: list[dict], bos: str, eos: str) -> list[int] | None:
+def _fit(model, messages: list[dict], bos: str, eos: str, template: str | None = None,
+         template_name: str = "tokenizer.chat_template") -> list[int] | None:
     """Token ids of the conversation with room for a reply: the oldest turns (never the system message
     or the newest user turn) are dropped from `messages` until it fits; None if even that is too long."""
     from ..model.chat import render_chat
@@ -114,7 +157,8 @@ def _fit(model, messages: list[dict], bos: str, eos: str) -> list[int] | None:
     tok = model.tokenizer
     room = max(16, model.n_ctx // 8)  # tokens kept free for the reply
     while True:
-        prompt = render_chat(tok.chat_template, messages, bos_token=bos, eos_token=eos)
+        prompt = render_chat(template or tok.chat_template, messages, bos_token=bos, eos_token=eos,
+                             name=template_name)
         ids = tok.encode(prompt, special=True)
         if len(ids) + room <= model.n_ctx:
             return ids
@@ -124,33 +168,107 @@ def _fit(model, messages: list[dict], bos: str, eos: str) -> list[int] | None:
         del messages[first]
 
 
-async def run(args) -> int:
+def _load(path: str) -> list[dict]:
+    try:
+        messages = json.loads(read_text_file(path, "conversation"))
+    except json.JSONDecodeError as e:
+        raise ClutorError(f"{path}: not a saved conversation: invalid JSON ({e.msg})") from None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ClutorError(f'{path}: not a saved conversation: expected a list of {{"role", "content"}} strings')
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _save(path: str, messages: list[dict]) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(messages, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+    except OSError as e:
+        raise ClutorError(f"{path}: cannot save the conversation: {e.strerror or e}") from None
+
+
+def _command(line: str, messages: list[dict], system: list[dict]) -> bool:
+    """Run a /command; False means leave. Failures are reported and the chat goes on."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/exit", "/quit"):
+            return False
+        if name in ("/help", "/?"):
+            print(HELP, file=sys.stderr)
+        elif name == "/clear":
+            messages[:] = system
+            print("clutor: conversation cleared", file=sys.stderr)
+        elif name in ("/save", "/load"):
+            if not arg:
+                print(f"clutor: {name} needs a file name: {name} FILE", file=sys.stderr)
+            elif name == "/save":
+                _save(arg, messages)
+                print(f"clutor: saved {len(messages)} messages to {arg}", file=sys.stderr)
+            else:
+                messages[:] = _load(arg)
+                print(f"clutor: loaded {len(messages)} messages from {arg}", file=sys.stderr)
+        else:
+            print(f"clutor: unknown command {name} (/help lists the commands; start with // to send text "
+                  "beginning with /)", file=sys.stderr)
+    except ClutorError as e:
+        print(f"clutor: error: {e}", file=sys.stderr)
+    return True
+
+
+def run(args):
+    check_sampling_args(args)
+    template = read_text_file(args.chat_template, "chat template") if args.chat_template else None
+    warm_kernels()
+    return _chat(args, template)
+
+
+async def _chat(args, template: str | None) -> int:
     from ..model.model import Model
 
-    save_history = _setup_readline()
+    template_name = args.chat_template or "tokenizer.chat_template"
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # invalid UTF-8 typed or piped in becomes U+FFFD
     async with Model.open(args.model, **model_kwargs(args)) as model:
+        save_history = _setup_readline()
         tok = model.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-        print(f"clutor chat: {os.path.basename(args.model)} ({model.config.arch}). /exit or Ctrl-D to leave, "
-              "Ctrl-C stops a reply.", file=sys.stderr)
+        system: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        messages: list[dict] = list(system)
+        print(f"clutor chat: {os.path.basename(args.model)} ({model.config.arch}). /help for commands, "
+              "/exit or Ctrl-D to leave, Ctrl-C stops a reply.", file=sys.stderr)
         try:
             while True:
                 line = _read_line()
-                if line is None or line.strip() == "/exit":
+                if line is None:
                     break
                 if not line.strip():
                     continue
+                if line.startswith("/") and not line.startswith("//"):
+                    if not _command(line, messages, system):
+                        break
+                    continue
+                if line.startswith("//"):
+                    line = line[1:]
                 messages.append({"role": "user", "content": line})
-                ids = _fit(model, messages, bos, eos)
+                try:
+                    ids = _fit(model, messages, bos, eos, template, template_name)
+                except ClutorError as e:  # a template that refuses this conversation
+                    messages.pop()
+                    print(f"clutor: error: {e}", file=sys.stderr)
+                    continue
                 if ids is None:
                     messages.pop()
-                    print(f"clutor: that message does not fit the {model.n_ctx}-token context (--n-ctx)",
+                    print(f"clutor: that message does not fit the {model.n_ctx}-token context (-c/--ctx-size)",
                           file=sys.stderr)
                     continue
                 try:
                     reply, stats = await _reply(model, ids, args, sys.stdout)
+                except OutputError:
+                    raise
                 except ClutorError as e:  # one bad turn must not end the conversation
                     messages.pop()
                     print(f"clutor: error: {e}", file=sys.stderr)

@@ -2,31 +2,52 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 
+from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..model.generate import GenerationStats
 
 
-class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.HelpFormatter):
+    """Each option's default shown once, and only where it means something: not for flags (a
+    store_true/store_false "default: True" reads as the opposite of what the flag does), not for
+    None (the help says what happens), not when the help already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is argparse.SUPPRESS
+                or action.default == [] or action.nargs == 0 or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = 0.8) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = 0.8, max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
+                   help="tokens to generate at most; -1 = until end of text or the context is full")
+    g.add_argument("--temperature", "--temp", type=float, default=temperature,
+                   help="randomness of sampling; 0 = greedy (always the most likely token)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="sample among the most likely tokens whose probabilities sum to p (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens less likely than min-p times the most likely one (0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalise tokens among the last 64 generated or in the prompt, as llama.cpp does (1 = off)")
+    g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a fresh one each run)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (benchmarks)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument("-c", "--ctx-size", "--n-ctx", dest="n_ctx", type=int, default=None, metavar="N",
+                   help="context length in tokens (default: min(the model's, 4096))")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="threads for the compute kernels (default: the CPU cores numba sees)")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--expert-cache", default=None, metavar="SIZE",
                    help="memory for routed experts: bytes, '4GiB' or '25%%' of the expert bytes "
@@ -38,25 +59,120 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
     d = g.add_mutually_exclusive_group()
     d.add_argument("--direct", dest="direct", action="store_true", default=True,
-                   help="O_DIRECT reads that bypass the page cache (default)")
+                   help="O_DIRECT reads that bypass the page cache (the default)")
     d.add_argument("--buffered", dest="direct", action="store_false", help="reads through the page cache")
     g.add_argument("--trace", default=None, metavar="FILE", help="record routing to FILE (JSONL, see `clutor simulate`)")
+    b = p.add_argument_group("batching")
+    b.add_argument("--max-sequences", type=int, default=16, help="generations advanced together in one step")
+    b.add_argument("--step-tokens", type=int, default=256,
+                   help="tokens one step computes at most (long prompts are prefilled in chunks)")
+    b.add_argument("--prefix-cache", default="256MiB", metavar="SIZE",
+                   help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
 
 
-def sampling_kwargs(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+def check_sampling_args(args) -> None:
+    """Refuse impossible sampling options before anything is loaded."""
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise ClutorError(f"-n/--max-tokens must be >= 1, or -1 for no limit; got {args.max_tokens}")
+    from ..model.sampling import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                   repeat_penalty=args.repeat_penalty, seed=args.seed)  # raises ClutorError naming the option
+
+
+def sampling_kwargs(args, n_ctx: int | None = None) -> dict:
+    """generate() options; -n -1 becomes the whole context (generate stops where it is full)."""
+    max_tokens = args.max_tokens if args.max_tokens != -1 else (n_ctx or 1 << 30)
+    return dict(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
                 ignore_eos=args.ignore_eos)
 
 
 def model_kwargs(args) -> dict:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ClutorError(f"-t/--threads must be >= 1, got {args.threads}")
+        from ..model import kernels
+
+        kernels.set_threads(args.threads)
+    if args.io == "memory" and (args.expert_cache is not None or args.prefetch is not None):
+        print("clutor: note: --expert-cache and --prefetch do not apply with --io memory "
+              "(experts are mapped from the file, nothing is cached or prefetched)", file=sys.stderr)
     prefetch = None if args.prefetch is None else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
-                io=args.io, direct=args.direct, trace=args.trace, progress=load_progress())
+                io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
+                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, progress=load_progress())
 
 
-def load_progress():
-    """A tqdm bar for loading dense weights, shown on a terminal once the load is big enough to wait for."""
+def read_text_file(path: str, what: str) -> str:
+    """A text file's contents (invalid UTF-8 replaced by U+FFFD), or ClutorError naming it."""
+    try:
+        if not os.path.isfile(path) and os.path.exists(path):  # checked first: a FIFO would block open()
+            raise ClutorError(f"{path}: cannot read the {what}: not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(64 << 20)
+    except OSError as e:
+        raise ClutorError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    return data.decode("utf-8", errors="replace")
+
+
+class OutputError(ClutorError):
+    """stdout cannot be written (a full disk, a vanished terminal): the command cannot go on."""
+
+    stdout_failed = True  # main() then points stdout at /dev/null so the exit-time flush stays quiet
+
+
+def write_out(text: str, out=None) -> None:
+    """Write generated text to stdout at once; a full disk or a dead terminal becomes ClutorError (a
+    closed pipe stays BrokenPipeError: `| head` is a normal way to stop, ended quietly by main)."""
+    out = out or sys.stdout
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write the output: {e.strerror or e}") from None
+
+
+def read_stdin() -> str:
+    """All of stdin as text; invalid UTF-8 becomes U+FFFD (the tokenizer's rule for bad bytes)."""
+    buf = getattr(sys.stdin, "buffer", None)
+    return buf.read().decode("utf-8", errors="replace") if buf is not None else sys.stdin.read()
+
+
+def warm_kernels() -> None:
+    """Compile the compute kernels (first run on a machine: ~30 s, minutes when it is busy) or load
+    them from numba's cache, here in the main thread before any event loop, so Ctrl-C stops it at
+    once; on a terminal, a line says what is going on if it takes more than two seconds. (Model.open
+    warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)"""
+    from ..model import kernels
+
+    done = threading.Event()
+
+    def tell() -> None:
+        t0 = time.monotonic()
+        if done.wait(2.0):
+            return
+        while not done.wait(1.0):
+            print(f"\rclutor: compiling the compute kernels (once per machine; cached afterwards)... "
+                  f"{time.monotonic() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+        print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+
+    teller = threading.Thread(target=tell, daemon=True) if sys.stderr.isatty() else None
+    if teller is not None:
+        teller.start()
+    try:
+        kernels.warmup()
+    finally:
+        done.set()
+        if teller is not None:
+            teller.join()
+
+
+def byte_progress(desc: str, min_total: int = 256 << 20):
+    """progress(done, total) drawing a tqdm bar on a terminal once the work is big enough to wait for
+    (None when stderr is not a terminal: logs stay clean)."""
     if not sys.stderr.isatty():
         return None
     bar = None
@@ -64,11 +180,11 @@ def load_progress():
     def progress(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            if total < (256 << 20):
+            if total < min_total:
                 return
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="dense weights",
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                        file=sys.stderr, leave=False)
         bar.update(done - bar.n)
         if done >= total:
@@ -77,12 +193,19 @@ def load_progress():
     return progress
 
 
+def load_progress():
+    """A tqdm bar for loading dense weights, shown on a terminal once the load is big enough to wait for."""
+    return byte_progress("dense weights")
+
+
 def print_stats(stats: GenerationStats, file=None) -> None:
     """The per-run report: speed, then (when experts stream) what the cache and the disk did."""
     from ..units import format_bytes
 
     lines = [
-        f"\n[{stats.prompt_tokens} prompt tokens, {stats.prefill_tps:.1f} tok/s prefill | "
+        f"\n[{stats.prompt_tokens} prompt tokens"
+        + (f" ({stats.cached_tokens} reused from the prefix cache)" if stats.cached_tokens else "")
+        + f", {stats.prefill_tps:.1f} tok/s prefill | "
         f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
     ]
     io = stats.io
@@ -90,8 +213,9 @@ def print_stats(stats: GenerationStats, file=None) -> None:
         total = io.wait_seconds + io.compute_seconds
         lines += [
             f"[experts: {io.backend} {io.mode}, cache {format_bytes(io.cache_bytes)} ({stats.cache_note}) | "
-            f"hit rate {io.hit_rate:.1%}, prefetch accuracy {io.prefetch_accuracy:.1%} "
-            f"({io.prefetch_issued} prefetched, {io.prefetch_wasted} wasted = {format_bytes(io.bytes_wasted)})]",
+            f"hit rate {io.hit_rate:.1%}" + (
+                f", prefetch accuracy {io.prefetch_accuracy:.1%} ({io.prefetch_issued} prefetched, "
+                f"{io.prefetch_wasted} wasted = {format_bytes(io.bytes_wasted)})" if io.prefetch_issued else "") + "]",
             f"[read {format_bytes(io.bytes_read)} = {format_bytes(stats.bytes_per_token)}/token | "
             f"time: waiting on disk {io.wait_seconds:.2f}s ({io.wait_seconds / total:.0%}), "
             f"computing {io.compute_seconds:.2f}s | peak RSS {format_bytes(stats.peak_rss)}]"

@@ -6,35 +6,44 @@ from __future__ import annotations
 
 import sys
 
-from .common import Formatter, print_stats
+from ..errors import ClutorError
+from .common import Formatter, byte_progress, print_stats, warm_kernels, write_out
 
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="generate from a built-in random-weight model", formatter_class=Formatter,
                        description=__doc__, epilog="example:\n  clutor demo -n 32")
-    p.add_argument("-n", "--max-tokens", type=int, default=48)
-    p.add_argument("--prompt", default="Once upon a time, in a land of many experts,")
-    p.add_argument("--cache-dir", default=None, help="where the demo model is written (default: user cache dir)")
+    p.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens to generate")
+    p.add_argument("--prompt", default="Once upon a time, in a land of many experts,", help="the prompt")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the demo model is written (default: $XDG_CACHE_HOME/clutor or ~/.cache/clutor)")
     p.add_argument("--expert-cache", default="256MiB", help="memory for routed experts (the model has ~900 MB)")
-    p.add_argument("--io", choices=("auto", "uring", "threads"), default="auto")
+    p.add_argument("--io", choices=("auto", "uring", "threads"), default="auto", help="how experts are read")
     return p
 
 
-async def run(args) -> int:
-    import asyncio
-
-    from ..model.model import Model
+def run(args):
+    """Build the model here, in the main thread, before any event loop runs: Ctrl-C then stops the
+    write at once (and its temporary file is removed) instead of waiting for a worker thread."""
     from ..model.synth import ensure_demo_model
 
-    path = await asyncio.to_thread(ensure_demo_model, args.cache_dir)
+    if args.max_tokens < 1:
+        raise ClutorError(f"-n/--max-tokens must be >= 1, got {args.max_tokens}")
+    path = ensure_demo_model(args.cache_dir, progress=byte_progress("building the demo model", 0))
     print(f"demo model: {path}", file=sys.stderr)
+    warm_kernels()
+    return _generate(args, path)
+
+
+async def _generate(args, path) -> int:
+    from ..model.model import Model
+
     async with Model.open(path, expert_cache=args.expert_cache, io=args.io) as model:
-        print(args.prompt, end="", flush=True)
+        write_out(args.prompt)
         async for out in model.generate(args.prompt, max_tokens=args.max_tokens, temperature=0.8, seed=0,
                                         ignore_eos=True):
             if out.text:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+                write_out(out.text)
             if out.stats:
                 print_stats(out.stats)
     return 0

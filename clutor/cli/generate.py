@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from .common import Formatter, add_model_args, add_sampling_args, model_kwargs, print_stats, sampling_kwargs
+from ..errors import ClutorError
+from .common import (Formatter, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
+                     read_stdin, read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 
 def add_parser(sub):
@@ -11,34 +13,56 @@ def add_parser(sub):
         "generate", help="generate text from a prompt", formatter_class=Formatter,
         description=__doc__,
         epilog="examples:\n  clutor generate olmoe.gguf 'The capital of France is' -n 32 --temperature 0\n"
-               "  echo 'Write a haiku' | clutor generate qwen3.gguf - --chat",
+               "  echo 'Write a haiku' | clutor generate qwen3.gguf - --chat\n"
+               "  clutor generate olmoe.gguf -f prompt.txt -n -1",
     )
     p.add_argument("model", help="GGUF file (first part of a split model)")
-    p.add_argument("prompt", help="prompt text, or - to read it from stdin")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - to read it from stdin")
+    p.add_argument("-p", "--prompt", dest="prompt_opt", default=None, metavar="TEXT", help="prompt text (as llama.cpp)")
+    p.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from FILE")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model's (implies --chat)")
     p.add_argument("--special", action="store_true", help="parse control tokens written in the prompt")
     add_sampling_args(p)
     add_model_args(p)
     return p
 
 
-async def run(args) -> int:
+def _prompt(args) -> str:
+    given = [x for x in (args.prompt, args.prompt_opt, args.file) if x is not None]
+    if len(given) != 1:
+        raise ClutorError("give the prompt once: as PROMPT (- for stdin), -p TEXT or -f FILE")
+    if args.file is not None:
+        return read_text_file(args.file, "prompt file")
+    text = args.prompt if args.prompt is not None else args.prompt_opt
+    return read_stdin() if text == "-" else text
+
+
+def run(args):
+    check_sampling_args(args)
+    prompt = _prompt(args)
+    template = read_text_file(args.chat_template, "chat template") if args.chat_template else None
+    warm_kernels()
+    return _generate(args, prompt, template)
+
+
+async def _generate(args, prompt: str, template: str | None) -> int:
     from ..model.chat import render_chat
     from ..model.model import Model
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
-        if args.chat:
+        if args.chat or template is not None:
             tok = model.tokenizer
-            prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}],
+            prompt = render_chat(template or tok.chat_template, [{"role": "user", "content": prompt}],
                                  bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+                                 eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                                 name=args.chat_template or "tokenizer.chat_template")
             special = True
-        async for out in model.generate(prompt, special=special, **sampling_kwargs(args)):
+        async for out in model.generate(prompt, special=special, **sampling_kwargs(args, model.n_ctx)):
             if out.text:
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
+                write_out(out.text)
             if out.stats:
                 print_stats(out.stats)
     return 0

@@ -12,6 +12,7 @@ import json
 import sys
 
 from ..errors import ClutorError
+from .common import Formatter
 from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = __doc__
@@ -22,10 +23,6 @@ EPILOG = (
     "  clutor simulate --synthetic --tokens 200 --layers 16 --experts 64 --top-k 8 "
     "--skew 1.0 --reuse 0.4 --budget-slots 256"
 )
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def _csv(convert):
@@ -64,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a routing trace through the cache policies",
-                       formatter_class=_Formatter, description=DESCRIPTION, epilog=EPILOG)
+                       formatter_class=Formatter, description=DESCRIPTION, epilog=EPILOG)
     add_arguments(p)
     return p
 

@@ -29,14 +29,17 @@ awaiting task, so a cancelled get() leaves a normal READY entry behind.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Generator, Sequence
 
+import numpy as np
+
 from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError
 from ..units import format_bytes
-from .arena import Arena, widen
+from .arena import Arena, round_up, widen
 from .backend import DEFAULT_ALIGN, Backend, ReadHandle, ReadRequest, ReadState
 from .cache import ExpertCache, Grant, SlotState
 from .layout import PARTS, ExpertLayout
@@ -120,18 +123,31 @@ class _Geometry:
     slot_bytes: int
 
 
+def _max_skip(offset: int, slab: int, n: int, align: int) -> int:
+    """Largest (offset + e * slab) % align over experts e < n: how far into its first aligned block
+    an expert's slab may start. The skips repeat with period align / gcd(slab, align), so this looks
+    at no more than that many experts (none at all once n covers a whole period), never at all n."""
+    g = math.gcd(slab % align, align) or align
+    period = align // g
+    if n >= period:
+        return offset % g + align - g  # every value congruent to offset mod g below align occurs
+    e = np.arange(n, dtype=np.int64)  # [n], n < period <= align
+    return int(((offset % align + e * (slab % align)) % align).max())
+
+
 def _geometry(layout: ExpertLayout, align: int) -> _Geometry:
     region = [0, 0, 0]
+    seen: set[tuple[int, int, int]] = set()  # (part, offset % align, slab % align) already measured
     for tensors in layout.layers:
         for p, t in enumerate(tensors):
             if t.slab_bytes <= 0:
                 raise ClutorError(f"{t.path}: expert slab of {t.slab_bytes} bytes at offset {t.offset}")
-            if t.slab_bytes % align == 0:
-                experts = (0,)  # every expert has the same misalignment as expert 0
-            else:
-                experts = range(layout.n_experts)
-            for e in experts:
-                region[p] = max(region[p], widen(t.offset + e * t.slab_bytes, t.slab_bytes, align)[1])
+            key = (p, t.offset % align, t.slab_bytes)
+            if key in seen:
+                continue
+            seen.add(key)
+            skip = _max_skip(t.offset, t.slab_bytes, layout.n_experts, align)
+            region[p] = max(region[p], round_up(skip + t.slab_bytes, align))
     start = (0, region[0], region[0] + region[1])
     return _Geometry(align, tuple(region), start, sum(region))
 
@@ -305,8 +321,11 @@ class ExpertStore:
                 finally:
                     self._c.wait_seconds += time.perf_counter() - t0
                 keys = [pending.pop(fut) for fut in finished]
-                for fut in finished:
-                    fut.result()  # the read's error, if any
+                # every error retrieved before the first is raised: two reads failing together must not
+                # leave the second logged as "never retrieved"
+                errors = [err for err in (fut.exception() for fut in finished) if err is not None]
+                if errors:
+                    raise errors[0]
                 # in request order, so a group's order does not depend on completion order
                 yield [views[e] for e in views if (layer, e) in keys]
         finally:
@@ -462,6 +481,11 @@ class ExpertStore:
         await self.aclose()
 
     # -- queries ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """The most distinct experts one get() may hold pinned: every slot and spare buffer."""
+        return self.n_slots + self.n_spare
+
     def resident(self, layer: int, expert: int) -> bool:
         """The expert's bytes are in the cache now (a get() would not wait)."""
         return self.cache.resident((layer, int(expert)))

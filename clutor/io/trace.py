@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from typing import IO, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ModelFileError
+from ..errors import ClosedError, ClutorError, ModelFileError
 
 __all__ = [
     "TRACE_VERSION",
@@ -32,6 +34,7 @@ __all__ = [
     "iter_trace",
     "read_trace",
     "write_trace",
+    "check_output",
     "synthetic_trace",
 ]
 
@@ -152,15 +155,43 @@ def _parse_record(path: str, lineno: int, d: dict, header: TraceHeader | None) -
     return TraceRecord(token, layer, tuple(experts), weights, nxt)
 
 
+_MAX_LINE = 1 << 20  # a record is ~100 bytes per expert; a longer line is not a trace
+
+
+def _open_text(path: str):
+    """The trace file opened for reading lines (bytes), or ModelFileError for a missing, unreadable or
+    non-regular path (a FIFO is refused without blocking on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelFileError(path, "file", "an existing routing trace (JSONL)", "missing") from None
+    except OSError as e:
+        raise ModelFileError(path, "file", "a readable routing trace (JSONL)", e.strerror or str(e)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ModelFileError(path, "file", "a regular file (a routing trace, JSONL)",
+                             "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def iter_trace(path: str | os.PathLike) -> Iterator[TraceHeader | TraceRecord]:
     """Yield the header (if any) then each record, validating as it goes."""
     path = os.fspath(path)
     header: TraceHeader | None = None
-    with open(path, "r", encoding="utf-8") as f:
+    with _open_text(path) as f:
         first = True
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        for lineno, raw in enumerate(f, 1):
+            if len(raw) > _MAX_LINE:
+                raise ModelFileError(path, f"line {lineno}", f"a line of at most {_MAX_LINE} bytes", len(raw))
+            if not raw.strip():
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ModelFileError(path, f"line {lineno}", "UTF-8 JSON text (a routing trace)",
+                                     f"binary data {raw[:16]!r}") from None
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
@@ -195,15 +226,28 @@ def read_trace(path: str | os.PathLike) -> Trace:
 class TraceWriter:
     """Streams records to a JSONL file as they happen (the model's recorder uses this)::
 
-        with TraceWriter(path, TraceHeader(16, 64, 8, expert_bytes)) as w:
+        with TraceWriter(path, TraceHeader(16, 64, 8, expert_bytes), protect=model_paths) as w:
             w.write(token, layer, experts, weights, next=predicted)
+
+    Nothing is lost by pointing it at the wrong path: it refuses the files in ``protect`` (the model
+    and every part of a split set), any existing file that is not a routing trace, and anything that
+    is not a regular file; records go to a temporary file next to ``path`` that replaces ``path``
+    only at close(). abort() drops the temporary file and leaves ``path`` as it was.
     """
 
-    def __init__(self, path: str | os.PathLike, header: TraceHeader | None = None):
+    def __init__(self, path: str | os.PathLike, header: TraceHeader | None = None, *,
+                 protect: Iterable[str | os.PathLike] = ()):
         self.path = os.fspath(path)
-        self._f: IO[str] | None = open(self.path, "w", encoding="utf-8")
+        self._f: IO[str] | None = None
+        check_output(self.path, protect)
+        d = os.path.dirname(os.path.abspath(self.path))
+        try:
+            fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=d)
+        except OSError as e:
+            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
+        self._f = os.fdopen(fd, "w", encoding="utf-8")
         if header is not None:
-            self._f.write(json.dumps(header.to_json()) + "\n")
+            self._put(json.dumps(header.to_json()) + "\n")
 
     def write(self, token: int, layer: int, experts: Sequence[int], weights: Sequence[float] | None = None,
               next: Sequence[int] | None = None) -> None:
@@ -216,19 +260,85 @@ class TraceWriter:
 
     def write_record(self, rec: TraceRecord) -> None:
         if self._f is None:
-            raise ValueError(f"{self.path}: trace writer is closed")
-        self._f.write(json.dumps(rec.to_json()) + "\n")
+            raise ClosedError(f"{self.path}: trace writer is closed")
+        self._put(json.dumps(rec.to_json()) + "\n")
+
+    def _put(self, line: str) -> None:
+        try:
+            self._f.write(line)
+        except OSError as e:
+            self.abort()
+            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        """Finish the file and move it into place (an error leaves ``path`` untouched)."""
+        f, self._f = self._f, None
+        if f is None:
+            return
+        try:
+            f.close()
+            os.replace(self._tmp, self.path)
+        except OSError as e:
+            _unlink(self._tmp)
+            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
+
+    def abort(self) -> None:
+        """Close without publishing: the temporary file is removed, ``path`` is left as it was."""
+        f, self._f = self._f, None
+        if f is None:
+            return
+        try:
+            f.close()
+        except OSError:
+            pass
+        _unlink(self._tmp)
 
     def __enter__(self) -> "TraceWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def check_output(path: str, protect: Iterable[str | os.PathLike]) -> None:
+    """Refuse an output path that would destroy something: a protected file (the model), an existing
+    file that is not a routing trace, or a non-regular file (a directory, device, FIFO)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ClutorError(f"{path}: cannot write the routing trace: {e.strerror or e}") from None
+    for p in protect:
+        try:
+            pst = os.stat(p)
+        except OSError:
+            continue
+        if (pst.st_dev, pst.st_ino) == (st.st_dev, st.st_ino):
+            raise ClutorError(f"{path}: refusing to write the routing trace over the model file {os.fspath(p)}")
+    if not stat.S_ISREG(st.st_mode):
+        raise ClutorError(f"{path}: refusing to write the routing trace: exists and is not a regular file")
+    if st.st_size and not _looks_like_trace(path):
+        raise ClutorError(f"{path}: refusing to overwrite an existing file that is not a routing trace "
+                          "(remove it or choose another name)")
+
+
+def _looks_like_trace(path: str) -> bool:
+    """The file starts with a trace header or record line (a JSON object with our keys)."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 16)
+        d = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and ("clutor_trace" in d or {"token", "layer", "experts"} <= d.keys())
 
 
 def write_trace(path: str | os.PathLike, records: Iterable[TraceRecord], header: TraceHeader | None = None) -> None:

@@ -12,6 +12,8 @@ MAX_DIM = 1 << 20
 MAX_LAYERS = 4096
 MAX_EXPERTS = 4096
 MAX_CTX = 1 << 24
+MAX_HEAD_DIM = 4096  # real heads are 64..256 wide
+MAX_VOCAB = 1 << 20  # real vocabularies stop near 262k tokens; each token costs ~650 bytes of tables
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Token-by-token generation: one batched prefill, then one-token decode steps, streamed as records."""
+"""Token-by-token generation as streamed records; the steps themselves run in clutor.model.engine."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 
 from ..errors import ClutorError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, token_logprobs
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
 
@@ -84,6 +84,7 @@ class GenerationStats:
     io: IOReport | None = None   # None when experts are mapped from the file
     peak_rss: int = 0            # the process's peak resident set (VmHWM), bytes
     cache_note: str = ""         # how the expert cache size was chosen
+    cached_tokens: int = 0       # prompt tokens whose KV cache was reused, not computed (prefix cache)
 
     @property
     def bytes_per_token(self) -> float:
@@ -92,7 +93,9 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+        """Prompt tokens computed (not reused from the prefix cache) per second."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -106,6 +109,8 @@ class GenerationChunk:
     text: str                 # new text (may be "" while a multi-byte character or stop string is pending)
     token: int | None         # the token sampled at this step; None on the final record
     stats: GenerationStats | None = None  # set on the final record only
+    logprob: float | None = None  # log-probability of token (raw logits), when generate(logprobs=n)
+    top_logprobs: list[tuple[int, float]] | None = None  # the n most likely (id, logprob) at this step
 
     @property
     def done(self) -> bool:
@@ -146,11 +151,18 @@ class _StopMatcher:
 async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
                    top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                    repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
-                   ignore_eos: bool = False, special: bool = False) -> AsyncIterator[GenerationChunk]:
+                   ignore_eos: bool = False, special: bool = False, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
+    max_tokens: at most this many tokens, and never past the context: a prompt that leaves less room
+        generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
+    logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
+
+    The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
+    forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
     """
     tok = model.tokenizer
     ids = tok.encode(prompt, special=special) if isinstance(prompt, str) else [int(i) for i in prompt]
@@ -158,40 +170,55 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         raise ClutorError("the prompt is empty: give at least one token")
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(ids) + max_tokens > model.n_ctx:
-        raise ClutorError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds n_ctx {model.n_ctx}")
+    if len(ids) > model.n_ctx:
+        raise ClutorError(f"the prompt is {len(ids)} tokens, {len(ids) - model.n_ctx} more than the context "
+                          f"(n_ctx {model.n_ctx}): shorten it or open the model with a larger n_ctx")
+    # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
+    max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed))
-    seq = model.new_sequence()
+                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
     stream = tok.stream()
     stopper = _StopMatcher(stop)
-    history = list(ids)
     io_before = model.io_stats()
     t0 = time.perf_counter()
-    logits = await model.forward(seq, ids)  # [1, V]
-    t_prefill = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
+                              None if logprobs is None else _with_logprobs(logprobs))
     n_gen, reason = 0, "length"
-    while True:
-        token = sampler.sample(np.asarray(logits[-1], dtype=np.float32), history)
-        n_gen += 1
-        history.append(token)
-        if token in tok.stop_ids and not ignore_eos:
-            reason = "eos"
-            break
-        text, hit = stopper.push(stream.push(token))
-        if hit:
-            reason = "stop"
-            if text:
-                yield GenerationChunk(text, token)
-            break
-        yield GenerationChunk(text, token)
-        if n_gen >= max_tokens:
-            break
-        logits = await model.forward(seq, [token])
-    t_decode = time.perf_counter() - t1
+    try:
+        while True:
+            token, extra, end = await req.next()
+            lp, top = extra if extra is not None else (None, None)
+            n_gen += 1
+            if end == "eos":
+                reason = "eos"
+                break
+            text, hit = stopper.push(stream.push(token))
+            if hit:
+                reason = "stop"
+                if text:
+                    yield GenerationChunk(text, token, None, lp, top)
+                break
+            yield GenerationChunk(text, token, None, lp, top)
+            if end is not None:
+                break
+    finally:
+        model.engine.release(req)
+    t_end = time.perf_counter()
+    t_first = req.t_first or t_end
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
-    stats = GenerationStats(len(ids), n_gen, t_prefill, t_decode, reason,
-                            io=_io_report(io_before, model.io_stats(), t_prefill + t_decode),
-                            peak_rss=peak_rss(), cache_note=model.cache_note)
+    stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
+                            io=_io_report(io_before, model.io_stats(), t_end - t0),
+                            peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
+
+
+def _with_logprobs(n: int):
+    """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
+    most likely from the raw logits, before any penalty (as OpenAI and llama.cpp's server report them)."""
+
+    def sample(req, row):
+        token = req.sampler.sample(row, req.history)
+        return token, token_logprobs(row, token, n)
+
+    return sample

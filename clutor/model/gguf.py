@@ -370,7 +370,9 @@ def _parse_part(path: str, fd: int) -> _Part:
 
 def _open_part(path: str) -> _Part:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer before the
+        # regular-file check below could refuse it (it has no effect on regular files).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ModelFileError(path, "file", "an existing GGUF file", "missing") from None
     except OSError as e:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import BudgetError
+
 __all__ = ["rmsnorm", "silu", "softmax", "Rope", "KVCache", "attention", "route"]
 
 
@@ -27,21 +29,30 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 class Rope:
-    """NEOX-ordered rotary embedding: pair (x[i], x[i + n_rot/2]) rotated by pos * base^(-2i/n_rot)."""
+    """NEOX-ordered rotary embedding: pair (x[i], x[i + n_rot/2]) rotated by pos * base^(-2i/n_rot).
+
+    The angles are computed for the positions of each call, not tabled for the whole context: a
+    table of n_ctx x n_rot/2 would let the context length (or a file's key_length) decide an
+    allocation of gigabytes at open, while a step's own positions cost T x n_rot/2 numbers.
+    """
 
     def __init__(self, n_rot: int, base: float, n_ctx: int):
-        half = n_rot // 2
-        inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
-        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]  # [n_ctx, n_rot/2]
-        self.cos = np.cos(ang).astype(np.float32)
-        self.sin = np.sin(ang).astype(np.float32)
-        self.half = half
+        self.half = n_rot // 2
+        self.n_ctx = n_ctx
+        self.inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
+
+    def angles(self, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 [T, n_rot/2] for positions p0..p0+T-1."""
+        if not 0 <= p0 <= p0 + T <= self.n_ctx:
+            raise ValueError(f"RoPE positions {p0}..{p0 + T - 1} outside the context of {self.n_ctx}")
+        ang = np.arange(p0, p0 + T, dtype=np.float64)[:, None] * self.inv[None, :]  # [T, n_rot/2]
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
         T, half = x.shape[0], self.half
-        cos = self.cos[p0 : p0 + T, None, :]  # [T, 1, half]
-        sin = self.sin[p0 : p0 + T, None, :]
+        cos, sin = self.angles(p0, T)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
         x1, x2 = x[..., :half], x[..., half : 2 * half]
         out = np.empty_like(x)
         out[..., :half] = x1 * cos - x2 * sin
@@ -54,11 +65,19 @@ def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
     """float32 zeros in an anonymous mapping (zero pages until written), without huge pages."""
     import mmap
 
-    nbytes = int(np.prod(shape)) * 4
-    m = mmap.mmap(-1, max(nbytes, 1))
+    import math
+
+    count = math.prod(shape)
+    try:
+        m = mmap.mmap(-1, max(count * 4, 1))
+    except (OSError, OverflowError, MemoryError) as e:
+        # Only address space is asked for here, but the kernel may still refuse it (overcommit
+        # limits, RLIMIT_AS): say which size did not fit instead of a bare errno.
+        raise BudgetError(f"KV cache of {count * 4} bytes {shape} cannot be mapped ({e}); "
+                          "open the model with a smaller n_ctx") from None
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         m.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(m, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
+    return np.frombuffer(m, dtype=np.float32, count=count).reshape(shape)
 
 
 class KVCache:
@@ -75,6 +94,7 @@ class KVCache:
         self.v = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim_v))  # [L, Hkv, n_ctx, hdv]
         self.n_ctx = n_ctx
         self.n = 0  # positions filled (advanced by the model after the last layer)
+        self.high = 0  # positions ever written: the pages made resident (what the cache really holds)
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +103,7 @@ class KVCache:
     def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k [T, Hkv, hd], v [T, Hkv, hdv] at positions p0..p0+T-1."""
         T = k.shape[0]
+        self.high = max(self.high, p0 + T)
         self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
         self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
 

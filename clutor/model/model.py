@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
 from .._util import AwaitableContext
-from ..io.trace import TraceHeader, TraceWriter
+from ..io.policies import DEFAULT_POLICY
+from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import read_config
 from .config import ModelConfig
 from .gguf import GGUFFile
 from .layers import KVCache, Rope, attention, rmsnorm, route, silu
 from . import kernels
+from .compute import compute
+from .engine import Engine
 from .kernels import Job
 from .quants import apply_all, matmul_jobs
-from ..io.policies import POLICIES
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
@@ -42,6 +45,24 @@ class SequenceState:
     @property
     def n(self) -> int:
         return self.kv.n
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One sequence's share of a step: its new ids at positions p0.., rows r0.. of the step."""
+
+    seq: SequenceState
+    ids: np.ndarray  # [T_i] int64
+    p0: int
+    r0: int
+
+
+@dataclass(frozen=True)
+class _Step:
+    segments: list[_Segment]
+    ids: np.ndarray  # [R] the segments' ids back to back
+    pos: np.ndarray  # [R] each row's position in its own sequence
+    need: list[bool]  # per segment: compute its logits
 
 
 class Model:
@@ -66,14 +87,17 @@ class Model:
         self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
-        room = getattr(experts, "n_slots", 0) + getattr(experts, "n_spare", 0)
+        room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self.engine = Engine(self, max_sequences=options.max_sequences, step_tokens=options.step_tokens,
+                             prefix_bytes=options.prefix_cache_bytes)
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
-             prefetch: bool | None = None, policy: str = "forecast", io: str = "auto", direct: bool = True,
-             trace: str | os.PathLike | None = None,
+             prefetch: bool | None = None, policy: str = DEFAULT_POLICY, io: str = "auto", direct: bool = True,
+             trace: str | os.PathLike | None = None, max_sequences: int = 16, step_tokens: int = 256,
+             prefix_cache: int | str = "256MiB",
              progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
@@ -86,10 +110,16 @@ class Model:
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).
         trace: write the routing of every token to this JSONL file (the simulator's format).
+        max_sequences: generations advanced together in one batched step; more wait their turn.
+        step_tokens: tokens one step computes at most over all sequences: long prompts are prefilled in
+            chunks of what is left after every decoding sequence's token, so they never freeze the others.
+        prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
+            starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off.
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
         """
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
-                            direct=direct, trace=os.fspath(trace) if trace is not None else None)
+                            direct=direct, trace=os.fspath(trace) if trace is not None else None,
+                            max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
@@ -104,6 +134,8 @@ class Model:
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
                 layout = f.expert_layout(cfg.n_layers, cfg.n_expert)
+                if opts.trace:
+                    check_output(opts.trace, f.paths)  # refused before the dense read, not after
                 ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)
                 if not 1 <= ctx <= cfg.n_ctx_train:
                     raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
@@ -119,10 +151,9 @@ class Model:
                 raise
             return f, cfg, tok, dense, layout, ctx, budget
 
-        if opts.io != "memory" and opts.policy not in POLICIES:
-            raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {opts.policy!r}")
         f, cfg, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
         experts: ExpertSource | None = None
+        trace: TraceWriter | None = None
         try:
             if budget is None:
                 experts, why = InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
@@ -132,35 +163,39 @@ class Model:
                 experts = await ExpertStore.open(layout, budget[0], policy=opts.policy, io=opts.io,
                                                  direct=opts.direct, prefetch_slots=None if opts.prefetch else 0)
                 why = budget[1]
-            trace = None
             if opts.trace:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
-                slot = getattr(experts, "slot_bytes", layout.max_expert_bytes)
-                try:
-                    trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used, slot))
-                except OSError as e:
-                    raise ClutorError(f"{opts.trace}: cannot write the routing trace: {e.strerror}") from None
+                trace = TraceWriter(opts.trace, TraceHeader(cfg.n_layers, cfg.n_expert, cfg.n_expert_used,
+                                                            experts.slot_bytes), protect=f.paths)
+            return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
         except BaseException:
-            if experts is not None:
-                await experts.aclose()
-            f.close()
+            # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
+            # eventfd, arena) and the file's fds before re-raising.
+            await _close_all([trace.abort if trace is not None else None,
+                              experts.aclose if experts is not None else None, f.close])
             raise
-        return cls(path, f, cfg, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
 
     async def aclose(self) -> None:
+        """Fail generations still running (after the step under way), then free everything."""
         if self._closed:
             return
-        self._closed = True
-        if self._trace is not None:
-            self._trace.close()
-        await self._experts.aclose()
-        self._file.close()
+        try:
+            await self.engine.aclose()
+        finally:
+            self._closed = True
+            # Each is closed even when another one's close raises (a trace on a full disk); the first
+            # error is raised after all are closed.
+            await _close_all([self._experts.aclose, self._file.close,
+                              self._trace.close if self._trace is not None else None])
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self.path}: model is closed")
 
     # ---- forward ---------------------------------------------------------------------------
+    # The one data path. Every numerical step is a plain method run on the compute thread
+    # (``await compute(...)``); what stays on the event loop is only the expert I/O: reserving a
+    # layer's experts, submitting the misses and taking completions (``self._experts.get_ready``).
     def new_sequence(self) -> SequenceState:
         return SequenceState(self.config, self.n_ctx)
 
@@ -171,101 +206,103 @@ class Model:
 
     async def forward(self, seq: SequenceState, ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
         """Append ids to seq (one batched pass); logits [T, V] if all_logits else [1, V] for the last."""
-        cfg = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T]
-        T, p0 = len(ids), seq.n
-        if T == 0:
-            raise ClutorError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= cfg.n_vocab:
-            raise ClutorError(f"token ids must be in [0, {cfg.n_vocab}), got {int(ids.min())}..{int(ids.max())}")
-        if p0 + T > seq.kv.n_ctx:
-            raise ClutorError(f"context full: {p0} + {T} tokens > n_ctx {seq.kv.n_ctx} (open the model with a larger n_ctx)")
-        x = self._w.tok_embd.rows(ids)  # [T, D]
-        for l, lw in enumerate(self._w.layers):
-            x = x + self._attention(lw, l, x, seq, p0)
-            x = x + await self._moe(l, x, p0)
-        seq.kv.n = p0 + T
-        if not all_logits:
-            x = x[-1:]
-        return self._w.output(rmsnorm(x, self._w.output_norm, cfg.eps))  # [T or 1, V]
+        return (await self.forward_batch([(seq, ids)], all_logits=all_logits))[0]
 
-    def _attention(self, lw: LayerWeights, l: int, x: np.ndarray, seq: SequenceState, p0: int) -> np.ndarray:
+    async def forward_batch(self, batch: Sequence[tuple[SequenceState, Sequence[int]]], *,
+                            all_logits: bool = False, need: Sequence[bool] | None = None,
+                            head: Callable | None = None) -> list:
+        """One step over several sequences at once: each (seq, ids) appends its ids to its own KV
+        cache at its own positions; the layers' dense products and each routed expert run once for
+        all rows of the step. Returns per sequence logits [T_i, V] (all_logits) or [1, V], None
+        where ``need`` says a sequence's logits are not wanted (a prompt chunk that is not its last);
+        ``head(that list)``, if given, runs on the compute thread and its result is returned instead."""
+        self._check_open()
+        step = self._plan(batch, need)
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
+            # the previous layer's expert sum (or the embedding), then this layer's attention and router.
+            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt)
+        for seg in step.segments:  # the positions are filled only once every layer has written them
+            seg.seq.kv.n = seg.p0 + len(seg.ids)
+        return await compute(self._head, x, h, ys, step, all_logits, head)
+
+    def _plan(self, batch, need) -> "_Step":
         cfg = self.config
-        T = x.shape[0]
-        h = rmsnorm(x, lw.attn_norm, cfg.eps)  # [T, D]
-        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [T, H*hd], [T, Hkv*hd], [T, Hkv*hdv]
+        segments, r = [], 0
+        need = [True] * len(batch) if need is None else list(need)
+        for seq, ids in batch:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T_i]
+            if len(ids) == 0:
+                raise ClutorError("forward needs at least one token")
+            if ids.min() < 0 or ids.max() >= cfg.n_vocab:
+                raise ClutorError(f"token ids must be in [0, {cfg.n_vocab}), got {int(ids.min())}..{int(ids.max())}")
+            if seq.n + len(ids) > seq.kv.n_ctx:
+                raise ClutorError(f"context full: {seq.n} + {len(ids)} tokens > n_ctx {seq.kv.n_ctx} "
+                                  "(open the model with a larger n_ctx)")
+            if any(s.seq is seq for s in segments):
+                raise ClutorError("a sequence can appear only once in a step")
+            segments.append(_Segment(seq, ids, seq.n, r))
+            r += len(ids)
+        if not segments:
+            raise ClutorError("forward needs at least one sequence")
+        return _Step(segments, np.concatenate([s.ids for s in segments]),
+                     np.concatenate([s.p0 + np.arange(len(s.ids)) for s in segments]), need)
+
+    # -- compute thread ------------------------------------------------------------------------
+    def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: "_Step"):
+        """The residual entering layer l (the embedding, or layer l-1's output: x plus its experts'
+        sum), then its attention and router: (x + attention [R, D], h = ffn_norm [R, D],
+        experts [R, K], weights [R, K])."""
+        cfg, lw = self.config, self._w.layers[l]
+        x = self._w.tok_embd.rows(step.ids) if l == 0 else self._moe_add(l - 1, x, h, ys)  # [R, D]
+        x = x + self._attention(lw, l, x, step)
+        h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [R, D]
+        sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [R, K], [R, K]
+        nxt = None
+        if len(sel) == len(step.segments) and l + 1 < cfg.n_layers:
+            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
+            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+            nxt = self._predict(l + 1, x)
+        if self._trace is not None:
+            for r in range(len(sel)):
+                self._trace.write(int(step.pos[r]), l, sel[r].tolist(), w[r].tolist(), next=nxt)
+        return x, h, sel, w, nxt
+
+    def _attention(self, lw: LayerWeights, l: int, x: np.ndarray, step: "_Step") -> np.ndarray:
+        cfg = self.config
+        R = x.shape[0]
+        h = rmsnorm(x, lw.attn_norm, cfg.eps)  # [R, D]
+        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [R, H*hd], [R, Hkv*hd], [R, Hkv*hdv]
         if cfg.qkv_bias:
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         if cfg.qk_norm == "full":  # olmoe: over the whole vectors, before the head split
             q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
-        q = q.reshape(T, cfg.n_head, cfg.head_dim)
-        k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
+        q = q.reshape(R, cfg.n_head, cfg.head_dim)
+        k = k.reshape(R, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(R, cfg.n_head_kv, cfg.head_dim_v)
         if cfg.qk_norm == "head":  # qwen3moe: per head, after the split
             q, k = rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps)
-        q, k = self._rope(q, p0), self._rope(k, p0)
-        seq.kv.write(l, p0, k, v.reshape(T, cfg.n_head_kv, cfg.head_dim_v))
-        o = attention(q, seq.kv, l, p0, 1.0 / np.sqrt(cfg.head_dim))  # [T, H*hdv]
+        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)  # [R, H*hdv]
+        for s in step.segments:  # each sequence attends over its own cache, at its own positions
+            rows = slice(s.r0, s.r0 + len(s.ids))
+            qs, ks = self._rope(q[rows], s.p0), self._rope(k[rows], s.p0)
+            s.seq.kv.write(l, s.p0, ks, v[rows])
+            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim))
         return lw.wo(o)
-
-    async def _moe(self, l: int, x: np.ndarray, p0: int) -> np.ndarray:
-        """Routed experts (+ qwen2moe's shared expert) on the residual x [T, D] -> the MoE output [T, D]."""
-        cfg, lw = self.config, self._w.layers[l]
-        D, F = cfg.n_embd, cfg.n_ff_exp
-        h = rmsnorm(x, lw.ffn_norm, cfg.eps)  # [T, D]
-        sel, w = route(h, lw.router, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
-        nxt = None
-        if len(x) == 1 and l + 1 < cfg.n_layers:
-            # Decode: layer l+1's router on this residual predicts its experts. Told to the cache
-            # before this layer's get, so this layer's misses do not evict them (and prefetch reads them).
-            nxt = self._predict(l + 1, x)
-            self._experts.hint(l + 1, nxt)
-        if self._trace is not None:
-            for t in range(len(sel)):
-                self._trace.write(p0 + t, l, sel[t].tolist(), w[t].tolist(), next=nxt)
-        wanted = _by_votes(sel)  # each expert read once per layer per batch
-        out = np.zeros_like(h)  # [T, D]
-        for i in range(0, len(wanted), self._max_batch):
-            chunk = wanted[i : i + self._max_batch]
-            # Reserved and submitted as one batch, but computed group by group as the bytes arrive (all
-            # cached ones at once, then the reads that completed together) while the rest is still
-            # read; the sums are taken afterwards in a fixed order, so the result never depends on
-            # which read finished first.
-            groups = self._experts.get_ready(l, chunk)
-            ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-            try:
-                async for views in groups:
-                    if not ys and i == 0 and self._prefetch and len(x) == 1 and l + 1 < cfg.n_layers:
-                        # Decode only: this layer's experts are pinned and its misses submitted; now
-                        # queue the experts layer l+1's router picks from the current hidden state.
-                        # (In a prefill nearly every expert is demanded anyway; it measured slower.)
-                        self._experts.prefetch(l + 1, nxt)
-                    ys.update(self._experts_out(l, h, sel, w, views))
-            finally:
-                await groups.aclose()
-            # Yield once: another sequence waiting for the slots just released gets its turn before
-            # this one reserves again (without it, a sequence whose next layer is all hits never
-            # suspends and can starve the other).
-            await asyncio.sleep(0)
-            for e in chunk:
-                rows, y = ys[e]
-                out[rows] += y
-        if cfg.n_ff_shexp:
-            g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [T]
-            s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [T, D]
-            out += g[:, None].astype(np.float32) * s
-        return out
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                      views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Some of layer l's experts on the normed residual h [T, D]: {expert: (rows, weighted output
-        [n, D])} for the n tokens routed to it. Every expert's tokens are gathered into one array so
+        """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
+        [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
         that gate and up for all of them are one kernel launch, and down another."""
         cfg, et = self.config, self._w.layers[l].experts
         D, F = cfg.n_embd, cfg.n_ff_exp
-        picks = [np.nonzero(sel == v.expert) for v in views]  # (token rows, top-k slots) per expert
+        picks = [np.nonzero(sel == v.expert) for v in views]  # (rows, top-k slots) per expert
         counts = [len(rows) for rows, _ in picks]
         starts = np.cumsum([0] + counts)[:-1].tolist()
-        xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = tokens summed over experts
+        xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = rows summed over experts
         gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
         matmul_jobs([job for v, t0, n in zip(views, starts, counts)
                      for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
@@ -275,24 +312,113 @@ class Model:
         y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
         return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
 
+    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
+        """x + the routed experts' outputs (summed in the order the experts were asked for, so the
+        result never depends on which read finished first) + qwen2moe's gated shared expert."""
+        lw = self._w.layers[l]
+        out = np.zeros_like(h)  # [R, D]
+        for rows, y in ys:
+            out[rows] += y
+        if self.config.n_ff_shexp:
+            g = 1.0 / (1.0 + np.exp(-(h @ lw.sh_gate_inp)))  # [R]
+            s = lw.sh_down(silu(lw.sh_gate(h)) * lw.sh_up(h))  # [R, D]
+            out += g[:, None].astype(np.float32) * s
+        return x + out
+
+    def _head(self, x: np.ndarray, h: np.ndarray, ys: list, step: "_Step", all_logits: bool, head: Callable | None):
+        """The last layer's output, then the output projection of the rows wanted: all of a
+        segment's, or its last (the others' logits would cost a [V, D] product per row for nothing)."""
+        cfg = self.config
+        x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+        spans = [(s.r0, len(s.ids)) if all_logits else (s.r0 + len(s.ids) - 1, 1) for s in step.segments]
+        wanted = [span for span, ok in zip(spans, step.need) if ok]
+        out: list[np.ndarray | None] = [None] * len(spans)
+        if wanted:
+            rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted])
+            logits = self._w.output(rmsnorm(x[rows], self._w.output_norm, cfg.eps))  # [rows, V]
+            at = 0
+            for i, ((_, n), ok) in enumerate(zip(spans, step.need)):
+                if ok:
+                    out[i], at = logits[at : at + n], at + n
+        return head(out) if head is not None else out
+
     def _predict(self, l: int, x: np.ndarray) -> list[int]:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
         cfg, lw = self.config, self._w.layers[l]
         sel, _ = route(rmsnorm(x, lw.ffn_norm, cfg.eps), lw.router, cfg.n_expert_used, cfg.norm_topk)
         return _by_votes(sel)[: self._max_batch]
 
+    # -- event loop: expert I/O ------------------------------------------------------------------
+    async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                              step: "_Step", nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Layer l's routed experts for every row of the step: each expert read once, computed on the
+        compute thread group by group as its bytes arrive, while the rest are still being read."""
+        wanted = _by_votes(sel)  # each expert once per layer per step
+        decode = len(sel) == len(step.segments)  # one row per sequence: no prompt in this step
+        ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if nxt is not None:
+            self._experts.hint(l + 1, nxt)  # before this layer's get: its misses then spare layer l+1's experts
+        for i in range(0, len(wanted), self._max_batch):
+            chunk = wanted[i : i + self._max_batch]
+            groups = self._experts.get_ready(l, chunk)
+            try:
+                first = True
+                async for views in groups:
+                    if first and i == 0 and self._prefetch and decode and l + 1 < self.config.n_layers:
+                        # This layer's experts are pinned and its misses submitted: queue the experts
+                        # layer l+1's router picks from the current hidden state, read while this
+                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
+                        self._experts.prefetch(l + 1, nxt)
+                    first = False
+                    ys.update(await compute(self._experts_out, l, h, sel, w, views))
+            finally:
+                await groups.aclose()
+            # Let another forward waiting for the slots just released reserve before this one does
+            # again (a forward whose next layer is all hits would otherwise never suspend).
+            await asyncio.sleep(0)
+        return [ys[e] for e in wanted]
+
     def io_stats(self):
         """The expert store's counters (None when experts are mapped from the file)."""
-        stats = getattr(self._experts, "stats", None)
-        return stats() if stats is not None else None
+        return self._experts.stats()
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **options) -> AsyncIterator["GenerationChunk"]:
-        """Stream a continuation; see clutor.model.generate.generate for the options."""
+        """Stream a continuation; see clutor.model.generate.generate for the options. Call it from
+        several tasks at once: the generations share one batched step and one expert cache."""
         from .generate import generate
 
         self._check_open()
         return generate(self, prompt, **options)
+
+    def chat(self, messages: Sequence[dict], **options) -> AsyncIterator["GenerationChunk"]:
+        """Stream the assistant's reply to messages ([{"role": ..., "content": ...}]) through the file's
+        chat template; options as for generate. The next turn's prompt starts with this one's tokens,
+        so its KV cache is reused (GenerationStats.cached_tokens says how many)."""
+        from .chat import chat_ids
+
+        self._check_open()
+        return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+
+    def engine_stats(self):
+        """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""
+        return self.engine.stats()
+
+
+async def _close_all(closers) -> None:
+    """Call every closer (sync or async; None skipped) in order, then raise the first error."""
+    first: BaseException | None = None
+    for close in closers:
+        if close is None:
+            continue
+        try:
+            r = close()
+            if asyncio.iscoroutine(r):
+                await r
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def _progress_of(progress, f) -> Callable[[int], None] | None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..errors import BudgetError, ClutorError
 from ..io.layout import ExpertLayout
-from ..io.policies import DEFAULT_POLICY
+from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..io.store import slot_bytes  # the store owns slot geometry; budgets are counted in its slots
 from ..units import format_bytes, parse_bytes
 
@@ -23,10 +23,27 @@ class ModelOptions:
     io: str = "auto"                       # auto | uring | threads | memory (mmap, no store, no budget)
     direct: bool = True                    # O_DIRECT (bypass the page cache) when the filesystem allows it
     trace: str | None = None               # JSONL routing trace written while running
+    max_sequences: int = 16                # live sequences in one batched step
+    step_tokens: int = 256                 # tokens one step computes at most (prompts are chunked)
+    prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return parse_bytes(self.prefix_cache)
 
     def __post_init__(self):
+        for name in ("max_sequences", "step_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ClutorError(f"{name} must be an integer >= 1, got {v!r}")
+        try:
+            self.prefix_cache_bytes
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ClutorError(f"prefix_cache: expected bytes like '256MiB' or 0, got {self.prefix_cache!r} ({e})") from None
         if self.io not in IO_CHOICES:
             raise ClutorError(f"io must be one of {', '.join(IO_CHOICES)}, got {self.io!r}")
+        if self.io != "memory" and self.policy not in POLICIES:
+            raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
 
 
 def mem_available() -> int:
@@ -71,7 +88,13 @@ def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, den
             budget = parse_bytes(spec)
         except ValueError as e:
             raise ClutorError(f"expert_cache: {e}") from None
-        why = f"as asked ({format_bytes(budget)})"
+        if budget > total:
+            # More than every expert needs would only be memory asked for and never used (and an
+            # absurd size would fail in mmap): hold all the experts, and say so.
+            why = f"{spec} asked, capped at what all experts need ({format_bytes(total)})"
+            budget = total
+        else:
+            why = f"as asked: {spec} = {format_bytes(budget)}"
     if budget < minimum:
         raise BudgetError(
             f"expert cache of {format_bytes(budget)} is too small: one layer's top-{top_k} experts need "

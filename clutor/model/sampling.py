@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ClutorError
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64  # tokens of history the penalty looks at; 0 = none, -1 = all
+    repeat_last_n: int = 64  # tokens of history the penalties look at; 0 = none, -1 = all
     seed: int | None = None
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= count in the window x this (0 = off)
+    presence_penalty: float = 0.0   # OpenAI's: logit -= this once a token is in the window (0 = off)
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> ClutorError:
@@ -58,6 +60,7 @@ class SamplingParams:
             raise bad("repeat_penalty", "> 0 (1 = off)")
         if integer("repeat_last_n") < -1:
             raise bad("repeat_last_n", ">= -1 (0 = off, -1 = whole history)")
+        real("frequency_penalty"), real("presence_penalty")
         if self.seed is not None and integer("seed") < 0:
             raise bad("seed", "None or an integer >= 0")
 
@@ -109,16 +112,36 @@ class Sampler:
 
     def _penalise(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
-        if p.repeat_penalty == 1.0 or p.repeat_last_n == 0 or len(history) == 0:
+        off = p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+        if off or p.repeat_last_n == 0 or len(history) == 0:
             return logits
         recent = history if p.repeat_last_n < 0 else history[-p.repeat_last_n :]
-        seen = np.unique(np.asarray(recent, dtype=np.int64))
-        seen = seen[(seen >= 0) & (seen < logits.size)]
+        seen, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+        ok = (seen >= 0) & (seen < logits.size)
+        seen, counts = seen[ok], counts[ok]
         out = logits.astype(np.float32, copy=True)
         v = out[seen]
-        # llama.cpp: divide a positive logit, multiply a negative one, once per distinct token
-        out[seen] = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        # llama.cpp's penalties sampler: divide a positive logit, multiply a negative one, once per
+        # distinct token; then subtract count x frequency + presence
+        v = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        out[seen] = v - counts * np.float32(p.frequency_penalty) - np.float32(p.presence_penalty)
         return out
+
+
+def token_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` under the log-softmax of the raw ``logits`` [V] (before any
+    penalty or truncation, as OpenAI and llama.cpp's server report it), and the ``n`` most likely
+    (id, logprob) pairs, most likely first, ties to the lower id."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)  # [V]
+    m = x.max()
+    lp = x - (m + math.log(np.exp(x - m).sum()))  # [V] log-softmax
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        n = min(n, lp.size)
+        ids = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)  # [n] unordered
+        ids = ids[np.lexsort((ids, -lp[ids]))]  # by logprob descending, then id
+        top = [(int(i), float(lp[i])) for i in ids]
+    return float(lp[token]), top
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -6,11 +6,14 @@ the in-memory source below both implement it, so the model never knows where exp
 from __future__ import annotations
 
 import mmap
+import os
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..errors import ClosedError, ClutorIOError
 from ..io.layout import ExpertLayout
+from ..io.store import StoreStats
 from ..io.views import ExpertBatch, ExpertView
 
 __all__ = ["ExpertSource", "InMemoryExperts"]
@@ -18,6 +21,15 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 
 @runtime_checkable
 class ExpertSource(Protocol):
+    """Where the layer loop gets routed experts from. ``capacity``: the most distinct experts one
+    get may hold pinned at once (0 = no limit); ``slot_bytes``: what one cached expert occupies (a
+    routing trace's header carries it, so the simulator models the same cache); ``stats()``: the
+    store's counters, None where nothing is cached."""
+
+    capacity: int
+    slot_bytes: int
+
+    def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
@@ -30,23 +42,66 @@ class InMemoryExperts:
 
     The mappings are populated when opened (MAP_POPULATE, as llama.cpp does): page-table faults on
     first touch cost a 64-token prefill of the OLMoE-shaped model ~1 s otherwise, paid by whichever
-    tokens first route to each expert."""
+    tokens first route to each expert.
+
+    A mapping outlives changes to its file: if the file is truncated, touching a page past the new
+    end raises SIGBUS, which no Python code can catch (the process dies). So every get() first checks
+    (one fstat per file, ~1 us) that each file still reaches past its last expert byte, and raises
+    ClutorIOError otherwise instead of handing out views into pages that are gone. The check cannot
+    cover a truncation during the very compute that uses the views; io="auto"/"threads" (pread into
+    memory the process owns) have no such window.
+    """
+
+    capacity = 0  # every expert is always there: nothing to pin
 
     def __init__(self, layout: ExpertLayout):
         self.layout = layout
+        self.slot_bytes = layout.max_expert_bytes
         self._maps: dict[str, np.ndarray] = {}
         self._mmaps: list[mmap.mmap] = []
+        self._fds: dict[str, int] = {}
+        # bytes each file must hold: the end of its last expert slab
+        self._need: dict[str, int] = {}
+        for tensors in layout.layers:
+            for t in tensors:
+                self._need[t.path] = max(self._need.get(t.path, 0), t.offset + layout.n_experts * t.slab_bytes)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        for path in layout.files:
-            with open(path, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-            self._mmaps.append(m)
-            self._maps[path] = np.frombuffer(m, dtype=np.uint8)  # [file_bytes]
+        try:
+            for path in layout.files:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                self._fds[path] = fd
+                self._check(path)
+                m = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+                self._mmaps.append(m)
+                self._maps[path] = np.frombuffer(m, dtype=np.uint8)  # [file_bytes]
+        except OSError as e:
+            self._close_fds()
+            raise ClutorIOError(getattr(e, "filename", None) or layout.files[0], 0, 0, e.strerror or str(e)) from None
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def _check(self, path: str) -> None:
+        size = os.fstat(self._fds[path]).st_size
+        need = self._need[path]
+        if size < need:
+            raise ClutorIOError(path, size, need - size,
+                                f"the file is {size} bytes, shorter than its experts need ({need}): "
+                                "it was truncated while open")
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
     def _slab(self, slab) -> np.ndarray:
         return self._maps[slab.path][slab.offset : slab.offset + slab.nbytes]
 
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+        if not self._fds:
+            raise ClosedError("expert source used after aclose()")
+        for path in {t.path for t in self.layout.layers[layer]}:
+            self._check(path)  # before any page of the mapping is touched (see the class docstring)
         views = []
         for e in experts:
             g, u, d = self.layout.slabs(layer, int(e))
@@ -62,8 +117,12 @@ class InMemoryExperts:
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
+    def stats(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         # Views may still be referenced by callers; dropping our references lets the mmaps close
         # when the last view goes, instead of raising BufferError here.
         self._maps.clear()
         self._mmaps.clear()
+        self._close_fds()

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
-from clutor.errors import UnsupportedError
+from clutor.errors import ClutorError, UnsupportedError
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -692,6 +692,39 @@ def _is_valid(path: Path, spec: ModelSpec, seed: int, qtype: str | None) -> bool
         return False
 
 
+_TMP_SUFFIX = ".tmp"
+_STALE_SECONDS = 24 * 3600  # a temp file without a live writer's pid in its name, this old, is garbage
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Delete half-written demo models left by killed runs: `.NAME.PID.RANDOM.tmp` whose PID no longer
+    runs (older versions wrote `.NAME.RANDOM.tmp`: those go once a day old)."""
+    import time
+
+    for p in root.glob(f".*.gguf.*{_TMP_SUFFIX}"):
+        fields = p.name[: -len(_TMP_SUFFIX)].split(".")
+        pid = fields[-2] if len(fields) >= 2 else ""
+        try:
+            if pid.isdigit():
+                if _alive(int(pid)):
+                    continue
+            elif time.time() - p.stat().st_mtime < _STALE_SECONDS:
+                continue
+            p.unlink()
+        except OSError:
+            pass  # gone already, or not ours to remove
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
 def ensure_demo_model(
     cache_dir: str | os.PathLike | None = None,
     *,
@@ -708,10 +741,30 @@ def ensure_demo_model(
     """
     spec = spec or PRESETS["demo"]
     root = Path(cache_dir) if cache_dir is not None else _cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ClutorError(f"{root}: cannot create the demo model's directory: {e.strerror or e}") from None
+    if not root.is_dir():
+        raise ClutorError(f"{root}: cannot write the demo model: not a directory")
     path = root / f"{spec.name}-{model_fingerprint(spec, seed)[:16]}.gguf"
+    _remove_stale_temps(root)
     if _is_valid(path, spec, seed, None):
         return path
+    try:
+        # the pid in the name lets a later run tell a dead writer's leftover from a live writer's file
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=_TMP_SUFFIX, dir=root)
+    except OSError as e:
+        raise ClutorError(f"{root}: cannot write the demo model: {e.strerror or e}") from None
+    os.close(fd)
+    try:
+        write_model(tmp, spec, seed=seed, progress=progress)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ClutorError(f"{path}: cannot write the demo model: {e.strerror or e}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # after the rename there is nothing left under this name
+    return path
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=root)
     os.close(fd)
     try:

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ..errors import ClutorError, ModelFileError, UnsupportedError
+from .config import MAX_VOCAB
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -187,11 +188,15 @@ class Tokenizer:
                 path, "tokenizer.ggml.model", f"one of {', '.join(_MODELS)}", _shown(model)
             )
         pre = metadata.get("tokenizer.ggml.pre")
-        if pre not in _SPLIT_PATTERNS:
+        if not isinstance(pre, str) or pre not in _SPLIT_PATTERNS:
             raise UnsupportedError(
                 path, "tokenizer.ggml.pre", f"one of {', '.join(sorted(_SPLIT_PATTERNS))}", _shown(pre)
             )
 
+        raw_tokens = metadata.get("tokenizer.ggml.tokens")
+        if isinstance(raw_tokens, (list, tuple)) and len(raw_tokens) > MAX_VOCAB:
+            # the tables built below cost ~650 bytes and ~5 us per token: refuse before building them
+            raise ModelFileError(path, "tokenizer.ggml.tokens", f"at most {MAX_VOCAB} tokens", len(raw_tokens))
         tokens = _strings(metadata, "tokenizer.ggml.tokens", path)
         n = len(tokens)
         if n == 0:
@@ -209,10 +214,14 @@ class Tokenizer:
         if types_raw is None:
             types = [_NORMAL] * n  # llama.cpp: a vocab without types is all normal tokens
         else:
-            try:
-                types = [int(t) for t in types_raw]  # type: ignore[union-attr]
-            except (TypeError, ValueError) as e:
-                raise ModelFileError(path, "tokenizer.ggml.token_type", "an array of integers", e) from e
+            if isinstance(types_raw, (str, bytes)) or not isinstance(types_raw, (Sequence, np.ndarray)):
+                raise ModelFileError(path, "tokenizer.ggml.token_type", "an array of integers", type(types_raw).__name__)
+            types = []
+            for k, t in enumerate(types_raw):
+                # integers only: a float (even 1.0, or inf) means the array was written wrong
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ModelFileError(path, f"tokenizer.ggml.token_type[{k}]", "an integer", _shown(t))
+                types.append(int(t))
             if len(types) != n:
                 raise ModelFileError(
                     path, "tokenizer.ggml.token_type", f"{n} entries (one per token)", len(types)
@@ -290,7 +299,11 @@ class Tokenizer:
         """Token ids of ``text`` as llama.cpp's ``llama_tokenize(text, add_special, parse_special=special)``.
 
         ``add_bos=None`` follows the file's ``tokenizer.ggml.add_bos_token``.
+        Text that is not valid Unicode (lone surrogates, as Python gives for undecodable bytes in
+        argv or a file read with errors="surrogateescape") is tokenized as its bytes decoded with
+        U+FFFD for each invalid sequence, as llama.cpp's tools do with invalid UTF-8 input.
         """
+        text = _valid_text(text)
         ids: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
             if self._bos_id is None:
@@ -370,6 +383,28 @@ class StreamDecoder:
     def flush(self) -> str:
         """Emit what is held back (an incomplete character becomes U+FFFD) and reset."""
         return self._utf8.decode(b"", final=True)
+
+
+def _valid_text(text: str) -> str:
+    """``text`` with lone surrogates resolved: surrogate-escaped bytes (U+DC80..U+DCFF) become the
+    bytes they stand for, then every invalid UTF-8 sequence (and any other lone surrogate) U+FFFD."""
+    if not isinstance(text, str):
+        raise ClutorError(f"text to encode must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    out = bytearray()
+    for ch in text:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:
+            out.append(o - 0xDC00)
+        elif 0xD800 <= o <= 0xDFFF:
+            out += "\ufffd".encode()
+        else:
+            out += ch.encode()
+    return out.decode("utf-8", errors="replace")
 
 
 def _any_of(candidates: Sequence[tuple[str, int]]) -> re.Pattern[str] | None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ...errors import ModelFileError
-from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_LAYERS, ModelConfig
+from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
 
 
 def _int(f, key: str, lo: int, hi: int, default=None) -> int:
@@ -28,8 +28,8 @@ def base_config(f, *, qk_norm: str, qkv_bias: bool, norm_topk: bool, ff_key: str
     if n_head % n_head_kv:
         raise ModelFileError(f.path, f"{f.arch}.attention.head_count_kv", f"a divisor of head_count {n_head}", n_head_kv)
     default_hd = n_embd // n_head
-    head_dim = _int(f, "attention.key_length", 2, 65536, default=default_hd)
-    head_dim_v = _int(f, "attention.value_length", 1, 65536, default=default_hd)
+    head_dim = _int(f, "attention.key_length", 2, MAX_HEAD_DIM, default=default_hd)
+    head_dim_v = _int(f, "attention.value_length", 1, MAX_HEAD_DIM, default=default_hd)
     n_rot = _int(f, "rope.dimension_count", 2, head_dim, default=head_dim)
     if n_rot % 2:
         raise ModelFileError(f.path, f"{f.arch}.rope.dimension_count", "an even number", n_rot)
@@ -38,6 +38,8 @@ def base_config(f, *, qk_norm: str, qkv_bias: bool, norm_topk: bool, ff_key: str
     tok = f.tensor("token_embd.weight")
     if len(tok.shape) != 2 or tok.shape[1] != n_embd:
         raise ModelFileError(f.path, "tensor token_embd.weight", f"shape (n_vocab, {n_embd})", tok.shape)
+    if tok.shape[0] > MAX_VOCAB:
+        raise ModelFileError(f.path, "tensor token_embd.weight", f"at most {MAX_VOCAB} vocabulary rows", tok.shape[0])
     return ModelConfig(
         arch=f.arch,
         n_layers=_int(f, "block_count", 1, MAX_LAYERS),

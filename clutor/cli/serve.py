@@ -1,0 +1,93 @@
+"""clutor serve MODEL: an OpenAI-compatible HTTP server (chat and text completions, streaming or not).
+
+The port is open at once; /health answers 503 until the model is loaded, then 200. SIGINT/SIGTERM
+drains the requests in flight (at most --drain-timeout seconds), then exits. Needs the server extra:
+pip install 'clutor[server]'."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from ..errors import ClutorError
+from .common import Formatter, add_model_args, model_kwargs
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", formatter_class=Formatter, description=__doc__,
+        epilog="examples:\n  clutor serve olmoe.gguf --expert-cache 3GiB --port 8000\n"
+               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'",
+    )
+    p.add_argument("model", help="GGUF file (first part of a split model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name stem)")
+    p.add_argument("--api-key", default=os.environ.get("CLUTOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (CORS; repeatable, '*' = any)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the --max-sequences in the batch; more get 429")
+    p.add_argument("--max-body", type=int, default=8 << 20, help="largest request body, bytes (more: 413)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds requests in flight may still run")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g = p.add_argument_group("defaults for requests that omit a sampling field")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    add_model_args(p)
+    return p
+
+
+def _server_modules():
+    try:
+        from ..server import Defaults, create_app
+        from ..server.run import Server, bind
+    except ImportError as e:
+        raise ClutorError(f"clutor serve needs the server extra ({e.name} is missing): "
+                          "pip install 'clutor[server]'") from None
+    return Defaults, create_app, Server, bind
+
+
+async def run(args) -> int:
+    from ..model.model import Model
+
+    Defaults, create_app, Server, bind = _server_modules()
+    if args.max_sequences < 1 or args.max_queue < 0 or args.max_body < 1:
+        raise ClutorError("--max-sequences and --max-body must be >= 1 and --max-queue >= 0")
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise ClutorError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    failed: list[BaseException] = []
+    server = None
+
+    async def open_model():
+        try:
+            return await Model.open(args.model, **model_kwargs(args))
+        except Exception as e:  # a bad file or budget: stop serving and report it like any command
+            failed.append(e)
+            server.should_exit = True
+            raise
+
+    defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        repeat_penalty=args.repeat_penalty)
+    app = create_app(open_model(), served_model_name=args.served_model_name, api_key=args.api_key or None,
+                     max_sequences=args.max_sequences, max_queue=args.max_queue, max_body=args.max_body,
+                     defaults=defaults, cors_origins=tuple(args.allow_origin))
+    server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("clutor.server").info(
+        "listening on http://%s:%d (loading %s%s)", host if ":" not in host else f"[{host}]", port, args.model,
+        ", API key required" if args.api_key else "")
+    await server.serve(sockets=[sock])
+    if failed:
+        raise failed[0] if isinstance(failed[0], ClutorError) else ClutorError(f"{args.model}: {failed[0]}")
+    return 0

@@ -1,0 +1,260 @@
+"""Read an OpenAI request body into what model.generate needs, refusing anything wrong with a 4xx.
+
+Each field is checked for its type and range and named in the message (``param``), as OpenAI does.
+Fields Clutor cannot honour (n > 1, tools, logit_bias, echo, ...) are refused rather than ignored,
+so a client never silently gets something other than what it asked for. Unknown fields are ignored
+(clients send vendor extras freely).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import ClutorError
+from .errors import APIError, bad_request
+
+__all__ = ["Defaults", "GenRequest", "parse_chat", "parse_completion", "check_model"]
+
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that omits a sampling field gets (llama.cpp server's defaults unless the operator
+    says otherwise on the command line)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
+
+
+@dataclass
+class GenRequest:
+    """One validated request."""
+
+    kind: Literal["chat", "completion"]
+    ids: list[int]                     # the prompt's token ids
+    max_tokens: int
+    options: dict = field(default_factory=dict)  # sampling keywords for model.generate
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None        # None = off; n = the chosen token's logprob and n alternatives
+    user: str | None = None
+
+
+def check_model(body: dict, served: str) -> None:
+    """A request naming another model is a 404, as OpenAI answers it (no name = the served model)."""
+    name = body.get("model")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise bad_request("model", f"'model' must be a string, got {_kind(name)}")
+    if name != served:
+        raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
+    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    from ..model.chat import chat_ids
+
+    try:
+        ids = chat_ids(tokenizer, messages)
+    except ClutorError as e:
+        raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
+    logprobs = None
+    if _bool(body, "logprobs", False):
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad_request(name, f"'{name}' (tool calling) is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
+    limit = body.get("max_completion_tokens", None)
+    name = "max_completion_tokens"
+    if limit is None:
+        limit, name = body.get("max_tokens"), "max_tokens"
+    return _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+
+
+def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
+    ids = _prompt_ids(body.get("prompt"), tokenizer)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    for name, ok in (("echo", lambda v: v is False), ("suffix", lambda v: v in ("", None)),
+                     ("best_of", lambda v: v == 1)):
+        if name in body and body[name] is not None and not ok(body[name]):
+            raise bad_request(name, f"'{name}' is not supported by this server")
+    return _common(body, "completion", ids, n_ctx, d, body.get("max_tokens"), "max_tokens",
+                   default_max=d.completion_max_tokens, logprobs=logprobs)
+
+
+# -- shared fields ----------------------------------------------------------------------------------
+def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, limit_name: str,
+            default_max: int | None, logprobs: int | None) -> GenRequest:
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise bad_request("n", f"'n' must be 1 (one choice per request), got {n!r}")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias", "'logit_bias' is not supported by this server")
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("stream_options", f"'stream_options' must be an object, got {_kind(so)}")
+        if not stream:
+            raise bad_request("stream_options", "'stream_options' is only allowed with 'stream': true")
+        include_usage = _bool(so, "include_usage", False, prefix="stream_options.")
+
+    # Context: the prompt must leave room for at least one token, and an explicit limit must fit.
+    P = len(ids)
+    room = n_ctx - P
+    if room < 1:
+        raise bad_request("messages" if kind == "chat" else "prompt",
+                          f"This model's maximum context length is {n_ctx} tokens, but the prompt is {P} "
+                          f"tokens: {P - n_ctx + 1} too many (at least one token must be left to generate). "
+                          "Shorten the prompt.", code="context_length_exceeded")
+    if limit is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    else:
+        max_tokens = _int({limit_name: limit}, limit_name, None, 1, None)
+        if P + max_tokens > n_ctx:
+            raise bad_request(limit_name,
+                              f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                              f"{P + max_tokens} tokens ({P} in the prompt, {max_tokens} for the completion): "
+                              f"{P + max_tokens - n_ctx} too many. Reduce the prompt or '{limit_name}'.",
+                              code="context_length_exceeded")
+
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
+        stops = list(stop)
+    else:
+        raise bad_request("stop", f"'stop' must be a string or an array of at most {MAX_STOPS} strings")
+
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _int(body, "seed", None, -1, 2**63 - 1)
+        seed = None if seed == -1 else seed  # llama.cpp's "random"
+    options = dict(
+        temperature=_num(body, "temperature", d.temperature, 0.0, None),
+        top_p=_num(body, "top_p", d.top_p, 0.0, 1.0, open_low=True),
+        top_k=_int(body, "top_k", d.top_k, 0, None),
+        min_p=_num(body, "min_p", d.min_p, 0.0, 1.0),
+        repeat_penalty=_num(body, "repeat_penalty", d.repeat_penalty, 0.0, None, open_low=True),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
+    )
+    if "repeat_last_n" in body:
+        options["repeat_last_n"] = _int(body, "repeat_last_n", 64, -1, None)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("user", f"'user' must be a string, got {_kind(user)}")
+    return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
+
+
+def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(where, f"'{where}' must be an object with 'role' and 'content', got {_kind(m)}")
+    role = m.get("role")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in ("system", "user", "assistant"):
+        raise bad_request(f"{where}.role", f"'{where}.role' must be 'system', 'user' or 'assistant', got {role!r}")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"{where}.content[{j}]",
+                                  f"'{where}.content[{j}]' must be a text part {{'type': 'text', 'text': ...}} "
+                                  "(this server reads text only)")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content", f"'{where}.content' must be a string or an array of text parts, "
+                                              f"got {_kind(content)}")
+    return {"role": role, "content": content}
+
+
+def _prompt_ids(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < tokenizer.n_vocab]
+        if bad:
+            raise bad_request("prompt", f"token ids in 'prompt' must be in [0, {tokenizer.n_vocab}), got {bad[0]}")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("prompt", f"'prompt' holds {len(prompt)} prompts: this server answers one per request")
+    else:
+        raise bad_request("prompt", "'prompt' must be a string or an array of token ids, got "
+                                    f"{_kind(prompt)}")
+    if not ids:
+        raise bad_request("prompt", "'prompt' is empty: give at least one token")
+    return ids
+
+
+def _kind(v) -> str:
+    return "null" if v is None else {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+                                     list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(prefix + name, f"'{prefix}{name}' must be a boolean, got {_kind(v)}")
+    return v
+
+
+def _num(body: dict, name: str, default: float, lo: float | None, hi: float | None,
+         open_low: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad_request(name, f"'{name}' must be a number, got {_kind(v)}")
+    if lo is not None and (v <= lo if open_low else v < lo) or hi is not None and v > hi:
+        lo_s = "-inf" if lo is None else f"{lo:g}"
+        hi_s = "inf" if hi is None else f"{hi:g}"
+        raise bad_request(name, f"'{name}' must be in {'(' if open_low else '['}{lo_s}, {hi_s}], got {v}")
+    return float(v)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None, hi: int | None) -> int:
+    v = body.get(name)
+    if v is None:
+        if default is None:
+            raise bad_request(name, f"'{name}' must be an integer, got null")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(name, f"'{name}' must be an integer, got {_kind(v)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise bad_request(name, f"'{name}' must be in [{lo}, {'inf' if hi is None else hi}], got {v}")
+    return v

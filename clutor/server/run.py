@@ -1,0 +1,73 @@
+"""Run the app on uvicorn: bind, serve, and on SIGINT/SIGTERM drain for a bounded time, then exit.
+
+uvicorn's own signal handling re-raises the signal after shutting down (so the process dies of it);
+here the first SIGINT/SIGTERM starts a drain (health turns 503, the listening socket closes, requests
+in flight finish for up to ``drain_timeout`` seconds, then are cancelled) and the process exits 0; a
+second SIGINT stops at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+import uvicorn
+
+__all__ = ["Server", "bind"]
+
+log = logging.getLogger("clutor.server")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one: read it back from getsockname())."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server whose signals drain the app (app.state.clutor) instead of re-raising."""
+
+    def __init__(self, app, *, drain_timeout: float = 30.0, **config):
+        cfg = uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
+                             timeout_graceful_shutdown=max(float(drain_timeout), 0.0), **config)
+        super().__init__(cfg)
+        self._app = app
+
+    def stop(self) -> None:
+        """Begin the drain (what SIGINT/SIGTERM do); callable from another thread."""
+        state = getattr(getattr(self._app, "state", None), "clutor", None)
+        if state is not None:
+            state.drain()
+        self.should_exit = True
+
+    def _on_signal(self, sig: int) -> None:
+        if self.should_exit:
+            log.warning("second signal: stopping now")
+            self.force_exit = True
+            return
+        log.info("%s: draining requests in flight (up to %ss), then exiting", signal.Signals(sig).name,
+                 self.config.timeout_graceful_shutdown)
+        self.stop()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
+        try:
+            yield
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)

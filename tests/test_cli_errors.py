@@ -1,0 +1,317 @@
+"""The command line a new user meets: every failure is one `clutor: error:` line and exit code 1 (no
+traceback), habit flags from llama.cpp work, and the chat behaves at a real terminal (a pty)."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clutor.io.policies import DEFAULT_POLICY
+from clutor.cli import main
+from conftest import fixture_path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = str(fixture_path("qwen3moe", "Q8_0"))
+FAST = ["-n", "3", "--temperature", "0", "--ignore-eos"]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def _clutor(*args, **kw) -> list:
+    return [sys.executable, "-c", "import sys; from clutor.cli import main; sys.exit(main())", *args]
+
+
+def _one_error_line(err: str) -> None:
+    assert err.startswith("clutor: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+# -- one line, exit 1 -----------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["missing", "directory", "gguf", "fifo"])
+def test_simulate_on_a_wrong_path(tmp_path, capsys, what):
+    path = {"missing": tmp_path / "nope.jsonl", "directory": tmp_path, "gguf": Path(MODEL),
+            "fifo": tmp_path / "fifo"}[what]
+    if what == "fifo":
+        os.mkfifo(path)
+    assert main(["simulate", str(path)]) == 1
+    _one_error_line(capsys.readouterr().err)
+
+
+def test_ctrl_c_during_start_up_imports(monkeypatch, capsys):
+    import clutor.cli as cli
+
+    def interrupted(name, package=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert main(["info", MODEL]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_importing_the_cli_does_not_import_the_engine():
+    # What runs before main()'s handlers: a Ctrl-C there would be a traceback. Keep it small.
+    p = subprocess.run([sys.executable, "-c", "import sys, clutor.cli; print('numpy' in sys.modules)"],
+                       capture_output=True, text=True, env=_env(), cwd=REPO, timeout=60)
+    assert p.stdout.strip() == "False", p.stderr
+
+
+def test_stdout_on_a_full_disk():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(_clutor("generate", MODEL, "hello", *FAST), stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 1
+    _one_error_line(p.stderr)
+    assert "cannot write the output" in p.stderr
+
+
+def test_stdout_closed_early_ends_quietly():
+    p = subprocess.Popen(_clutor("generate", MODEL, "hello", "-n", "40", "--temperature", "0", "--ignore-eos"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    p.stdout.read(1)  # `| head -c 1`
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0
+    assert "Traceback" not in err and "Exception ignored" not in err and "Broken pipe" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "-n", "0"], "max-tokens"),
+    (["generate", MODEL, "hi", "-n", "0"], "max-tokens"),
+    (["generate", MODEL, "hi", "-n", "-5"], "max-tokens"),
+    (["generate", MODEL, "hi", "--top-p", "0"], "top_p"),
+    (["generate", MODEL, "hi", "-t", "0"], "threads"),
+    (["generate", MODEL, "hi", "-p", "also"], "give the prompt once"),
+    (["generate", MODEL], "give the prompt once"),
+    (["generate", MODEL, "-f", "/nonexistent/prompt.txt"], "prompt file"),
+    (["generate", MODEL, "hi", "--chat-template", "/nonexistent/t.jinja"], "chat template"),
+    (["bench-io", "--size", "1KiB"], "smaller than block"),
+])
+def test_bad_options_fail_before_doing_work(capsys, args, message):
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err)
+    assert message in err
+
+
+# -- invalid UTF-8: U+FFFD, as llama.cpp's tools do -----------------------------------------------
+def test_invalid_utf8_in_argv_and_stdin_is_replaced_not_a_traceback():
+    bad = b"caf\xe9 \xff\xfe ok"
+    p = subprocess.run([os.fsencode(a) for a in _clutor("generate", MODEL, "x", *FAST)][:-len(FAST) - 1]
+                       + [bad] + [a.encode() for a in FAST], capture_output=True, env=_env(), cwd=REPO, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    p = subprocess.run(_clutor("generate", MODEL, "-", *FAST), input=bad, capture_output=True, env=_env(),
+                       cwd=REPO, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    p = subprocess.run(_clutor("chat", MODEL, *FAST), input=bad + b"\n/exit\n", capture_output=True,
+                       env=_env(HOME=str(REPO / "nonexistent-home")), cwd=REPO, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr and b"3 generated" in p.stderr, p.stderr
+
+
+def test_tokenizer_encodes_lone_surrogates_as_replacement_characters():
+    from clutor import Tokenizer
+
+    tok = Tokenizer.from_gguf(MODEL)
+    # "\udce9" is how Python carries the undecodable byte 0xE9 from argv (surrogateescape)
+    assert tok.encode("caf\udce9 \ud800!") == tok.encode("caf\ufffd \ufffd!")
+
+
+# -- habit flags ----------------------------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == "clutor 0.1.0"
+
+
+def test_llama_cpp_style_flags(tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    assert main(["generate", MODEL, "-f", str(prompt), "-c", "64", "-t", "1", "-s", "7", "-n", "-1",
+                 "--temp", "0.5", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    # -n -1: until the 64-token context is full, which ends with stop reason "length"
+    n_prompt = int(err.split("[")[1].split(" prompt tokens")[0])
+    assert f"{64 - n_prompt + 1} generated" in err and "stop: length" in err
+    assert main(["generate", MODEL, "-p", "Hi", "--chat-template", str(template), *FAST]) == 0
+    assert main(["generate", MODEL, "-p", "Hi", "--chat-template", str(tmp_path / "bad.jinja"), *FAST]) == 1
+    assert "bad.jinja" in capsys.readouterr().err
+
+
+def test_generate_api_prompt_fits_but_not_max_tokens():
+    import clutor
+    from conftest import run
+
+    async def go():
+        async with clutor.Model.open(MODEL, n_ctx=16, io="memory") as m:
+            ids = list(range(10, 20))  # 10 of the 16 positions
+            chunks = [c async for c in m.generate(ids, max_tokens=100, temperature=0, ignore_eos=True)]
+            stats = chunks[-1].stats
+            assert stats.generated_tokens == 7 and stats.stop_reason == "length"
+            with pytest.raises(clutor.ClutorError, match="more than the context"):
+                [c async for c in m.generate(list(range(10, 27)), max_tokens=1)]
+
+    run(go())
+
+
+def test_help_shows_each_default_once_and_right(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--buffered reads through the page cache --trace" in out  # no "(default: True)" on a flag
+    for flag in ("--top-k", "--top-p", "--min-p", "--repeat-penalty", "--temperature", "--seed"):
+        text = out.split(flag, 2)[-1][:200]
+        assert "default" in text, flag
+    assert out.count(f"(default: {DEFAULT_POLICY})") == 1 and "default: None" not in out
+
+
+def test_report_without_prefetch_does_not_show_prefetch_accuracy(capsys):
+    assert main(["generate", MODEL, "hi", *FAST, "--expert-cache", "50%"]) == 0
+    err = capsys.readouterr().err
+    assert "hit rate" in err and "prefetch accuracy" not in err
+    assert main(["generate", MODEL, "hi", *FAST, "--io", "memory", "--expert-cache", "1GiB"]) == 0
+    assert "do not apply with --io memory" in capsys.readouterr().err
+
+
+# -- chat commands --------------------------------------------------------------------------------
+def test_chat_commands(tmp_path, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    saved = tmp_path / "convo.json"
+    script = (f"Hello\n/save {saved}\n/x\n/clear\n/save {tmp_path / 'empty.json'}\n/load {saved}\n"
+              f"/load {tmp_path / 'missing.json'}\n/help\n//slash\n/exit\nnot read\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    assert main(["chat", MODEL, *FAST, "--system", "Be brief."]) == 0
+    err = capsys.readouterr().err
+    convo = json.loads(saved.read_text())
+    assert [m["role"] for m in convo] == ["system", "user", "assistant"] and convo[1]["content"] == "Hello"
+    assert json.loads((tmp_path / "empty.json").read_text()) == [{"role": "system", "content": "Be brief."}]
+    assert "unknown command /x" in err and "loaded 3 messages" in err and "missing.json" in err
+    assert "/save FILE" in err  # the help
+    assert err.count("3 generated") == 2  # "Hello" and "/slash" were sent; nothing else was
+
+
+# -- a real terminal ------------------------------------------------------------------------------
+class _Pty:
+    def __init__(self, args, env):
+        import fcntl
+        import pty
+        import termios
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=REPO,
+                                     start_new_session=True,
+                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.out = b""
+
+    def expect(self, text: bytes, timeout: float = 240) -> bytes:
+        deadline = time.monotonic() + timeout
+        while text not in self.out:
+            left = deadline - time.monotonic()
+            assert left > 0, f"waited for {text!r}; got {self.out[-2000:]!r}"
+            r, _, _ = select.select([self.master], [], [], left)
+            if r:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:
+                    chunk = b""
+                assert chunk, f"terminal closed while waiting for {text!r}; got {self.out[-2000:]!r}"
+                self.out += chunk
+        i = self.out.index(text) + len(text)
+        seen, self.out = self.out[:i], self.out[i:]
+        return seen
+
+    def send(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def ctrl_c(self) -> None:
+        """Type Ctrl-C until the program answers "^C". (A SIGINT that lands after readline drew the
+        prompt but before it blocks in select() waits for the next key: CPython's readline race, not
+        ours. A user presses again; so does this.)"""
+        for _ in range(10):
+            self.send(b"\x03")
+            try:
+                self.expect(b"^C", timeout=3)
+                return
+            except AssertionError:
+                continue
+        raise AssertionError(f"Ctrl-C never answered; got {self.out[-2000:]!r}")
+
+    def rest(self) -> bytes:
+        """Whatever the program wrote after the last expect(), once it has exited."""
+        while True:
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.out += chunk
+        return self.out
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            os.close(self.master)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_ctrl_c_at_the_idle_chat_prompt_is_not_remembered(tmp_path, loop):
+    (tmp_path / ".clutor").write_text("a file where the history directory should be")
+    block = "" if loop == "uvloop" else "sys.modules['uvloop'] = None; "  # run_coro falls back to asyncio
+    args = [sys.executable, "-c", f"import sys; {block}from clutor.cli import main; sys.exit(main())",
+            "chat", MODEL, "-n", "4", "--temperature", "0", "--ignore-eos"]
+    t = _Pty(args, _env(HOME=str(tmp_path)))
+    t.expect(b"chat history not kept")  # ~/.clutor is a file: said once, the chat goes on
+    t.expect(b"> ")
+    t.ctrl_c()                          # Ctrl-C at the idle prompt: clears the line
+    t.expect(b"> ")
+    t.send(b"Hello there\r")            # ... and must not stop this reply
+    reply = t.expect(b"> ")
+    assert b"4 generated" in reply and b"[stopped]" not in reply, reply
+    t.send(b"/nope\r")
+    assert b"unknown command /nope" in t.expect(b"> ")
+    t.send(b"\x04")                     # Ctrl-D: leave, after a newline
+    assert t.proc.wait(timeout=60) == 0
+    assert t.rest().startswith(b"\r\n"), t.out  # the shell's prompt starts on a line of its own
+    t.close()
+
+
+def test_kernel_compile_is_announced_on_a_terminal(monkeypatch):
+    import io
+
+    from clutor.cli.common import warm_kernels
+    from clutor.model import kernels
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(kernels, "warmup", lambda: time.sleep(3.5))  # a first run's compile, shortened
+    warm_kernels()
+    assert "compiling the compute kernels" in err.getvalue() and err.getvalue().endswith("\r\x1b[K")
+    err.seek(0)
+    err.truncate()
+    monkeypatch.setattr(kernels, "warmup", lambda: None)  # cached: nothing said
+    warm_kernels()
+    assert err.getvalue() == ""

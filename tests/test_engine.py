@@ -1,0 +1,297 @@
+"""The engine: compute off the event loop, one batched step for every live sequence, prefix reuse.
+
+Each claim is checked against the same model run another way: batched generations against the same
+requests run alone, a reused prefix against a fresh sequence, the loop's responsiveness against a
+5 ms ticker measured while a model computes beside it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import clutor
+from clutor.model.synth import ModelSpec, write_model
+
+from conftest import ARCHS, fixture_path, run
+
+TOL = 1e-4  # x max|logit|: batched rows go through multi-token kernel tiles, solo rows through single-token ones
+
+
+def _max_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# -- 1. batched forward == solo forward ------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_batch_equals_each_sequence_alone(arch):
+    rng = np.random.default_rng(1)
+
+    async def go():
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), io="memory") as model:
+            V = model.config.n_vocab
+            prompts = [rng.integers(0, V, n).tolist() for n in (7, 1, 13, 4)]
+            solo = [await model.logits(p) for p in prompts]
+            seqs = [model.new_sequence() for _ in prompts]
+            both = await model.forward_batch(list(zip(seqs, prompts)), all_logits=True)
+            # a decode-shaped step: one new token per sequence, each at its own position
+            nxt = rng.integers(0, V, len(prompts)).tolist()
+            step = await model.forward_batch([(s, [t]) for s, t in zip(seqs, nxt)])
+            alone = [(await model.logits(p + [t]))[-1:] for p, t in zip(prompts, nxt)]
+            return solo, both, step, alone, [s.n for s in seqs], [len(p) + 1 for p in prompts]
+
+    solo, both, step, alone, held, want = run(go())
+    assert held == want
+    for s, b in zip(solo, both):
+        assert b.shape == s.shape and _max_err(b, s) <= TOL
+        assert np.array_equal(np.argmax(b, -1), np.argmax(s, -1))
+    for s, a in zip(step, alone):
+        assert _max_err(s, a) <= TOL
+
+
+# -- 2. concurrent generations == the same requests alone ----------------------------------------
+REQUESTS = (  # (prompt, max_tokens, sampling)
+    ("Once upon a time there was a little", 14, {"temperature": 0}),
+    ("The quick brown fox jumps over the lazy dog and then runs far away into the deep green forest", 9,
+     {"temperature": 0.9, "seed": 7}),
+    ("Hello", 20, {"temperature": 0}),
+    ("In the beginning", 6, {"temperature": 0.7, "seed": 3, "top_k": 20}),
+)
+
+
+async def _tokens(model, prompt, n, opts, *, started=None, gate=None):
+    if gate is not None:
+        await gate.wait()
+    out = []
+    async for o in model.generate(prompt, max_tokens=n, ignore_eos=True, **opts):
+        if o.token is not None:
+            out.append(o.token)
+            if started is not None and len(out) == 3:
+                started.set()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("io", ["memory", "threads"])
+def test_concurrent_generations_produce_their_solo_tokens(arch, io):
+    """Four requests of different lengths joining mid-stream (one waits until another has three
+    tokens), leaving at different steps, a fifth cancelled while the others run, and prompts longer
+    than the per-step budget (8 tokens, so they are prefilled in chunks beside the decoding ones)."""
+    path = fixture_path(arch, "Q8_0")
+    opts = dict(io=io, step_tokens=8, prefix_cache=0)
+    if io != "memory":
+        opts["expert_cache"] = "40%"
+
+    async def go():
+        async with clutor.Model.open(path, **opts) as model:
+            solo = [await _tokens(model, p, n, o) for p, n, o in REQUESTS]
+            started = asyncio.Event()
+            tasks = [asyncio.create_task(_tokens(model, *REQUESTS[0], started=started))]
+            tasks += [asyncio.create_task(_tokens(model, p, n, o, gate=started)) for p, n, o in REQUESTS[1:]]
+            victim = asyncio.create_task(_tokens(model, "A cancelled request", 50, {"temperature": 0}, gate=started))
+            await started.wait()
+            await asyncio.sleep(0.05)
+            victim.cancel()
+            together = await asyncio.gather(*tasks)
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            # the victim leaves at the end of the step it was part of (its KV may be in use until then)
+            for _ in range(500):
+                st = model.engine_stats()
+                if not st.live_sequences:
+                    break
+                await asyncio.sleep(0.01)
+            return solo, together, st
+
+    solo, together, st = run(go())
+    assert [len(t) for t in solo] == [n for _, n, _ in REQUESTS]
+    assert together == solo
+    assert st.live_sequences == 0 and st.queued == 0 and st.kv_bytes == 0
+    # the batched run really shared steps: fewer steps than rows computed
+    assert st.step_rows > st.steps
+
+
+def test_steps_share_the_expert_reads():
+    """Sequences decoding together read each layer's experts once per step: the store sees fewer
+    expert accesses than the same tokens decoded one sequence at a time."""
+    path = fixture_path("olmoe", "Q8_0")
+
+    async def accesses(concurrent: bool) -> int:
+        async with clutor.Model.open(path, io="threads", expert_cache="100%", prefix_cache=0) as model:
+            reqs = [("Hello there", 12, {"temperature": 0}), ("Good morning", 12, {"temperature": 0}),
+                    ("Once upon", 12, {"temperature": 0}), ("The cat", 12, {"temperature": 0})]
+            before = model.io_stats().accesses
+            if concurrent:
+                await asyncio.gather(*(_tokens(model, *r) for r in reqs))
+            else:
+                for r in reqs:
+                    await _tokens(model, *r)
+            return model.io_stats().accesses - before
+
+    apart, together = run(accesses(False)), run(accesses(True))
+    assert together < 0.8 * apart, (together, apart)
+
+
+# -- 3. prefix reuse -------------------------------------------------------------------------------
+def test_truncated_sequence_recomputes_only_the_new_tokens_exactly():
+    """What the prefix cache does to a KV cache (keep k positions, overwrite the rest) gives the
+    logits of a fresh sequence."""
+    rng = np.random.default_rng(5)
+
+    async def go():
+        async with clutor.Model.open(fixture_path("qwen3moe", "Q8_0"), io="memory") as model:
+            V = model.config.n_vocab
+            first = rng.integers(0, V, 20).tolist()
+            second = first[:12] + rng.integers(0, V, 9).tolist()
+            seq = model.new_sequence()
+            await model.forward(seq, first)
+            seq.kv.n = 12
+            reused = await model.forward(seq, second[12:], all_logits=True)
+            fresh = (await model.logits(second))[12:]
+            return reused, fresh
+
+    reused, fresh = run(go())
+    assert _max_err(reused, fresh) <= TOL
+    assert np.array_equal(np.argmax(reused, -1), np.argmax(fresh, -1))
+
+
+@pytest.mark.parametrize("io", ["memory", "threads"])
+def test_second_chat_turn_reuses_the_first_turns_cache(io):
+    path = fixture_path("qwen2moe", "Q8_0")
+    opts = {"io": io} | ({} if io == "memory" else {"expert_cache": "50%"})
+
+    async def reply(model, messages):
+        toks, stats = [], None
+        async for o in model.chat(messages, max_tokens=12, temperature=0, ignore_eos=True):
+            if o.token is not None:
+                toks.append(o.token)
+            stats = o.stats or stats
+        return toks, stats
+
+    async def go():
+        from clutor.model.chat import chat_ids
+
+        async with clutor.Model.open(path, **opts) as model:
+            turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+            toks1, s1 = await reply(model, turn1)
+            turn2 = turn1 + [{"role": "assistant", "content": model.tokenizer.decode(toks1)},
+                             {"role": "user", "content": "And another one?"}]
+            toks2, s2 = await reply(model, turn2)
+            held = chat_ids(model.tokenizer, turn1) + toks1[:-1]  # what the first turn's KV holds
+            ids2 = chat_ids(model.tokenizer, turn2)
+            shared = next((i for i, (a, b) in enumerate(zip(held, ids2)) if a != b), min(len(held), len(ids2)))
+            kept = model.engine_stats()
+        async with clutor.Model.open(path, prefix_cache=0, **opts) as fresh:
+            toks2_fresh, s2_fresh = await reply(fresh, turn2)
+        return s1, s2, toks2, toks2_fresh, s2_fresh, shared, len(ids2), kept
+
+    s1, s2, toks2, toks2_fresh, s2_fresh, shared, n2, kept = run(go())
+    assert s1.cached_tokens == 0
+    assert shared >= 10 and s2.cached_tokens == shared, (s2.cached_tokens, shared)
+    assert s2.prompt_tokens == n2 and s2_fresh.cached_tokens == 0
+    assert toks2 == toks2_fresh
+    assert kept.prefix_entries >= 1 and 0 < kept.prefix_bytes <= 256 << 20
+
+
+def test_prefix_cache_is_bounded_and_least_recently_used_goes_first():
+    async def go():
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory", prefix_cache="1MiB") as model:
+            per_token = model.engine.bytes_per_token
+            sizes = []
+            for i in range(12):
+                async for _ in model.generate([1 + i] * 30, max_tokens=2, temperature=0, ignore_eos=True):
+                    pass
+                sizes.append(model.engine_stats().prefix_bytes)
+            return sizes, per_token
+
+    sizes, per_token = run(go())
+    assert max(sizes) <= 1 << 20
+    assert sizes[0] == 31 * per_token  # 30 prompt positions + 1 generated token fed back
+    assert sizes[-1] >= (1 << 20) - 31 * per_token  # full, oldest dropped
+
+
+# -- 4. the event loop stays free --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lag_model(tmp_path_factory):
+    """olmoe-shaped Q8_0, experts large enough that one layer of a 128-token prefill computes for tens
+    of milliseconds (what used to freeze the caller's loop), 4 x 16 experts of 3 MiB."""
+    spec = ModelSpec(name="lag", arch="olmoe", n_layer=4, n_embd=1024, n_head=8, n_head_kv=8, head_dim=128,
+                     n_expert=16, n_expert_used=4, n_ff_exp=1024, vocab_size=512, n_ctx=256, eps=1e-5, qtype="Q8_0")
+    path = tmp_path_factory.mktemp("lag") / "lag.gguf"
+    write_model(path, spec, seed=3)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+async def _ticks(seconds: float | None, until=None) -> np.ndarray:
+    """Lateness of a 5 ms ticker (s), for `seconds` or until the awaitable `until` is done."""
+    lags, t_end = [], None if seconds is None else time.perf_counter() + seconds
+    while (t_end is None and not until.done()) or (t_end is not None and time.perf_counter() < t_end):
+        t = time.perf_counter()
+        await asyncio.sleep(0.005)
+        lags.append(time.perf_counter() - t - 0.005)
+    return np.array(lags)
+
+
+@pytest.mark.parametrize("io", ["memory", "threads"])
+def test_event_loop_lag_while_generating(lag_model, io):
+    """The issue's bar: lag p99 <= 10 ms and max <= 50 ms beside a 128-token prefill and 32 decode
+    steps. Measured on top of the machine's own lag (the same ticker with nothing running, just
+    before): no library can answer faster than the OS schedules its thread."""
+    opts = {"io": io} | ({} if io == "memory" else {"expert_cache": "25%"})
+
+    async def go():
+        async with clutor.Model.open(lag_model, **opts) as model:
+            rng = np.random.default_rng(0)
+            prompt = rng.integers(3, model.config.n_vocab, 128).tolist()
+            async for _ in model.generate(prompt[:8], max_tokens=2, temperature=0):  # warm: first pages
+                pass
+            idle = await _ticks(0.5)
+
+            async def gen():
+                n = 0
+                async for o in model.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True):
+                    n += o.token is not None
+                return n
+
+            t0 = time.perf_counter()
+            task = asyncio.create_task(gen())
+            busy = await _ticks(None, task)
+            return idle, busy, time.perf_counter() - t0, await task
+
+    idle, busy, took, n = run(go())
+    base = float(np.percentile(idle, 99))
+    p99, worst = float(np.percentile(busy, 99)), float(busy.max())
+    figures = (f"io={io}: {len(busy)} ticks over {took:.2f} s, {n} tokens: lag p99 {p99 * 1e3:.1f} ms, "
+               f"max {worst * 1e3:.1f} ms; the idle machine's own p99 {base * 1e3:.1f} ms")
+    assert n == 32, figures
+    assert len(busy) >= took / 0.02, figures  # it kept ticking all along
+    assert p99 <= 0.010 + base and worst <= 0.050 + base, figures
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
+    """An error inside a step reaches every generation of that step as a ClutorError; the next
+    request is served normally (nothing hangs, nothing is logged as unretrieved)."""
+    async def go():
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory") as model:
+            real = model.forward_batch
+            calls = {"n": 0}
+
+            async def flaky(*a, **k):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected")
+                return await real(*a, **k)
+
+            monkeypatch.setattr(model, "forward_batch", flaky)
+            results = await asyncio.gather(_tokens(model, "Hello there", 8, {"temperature": 0}),
+                                           _tokens(model, "Good morning", 8, {"temperature": 0}),
+                                           return_exceptions=True)
+            after = await _tokens(model, "Hello there", 4, {"temperature": 0})
+            return results, after, model.engine_stats()
+
+    results, after, st = run(go())
+    assert all(isinstance(r, clutor.ClutorError) and "injected" in str(r) for r in results), results
+    assert len(after) == 4 and st.live_sequences == 0
