@@ -272,7 +272,7 @@ def render_concurrency(report: dict) -> str:
     cap = c["cap"]
     head = (f"{report['model']['path']}: expert cache {c['budget']}, prefetch {_onoff(c['prefetch'])}, policy "
             f"{c['policy']}, " + (f"whole process capped at {format_bytes(cap)}" if cap else "uncapped") +
-            (f"; disk {bps / 2**30:.2f} GiB/s (fio)" if bps else "; disk not measured"))
+            (f"; disk {bps / 2**30:.2f} GiB/s (fio)" if bps else f"; {report.get('disk', {}).get('note', 'disk not measured')}"))
     legend = ("aggregate: tokens all streams generated per second while every stream was decoding; MiB/step and "
               "MiB/token: expert bytes read in that window; disk-bound tok/s: the disk's bandwidth over the bytes "
               "read per generated token")
