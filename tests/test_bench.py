@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from clutor.bench import report as rep
+from clutor.io.policies import DEFAULT_POLICY
 from clutor.bench.prompt import bench_prompt, prompt_digest
 from clutor.bench.runner import Budget, estimate_footprint, kv_bytes, parse_budget, parse_budgets, run_worker
 from clutor.bench.worker import _open_kwargs, to_jsonable
@@ -150,7 +151,7 @@ def _bench_parser() -> argparse.ArgumentParser:
 def test_cli_arguments_and_bad_input(capsys, tmp_path):
     a = _bench_parser().parse_args(["bench", "m.gguf"])
     assert [b.text for b in a.budgets] == ["10%", "25%", "50%", "100%"]
-    assert a.prefetch == [True, False] and a.policy == ["lrfu"] and a.cap == "auto"
+    assert a.prefetch == [True, False] and a.policy == [DEFAULT_POLICY] and a.cap == "auto"
     a = _bench_parser().parse_args(["bench", "m.gguf", "--budgets", "256MiB,25%", "--prefetch", "off",
                                     "--policy", "lru,lfu", "--cap", "3GiB", "--allowance", "1GiB"])
     assert [b.worker_value for b in a.budgets] == [256 << 20, "25%"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from clutor.io.policies import DEFAULT_POLICY
 from clutor.cli import main
 from conftest import fixture_path
 
@@ -175,7 +176,7 @@ def test_help_shows_each_default_once_and_right(capsys):
     for flag in ("--top-k", "--top-p", "--min-p", "--repeat-penalty", "--temperature", "--seed"):
         text = out.split(flag, 2)[-1][:200]
         assert "default" in text, flag
-    assert out.count("(default: lrfu)") == 1 and "default: None" not in out
+    assert out.count(f"(default: {DEFAULT_POLICY})") == 1 and "default: None" not in out
 
 
 def test_report_without_prefetch_does_not_show_prefetch_accuracy(capsys):

@@ -51,6 +51,19 @@ def test_format_bytes():
 
 
 # -- trace files ---------------------------------------------------------------------------------
+def test_trace_version_1_still_reads_and_version_2_keeps_predictions(tmp_path):
+    v1 = tmp_path / "v1.jsonl"
+    v1.write_text('{"clutor_trace": 1, "n_layers": 2, "n_experts": 8, "top_k": 2}\n'
+                  '{"token": 0, "layer": 0, "experts": [1, 2]}\n')
+    tr = read_trace(v1)
+    assert tr.header == TraceHeader(2, 8, 2) and tr.records == (TraceRecord(0, 0, (1, 2)),)
+    recs = (TraceRecord(0, 0, (1, 2), None, (3, 4)), TraceRecord(0, 1, (3, 5)))
+    path = tmp_path / "v2.jsonl"
+    write_trace(path, recs, TraceHeader(2, 8, 2))
+    assert json.loads(path.read_text().splitlines()[0])["clutor_trace"] == 2
+    assert read_trace(path).records == recs
+
+
 def test_trace_roundtrip(tmp_path):
     header = TraceHeader(2, 8, 2, expert_bytes=1000)
     recs = (
@@ -82,7 +95,10 @@ def test_trace_roundtrip(tmp_path):
         (['{"token": -1, "layer": 0, "experts": [1]}'], "line 1: token"),
         (['{"token": 0, "layer": 0, "experts": []}'], "line 1: experts"),
         (['{"token": 0, "layer": 0, "experts": [1]}', '{"clutor_trace": 1, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 2"),
-        (['{"clutor_trace": 2, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 1: clutor_trace"),
+        (['{"clutor_trace": 3, "n_layers": 1, "n_experts": 2, "top_k": 1}'], "line 1: clutor_trace"),
+        (['{"clutor_trace": 2, "n_layers": 2, "n_experts": 8, "top_k": 2}', '{"token": 0, "layer": 0, "experts": [1, 2], "next": [8]}'], "line 2: next"),
+        (['{"clutor_trace": 2, "n_layers": 2, "n_experts": 8, "top_k": 2}', '{"token": 0, "layer": 1, "experts": [1, 2], "next": [3]}'], "line 2: next"),
+        (['{"token": 0, "layer": 0, "experts": [1, 2], "next": 3}'], "line 1: next"),
         (['[1, 2]'], "line 1"),
         ([""], "records"),
     ],
@@ -256,3 +272,49 @@ def test_cli_parser_registers(capsys):
                               "--top-k", "2", "--budget-slots", "3"])
     assert cli.run(args) == 0
     assert "belady" in capsys.readouterr().out
+
+
+# -- predictions (trace version 2) -------------------------------------------------------------------
+def _hinted_trace(hint, last):
+    # Two layers. Layer 0 asks for {0, 4} twice, then {0, 3}; layer 1 asks for 1, then 2, then `last`.
+    # The hint for layer 1 comes with layer 0's third request, before it (as the model gives it).
+    return (TraceRecord(0, 0, (0, 4)), TraceRecord(0, 1, (1,)), TraceRecord(1, 0, (0, 4)), TraceRecord(1, 1, (2,)),
+            TraceRecord(2, 0, (0, 3), None, hint), TraceRecord(2, 1, last))
+
+
+@pytest.mark.parametrize(
+    "hint, last, hits",
+    [
+        # 4 slots hold (0,0) (0,4) (1,1) (1,2) after token 1; token 2's miss (0,3) must evict one, and
+        # that choice decides token 2's layer 1. Hits before it: (0,0) (0,4) at token 1, (0,0) at token 2.
+        (None, (1,), 4),   # no hint: Forecast keeps (1,1) (popular, and 2 was a one-off) -> layer 1 hits
+        (None, (2,), 3),   # ... so layer 1 asking for 2 misses
+        ((2,), (2,), 4),   # hint right: it keeps (1,2) instead -> the hit no hint had
+        ((2,), (1,), 3),   # hint wrong: it evicted (1,1) -> one miss more than without a hint
+        ((1,), (1,), 4),   # hint agrees with what it kept anyway: no change
+        ((1,), (2,), 3),   # hint wrong where no hint was also wrong: no change
+    ],
+)
+def test_forecast_hint_right_and_wrong_hand_counted(hint, last, hits):
+    r = simulate(_hinted_trace(hint, last), 4, "forecast")
+    assert (r.accesses, r.hits, r.misses) == (9, hits, 9 - hits)
+    assert r.hits <= simulate(_hinted_trace(hint, last), 4, "belady").hits == 4
+    # A hint changes nothing for the policies that do not predict.
+    for name in ("lru", "lfu", "lrfu", "lru2"):
+        assert simulate(_hinted_trace(hint, last), 4, name).hits == simulate(_hinted_trace(None, last), 4, name).hits
+
+
+def test_forecast_hint_changes_only_the_hinted_layer_order():
+    from clutor.io.policies import Forecast
+
+    p = Forecast()
+    for key in [(0, 0), (1, 0), (1, 1), (0, 0), (1, 0), (1, 1)]:  # two identical rounds per layer
+        if key not in p:
+            p.on_insert(key)
+        p.on_access(key)
+    p.on_access((0, 0))  # layer 0's next round is in progress: layer 1 is next
+    before = list(p.victims())
+    p.on_hint(1, [(1, 1)])  # layer 1 will want expert 1 only
+    after = list(p.victims())
+    assert after.index((1, 0)) < after.index((1, 1))  # the expert the hint leaves out goes first
+    assert sorted(before) == sorted(after) == [(0, 0), (1, 0), (1, 1)]

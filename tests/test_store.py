@@ -571,6 +571,32 @@ def test_open_as_context_manager_and_closed_errors(model):
     run(main)
 
 
+def test_hint_reaches_the_policy_reads_nothing_and_is_checked(model):
+    from clutor.io.policies import Forecast
+
+    async def main():
+        sb = await slot_bytes(model)
+        policy = Forecast()
+        async with ExpertStore.open(model.layout, 12 * sb, policy=policy, io="threads", direct=False) as store:
+            with await store.get(0, [0, 1]):
+                pass
+            before = store.stats()
+            store.hint(1, [2, 5])
+            assert policy._hinted[1].nonzero()[0].tolist() == [2, 5]  # the policy has it
+            after = store.stats()
+            assert (after.accesses, after.bytes_demand, after.bytes_prefetch) == (
+                before.accesses, before.bytes_demand, before.bytes_prefetch)  # no read, no access
+            assert not store.resident(1, 2)
+            with pytest.raises(IndexError):
+                store.hint(N_LAYERS, [0])
+            with pytest.raises(IndexError):
+                store.hint(0, [N_EXPERTS])
+            store.check()
+        with pytest.raises(ClosedError):
+            store.hint(0, [0])
+    run(main)
+
+
 def test_get_ready_yields_cached_first_exact_bytes_and_releases(model, io):
     async def main():
         sb = await slot_bytes(model)

@@ -27,7 +27,7 @@ from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
 from clutor.model.synth import ModelSpec, plan_tensors, write_model
 from clutor.units import format_bytes
-from conftest import fixture_path, run
+from conftest import SHARED_DATA, fixture_path, run
 
 ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
 QTYPES = ("Q8_0", "F16")
@@ -406,6 +406,45 @@ def test_simulator_predicts_the_store_exactly_on_single_token_steps(tmp_path):
     res = simulate(trace, st.n_slots, "lru")
     assert (res.accesses, res.hits, res.misses, res.evictions) == (st.accesses, st.hits, st.misses, st.evictions)
     assert st.hits > 0 and st.evictions > 0
+
+
+REAL_MODEL = SHARED_DATA / "models" / "real-olmoe-q8_0.gguf"
+# Held-out text for the real model (its own routing has real reuse); not the text of the README's table.
+REAL_TEXT = (
+    "def parse(path, strict=False):\n    with open(path) as f:\n        for line in f:\n"
+    "            if not line.strip():\n                continue\n            yield line.split()\n\n"
+    "The licence grants permission to copy and distribute the software, provided that the notice "
+    "above is kept in every copy.\n\nstatic inline int clamp(int v, int lo, int hi) { return v < lo ? lo : v; }\n"
+)
+
+
+@pytest.mark.parametrize("policy", ["forecast", "lrfu"])
+def test_simulator_predicts_the_store_exactly_with_predictions(tmp_path, policy):
+    """Decode steps of the real-text model through a small cache: the store is told each next layer's
+    predicted experts (hint) and the trace records them (version 2); replaying the trace must give the
+    store's counts exactly, for a policy that uses the hints and for one that does not."""
+    if not REAL_MODEL.exists():
+        pytest.skip(f"shared model {REAL_MODEL} absent (shared/data is not next to this checkout)")
+    minimum, slot = _minimum(REAL_MODEL)
+    trace_path = tmp_path / "real.jsonl"
+
+    async def go():
+        async with clutor.Model.open(REAL_MODEL, io="threads", expert_cache=40 * slot, prefetch=False,
+                                     policy=policy, trace=trace_path) as model:
+            seq = model.new_sequence()
+            for tok in model.tokenizer.encode(REAL_TEXT)[:120]:
+                await model.forward(seq, [tok])
+            return model.io_stats(), model.config
+
+    st, cfg = run(go())
+    trace = read_trace(trace_path)
+    nexts = [r.next for r in trace.records]
+    assert all((n is None) == (r.layer == cfg.n_layers - 1) for n, r in zip(nexts, trace.records))
+    res = simulate(trace, st.n_slots, policy)
+    assert (res.accesses, res.hits, res.misses, res.evictions) == (st.accesses, st.hits, st.misses, st.evictions)
+    assert st.hits > 0 and st.evictions > 0
+    for name in ("lru", "lfu", "lrfu", "forecast"):
+        assert simulate(trace, st.n_slots, name).hits <= simulate(trace, st.n_slots, "belady").hits
 
 
 def test_simulator_budget_gives_the_store_slot_count(tmp_path):

@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..errors import ClutorError
+from ..io.policies import DEFAULT_POLICY
 from .process import peak_memory, storage_read_bytes
 from .prompt import bench_prompt, prompt_digest
 from .protocol import worker_main
@@ -32,14 +33,14 @@ DEFAULTS: dict = {
     "n_ctx": None,           # None: prompt_tokens + tokens + 8
     "expert_cache": None,
     "prefetch": None,
-    "policy": "lrfu",
+    "policy": DEFAULT_POLICY,
     "io": "auto",
     "direct": True,
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
 }
 OPEN_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
-_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": "lrfu", "io": "memory", "direct": True}
+_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True}
 
 
 def to_jsonable(obj):

@@ -15,6 +15,7 @@ import os
 import sys
 
 from ..errors import ClutorError
+from ..io.policies import DEFAULT_POLICY
 from .common import Formatter
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
@@ -115,7 +116,7 @@ def add_parser(sub):
     g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
                    help="expert-cache budgets: shares of the expert bytes (25%%), sizes (256MiB) or auto")
     g.add_argument("--prefetch", type=_prefetch, default="on,off", help="on, off and/or auto")
-    g.add_argument("--policy", type=_names, default="lrfu", help="cache eviction policies, comma-separated")
+    g.add_argument("--policy", type=_names, default=DEFAULT_POLICY, help="cache eviction policies, comma-separated")
     g.add_argument("--io", choices=IO_CHOICES, default="auto", help="read backend (memory: mmap, no cache)")
     g.add_argument("--buffered", action="store_true", help="read through the page cache instead of O_DIRECT")
     w = p.add_argument_group("workload")

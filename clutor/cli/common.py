@@ -8,6 +8,7 @@ import threading
 import time
 
 from ..errors import ClutorError
+from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..model.generate import GenerationStats
 
 
@@ -53,7 +54,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes (default: off)")
-    g.add_argument("--policy", default="lrfu", choices=("lru", "lfu", "lrfu", "lru2"), help="expert cache replacement policy")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
     d = g.add_mutually_exclusive_group()

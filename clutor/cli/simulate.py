@@ -1,7 +1,9 @@
 """clutor simulate: replay a routing trace through the expert cache's policies, next to Belady's optimum.
 
 The replay uses the store's own ExpertCache and policy code (no I/O), at a byte budget turned into
-slots (budget // expert_bytes) or at a slot count. Prefetch is not modelled.
+slots (budget // expert_bytes) or at a slot count. The next-layer predictions a version-2 trace
+carries are replayed as the store received them (hints); prefetch is not modelled. The "of OPT" column
+is each policy's hits as a share of Belady's at the same size.
 """
 from __future__ import annotations
 
@@ -129,12 +131,16 @@ def run(args) -> int:
 
     n_layers = header.n_layers if header else len({rec.layer for rec in trace.records})
     print(f"trace: {source}: {trace.n_tokens} tokens, {len(trace)} (token, layer) records, {n_layers} layers")
-    print(f"{'budget':>10} {'slots':>6} {'/layer':>7}  {'policy':<8} {'hits':>8} {'misses':>8} {'hit rate':>8} {'evictions':>9}")
+    # each policy's hits as a share of Belady's at the same size ("-" without Belady)
+    opt = {r.n_slots: r.hits for _, r in rows if r.policy == "belady"}
+    print(f"{'budget':>10} {'slots':>6} {'/layer':>7}  {'policy':<8} {'hits':>8} {'misses':>8} {'hit rate':>8} "
+          f"{'of OPT':>7} {'evictions':>9}")
     for b, r in rows:
         budget = format_bytes(b) if b is not None else "-"
+        share = f"{100 * r.hits / opt[r.n_slots]:>6.1f}%" if opt.get(r.n_slots) else f"{'-':>7}"
         print(
             f"{budget:>10} {r.n_slots:>6} {r.n_slots / n_layers:>7.1f}  {r.policy:<8} {r.hits:>8} {r.misses:>8} "
-            f"{100 * r.hit_rate:>7.1f}% {r.evictions:>9}"
+            f"{100 * r.hit_rate:>7.1f}% {share} {r.evictions:>9}"
         )
     return 0
 

@@ -165,6 +165,11 @@ class ExpertCache:
             raise RuntimeError(f"discard(slot {slot}) in state {self._state[slot].name} with {self._pins[slot]} pins")
         self._detach(slot)
 
+    def hint(self, layer, keys: list[Key]) -> None:
+        """Keys of ``layer`` predicted for its next request (any of them may be absent): passed to the
+        policy, which may use them to order victims. Changes no slot."""
+        self.policy.on_hint(layer, keys)
+
     # -- internals -------------------------------------------------------------------------------
     def _take_slot(self) -> int | None:
         if self._free:

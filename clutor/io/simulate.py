@@ -1,10 +1,12 @@
 """Replay a routing trace through the store's own ExpertCache and policies, without any I/O.
 
-Each record is one ``get(layer, experts)``: its experts are pinned together (so one expert of a
-request never evicts another of the same request, as in the store), a miss is loaded at once, and
-all are unpinned before the next record. Prefetch is not modelled. Replayed in the trace's order
-(the order the model asked the store for experts), the counts are the store's own. Belady (OPT) runs the same loop
-with the future known, giving the ceiling any online policy can reach at that slot count.
+Each record is one ``get(layer, experts)``, preceded (version-2 traces) by the hint the model gave
+for the next layer at that step (``hint(layer + 1, next)``, as the store receives it). A record's
+experts are pinned together (so one expert of a request never evicts another of the same request,
+as in the store), a miss is loaded at once, and all are unpinned before the next record. Prefetch is
+not modelled. Replayed in the trace's order (the order the model asked the store for experts), the
+counts are the store's own. Belady (OPT) runs the same loop with the future known, giving the
+ceiling any online policy can reach at that slot count.
 """
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | P
     cache = ExpertCache(n_slots, pol)
     accesses = hits = misses = bypass = 0
     for rec in records:
+        if rec.next is not None:
+            cache.hint(rec.layer + 1, [(rec.layer + 1, e) for e in dict.fromkeys(rec.next)])
         keys = [(rec.layer, e) for e in dict.fromkeys(rec.experts)]  # a duplicate in one request is one access
         accesses += len(keys)
         pinned: list[int] = []

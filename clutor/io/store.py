@@ -448,6 +448,14 @@ class ExpertStore:
             self._pf[layer] = old
         self._pump()
 
+    def hint(self, layer: int, experts: Sequence[int]) -> None:
+        """Tell the cache policy which experts ``layer``'s next get() is expected to ask for (the model
+        calls this during decode with layer+1's router applied to the current hidden state, before the
+        current layer's get()). No read, no slot: only the victim order may change. Valid until
+        that layer's next get() or hint()."""
+        self._check_open()
+        self.cache.hint(int(layer), self._keys(layer, experts))
+
     def cancel_prefetch(self, layer: int | None = None) -> None:
         """Give up the prefetch of ``layer`` (of every layer when None), as described in the module doc."""
         for l in list(self._pf) if layer is None else [layer]:

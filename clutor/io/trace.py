@@ -2,10 +2,15 @@
 
 Shared by the model's trace recorder and the cache simulator. JSON Lines, one line per (token, layer)::
 
-    {"clutor_trace": 1, "n_layers": 16, "n_experts": 64, "top_k": 8, "expert_bytes": 6684672}   <- optional header
-    {"token": 0, "layer": 0, "experts": [12, 3, 40, 7, 1, 9, 33, 21], "weights": [0.31, ...]}      <- weights optional
+    {"clutor_trace": 2, "n_layers": 16, "n_experts": 64, "top_k": 8, "expert_bytes": 6684672}   <- optional header
+    {"token": 0, "layer": 0, "experts": [12, 3, 40, 7, 1, 9, 33, 21], "weights": [0.31, ...],   <- weights optional
+     "next": [5, 12, 60, 2, 41, 7, 9, 30]}                                                    <- next optional
 
-Records are replayed in file order. When the header is present, every record is checked against it.
+``next`` (version 2): the experts layer+1's router picks from this step's hidden state, which the
+model hands the store as a hint (``hint(layer + 1, next)``) BEFORE this record's get; the simulator
+replays it at the same point, so a policy that uses predictions sees in replay what it saw live.
+Version 1 files (no ``next``) still read. Records are replayed in file order. When the header is
+present, every record is checked against it.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ __all__ = [
     "synthetic_trace",
 ]
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +62,14 @@ class TraceRecord:
     layer: int
     experts: tuple[int, ...]
     weights: tuple[float, ...] | None = None
+    next: tuple[int, ...] | None = None  # experts predicted for layer + 1, hinted before this get
 
     def to_json(self) -> dict:
         d: dict = {"token": self.token, "layer": self.layer, "experts": list(self.experts)}
         if self.weights is not None:
             d["weights"] = [round(float(w), 6) for w in self.weights]
+        if self.next is not None:
+            d["next"] = list(self.next)
         return d
 
 
@@ -91,8 +100,9 @@ def _is_int(x: object) -> bool:
 
 
 def _parse_header(path: str, lineno: int, d: dict) -> TraceHeader:
-    if d.get("clutor_trace") != TRACE_VERSION:
-        raise ModelFileError(path, f"line {lineno}: clutor_trace", f"version {TRACE_VERSION}", d.get("clutor_trace"))
+    if d.get("clutor_trace") not in READABLE_VERSIONS:
+        raise ModelFileError(path, f"line {lineno}: clutor_trace", f"version {' or '.join(map(str, READABLE_VERSIONS))}",
+                             d.get("clutor_trace"))
     fields = {}
     for name in ("n_layers", "n_experts", "top_k"):
         v = d.get(name)
@@ -134,7 +144,15 @@ def _parse_record(path: str, lineno: int, d: dict, header: TraceHeader | None) -
         ):
             raise ModelFileError(path, f"{where}: weights", f"a list of {len(experts)} numbers", weights)
         weights = tuple(float(w) for w in weights)
-    return TraceRecord(token, layer, tuple(experts), weights)
+    nxt = d.get("next")
+    if nxt is not None:
+        if n_layers is not None and layer + 1 >= n_layers:
+            raise ModelFileError(path, f"{where}: next", f"no prediction after the last layer ({n_layers - 1})", nxt)
+        if not isinstance(nxt, list) or not all(_is_int(e) and e >= 0 and (n_experts is None or e < n_experts) for e in nxt):
+            rng = f"in [0, {n_experts})" if n_experts else ">= 0"
+            raise ModelFileError(path, f"{where}: next", f"a list of integers {rng}", nxt)
+        nxt = tuple(nxt)
+    return TraceRecord(token, layer, tuple(experts), weights, nxt)
 
 
 _MAX_LINE = 1 << 20  # a record is ~100 bytes per expert; a longer line is not a trace
@@ -209,7 +227,7 @@ class TraceWriter:
     """Streams records to a JSONL file as they happen (the model's recorder uses this)::
 
         with TraceWriter(path, TraceHeader(16, 64, 8, expert_bytes), protect=model_paths) as w:
-            w.write(token, layer, experts, weights)
+            w.write(token, layer, experts, weights, next=predicted)
 
     Nothing is lost by pointing it at the wrong path: it refuses the files in ``protect`` (the model
     and every part of a split set), any existing file that is not a routing trace, and anything that
@@ -231,9 +249,12 @@ class TraceWriter:
         if header is not None:
             self._put(json.dumps(header.to_json()) + "\n")
 
-    def write(self, token: int, layer: int, experts: Sequence[int], weights: Sequence[float] | None = None) -> None:
+    def write(self, token: int, layer: int, experts: Sequence[int], weights: Sequence[float] | None = None,
+              next: Sequence[int] | None = None) -> None:
         rec = TraceRecord(
-            int(token), int(layer), tuple(int(e) for e in experts), None if weights is None else tuple(float(w) for w in weights)
+            int(token), int(layer), tuple(int(e) for e in experts),
+            None if weights is None else tuple(float(w) for w in weights),
+            None if next is None else tuple(int(e) for e in next),
         )
         self.write_record(rec)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 import numpy as np
 
 from .._util import AwaitableContext
+from ..io.policies import DEFAULT_POLICY
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import Arch, read_arch
@@ -98,7 +99,7 @@ class Model:
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
-             prefetch: bool | None = None, policy: str = "lrfu", io: str = "auto", direct: bool = True,
+             prefetch: bool | None = None, policy: str = DEFAULT_POLICY, io: str = "auto", direct: bool = True,
              trace: str | os.PathLike | None = None, max_sequences: int = 16, step_tokens: int = 256,
              prefix_cache: int | str = "256MiB",
              progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
@@ -227,8 +228,8 @@ class Model:
         for l in range(self.config.n_layers):
             # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
             # the previous layer's expert sum (or the embedding), then this layer's attention and router.
-            x, h, sel, w = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
-            ys = await self._routed_experts(l, x, h, sel, w, step) if sel is not None else []
+            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
         for seg in step.segments:  # the positions are filled only once every layer has written them
             seg.seq.kv.n = seg.p0 + len(seg.ids)
         return await compute(self._head, x, h, ys, step, all_logits, head)
@@ -265,12 +266,17 @@ class Model:
         x = x + arch.attention(lw, l, x, step, self._rope)
         h = arch.ffn_input(lw, x)  # [R, D]
         if lw.experts is None:
-            return x, h, None, None
+            return x, h, None, None, None
         sel, w = arch.route(lw, h)  # [R, K], [R, K]
+        nxt = None
+        if len(sel) == len(step.segments) and l + 1 in self._moe_index:
+            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
+            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+            nxt = self._predict(l + 1, x)
         if self._trace is not None:
             for r in range(len(sel)):
-                self._trace.write(int(step.pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist())
-        return x, h, sel, w
+                self._trace.write(int(step.pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
+        return x, h, sel, w, nxt
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                      views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -337,23 +343,24 @@ class Model:
 
     # -- event loop: expert I/O ------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: "_Step") -> list[tuple[np.ndarray, np.ndarray]]:
+                              step: "_Step", nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
         compute thread group by group as its bytes arrive, while the rest are still being read."""
         wanted = _by_votes(sel)  # each expert once per layer per step
-        decode = len(sel) == len(step.segments)  # one row per sequence: no prompt in this step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
+            self._experts.hint(self._moe_index[l + 1], nxt)
         for i in range(0, len(wanted), self._max_batch):
             chunk = wanted[i : i + self._max_batch]
             groups = self._experts.get_ready(self._moe_index[l], chunk)
             try:
                 first = True
                 async for views in groups:
-                    if first and i == 0 and self._prefetch and decode and l + 1 in self._moe_index:
+                    if first and i == 0 and self._prefetch and nxt is not None:
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # layer l+1's router picks from the current hidden state, read while this
                         # layer computes. (In a prefill nearly every expert is demanded anyway.)
-                        self._experts.prefetch(self._moe_index[l + 1], await compute(self._predict, l + 1, x))
+                        self._experts.prefetch(self._moe_index[l + 1], nxt)
                     first = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
             finally:

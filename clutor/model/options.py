@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..errors import BudgetError, ClutorError
 from ..io.layout import ExpertLayout
-from ..io.policies import POLICIES
+from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..io.store import slot_bytes  # the store owns slot geometry; budgets are counted in its slots
 from ..units import format_bytes, parse_bytes
 
@@ -19,7 +19,7 @@ class ModelOptions:
     n_ctx: int | None = None
     expert_cache: int | str | None = None  # bytes, "3GiB", "25%" of the expert bytes, None = default share of RAM
     prefetch: bool | None = None           # None = the measured default (see Model.open)
-    policy: str = "lrfu"  # recency + frequency: beat LRU in the simulator and on the OLMoE benchmark
+    policy: str = DEFAULT_POLICY  # forecast: beat LRFU at every budget on real routing in the simulator
     io: str = "auto"                       # auto | uring | threads | memory (mmap, no store, no budget)
     direct: bool = True                    # O_DIRECT (bypass the page cache) when the filesystem allows it
     trace: str | None = None               # JSONL routing trace written while running

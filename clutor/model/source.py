@@ -33,6 +33,7 @@ class ExpertSource(Protocol):
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
+    def hint(self, layer: int, experts: Sequence[int]) -> None: ...
     async def aclose(self) -> None: ...
 
 
@@ -111,6 +112,9 @@ class InMemoryExperts:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        pass
+
+    def hint(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
     def stats(self) -> None:
