@@ -448,6 +448,11 @@ class ExpertStore:
             self._pf[layer] = old
         self._pump()
 
+    @property
+    def wants_hints(self) -> bool:
+        """Whether hint() can change anything (the policy uses predictions); else callers may skip them."""
+        return self.cache.policy.uses_hints
+
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """Tell the cache policy which experts ``layer``'s next get() is expected to ask for (the model
         calls this during decode with layer+1's router applied to the current hidden state, before the

@@ -88,6 +88,9 @@ class Model:
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
         # Off unless asked: on the OLMoE-shaped benchmark (README) it did not beat demand reads alone.
         self._prefetch = options.prefetch is True and options.io != "memory"
+        # The next layer's router on the current residual (one small product per layer and decode
+        # step) only when something uses it: prefetch, or a cache policy that takes hints.
+        self._predicting = self._prefetch or experts.wants_hints
         self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
@@ -269,7 +272,7 @@ class Model:
             return x, h, None, None, None
         sel, w = arch.route(lw, h)  # [R, K], [R, K]
         nxt = None
-        if len(sel) == len(step.segments) and l + 1 in self._moe_index:
+        if self._predicting and len(sel) == len(step.segments) and l + 1 in self._moe_index:
             # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
             # told to the cache before this layer's get (and read ahead by prefetch when it is on).
             nxt = self._predict(l + 1, x)

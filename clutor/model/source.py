@@ -28,6 +28,7 @@ class ExpertSource(Protocol):
 
     capacity: int
     slot_bytes: int
+    wants_hints: bool  # hint() can change something: worth predicting the next layer's experts for
 
     def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
@@ -113,6 +114,8 @@ class InMemoryExperts:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
+
+    wants_hints = False
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         pass
