@@ -52,8 +52,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache", default=None, metavar="SIZE",
                    help="memory for routed experts: bytes, '4GiB' or '25%%' of the expert bytes "
                         "(default: half the available memory after the dense weights)")
-    g.add_argument("--prefetch", choices=("on", "off"), default=None,
-                   help="during decode, read the next layer's predicted experts while this one computes (default: off)")
+    g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
+                   help="during decode, read the next layer's predicted experts while this one computes "
+                        "(default: auto = when several sequences decode together)")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
@@ -98,7 +99,7 @@ def model_kwargs(args) -> dict:
     if args.io == "memory" and (args.expert_cache is not None or args.prefetch is not None):
         print("clutor: note: --expert-cache and --prefetch do not apply with --io memory "
               "(experts are mapped from the file, nothing is cached or prefetched)", file=sys.stderr)
-    prefetch = None if args.prefetch is None else args.prefetch == "on"
+    prefetch = None if args.prefetch in (None, "auto") else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
                 step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, progress=load_progress())

@@ -86,11 +86,12 @@ class Model:
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
-        # Off unless asked: on the OLMoE-shaped benchmark (README) it did not beat demand reads alone.
-        self._prefetch = options.prefetch is True and options.io != "memory"
-        # The next layer's router on the current residual (one small product per layer and decode
-        # step) only when something uses it: prefetch, or a cache policy that takes hints.
-        self._predicting = self._prefetch or experts.wants_hints
+        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README):
+        # with several sequences in a step (16 streams: +15%), not for one alone (-5%: its wasted reads
+        # doubled the bytes per token). None = that rule; True/False = always/never.
+        self._prefetch = "off" if options.io == "memory" or options.prefetch is False else (
+            "always" if options.prefetch is True else "batched")
+        self._hints = experts.wants_hints
         self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
@@ -111,8 +112,9 @@ class Model:
         n_ctx: context length (default min(model's, 4096)).
         expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
             half of the memory available after the dense weights (capped at what all experts need).
-        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes (default:
-            off; it did not win the OLMoE-shaped benchmark, see the README).
+        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes. None
+            (default): in steps that decode several sequences at once, where it measured a win, not for
+            a single one, where it did not (README); True: always; False: never.
         policy: cache replacement policy (see clutor.io.policies.POLICIES).
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).
@@ -170,7 +172,7 @@ class Model:
                 from ..io.store import ExpertStore
 
                 experts = await ExpertStore.open(layout, budget[0], policy=opts.policy, io=opts.io,
-                                                 direct=opts.direct, prefetch_slots=None if opts.prefetch else 0)
+                                                 direct=opts.direct, prefetch_slots=0 if opts.prefetch is False else None)
                 why = budget[1]
             if opts.trace:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
@@ -272,7 +274,7 @@ class Model:
             return x, h, None, None, None
         sel, w = arch.route(lw, h)  # [R, K], [R, K]
         nxt = None
-        if self._predicting and len(sel) == len(step.segments) and l + 1 in self._moe_index:
+        if len(sel) == len(step.segments) and l + 1 in self._moe_index and self._predicting(len(sel)):
             # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
             # told to the cache before this layer's get (and read ahead by prefetch when it is on).
             nxt = self._predict(l + 1, x)
@@ -338,6 +340,14 @@ class Model:
                     out[i], at = logits[at : at + n], at + n
         return head(out) if head is not None else out
 
+    def _prefetching(self, n_seq: int) -> bool:
+        return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
+
+    def _predicting(self, n_seq: int) -> bool:
+        """The next layer's router on the current residual (one small product per layer and decode
+        step) only when something uses it: prefetch, or a cache policy that takes hints."""
+        return self._hints or self._prefetching(n_seq)
+
     def _predict(self, l: int, x: np.ndarray) -> list[int]:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
         lw = self._w.layers[l]
@@ -359,7 +369,7 @@ class Model:
             try:
                 first = True
                 async for views in groups:
-                    if first and i == 0 and self._prefetch and nxt is not None:
+                    if first and i == 0 and nxt is not None and self._prefetching(len(step.segments)):
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # layer l+1's router picks from the current hidden state, read while this
                         # layer computes. (In a prefill nearly every expert is demanded anyway.)
