@@ -134,6 +134,9 @@ class ModelSpec:
     yarn_log_mul: float = 0.0   # rope.scaling.yarn_log_multiplier (0.1 * mscale_all_dim)
     sliding_window: int = 0     # gpt-oss: attention.sliding_window (even layers slide)
     fused_gate_up: bool = False  # experts' gate and up in one ffn_gate_up_exps tensor [E, 2F, D]
+    # A K-quant matrix whose rows are not a multiple of 256 is written as Q8_0 instead of refused, as
+    # llama.cpp's quantiser falls back for such rows (it picks Q5_0/Q8_0; Q8_0 here, the fast writer).
+    k_fallback: bool = False
 
     @property
     def n_q(self) -> int:
@@ -209,6 +212,16 @@ PRESETS: dict[str, ModelSpec] = {
     "olmoe-1b-7b-q8": ModelSpec(
         name="olmoe-1b-7b-q8", arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128,
         n_expert=64, n_expert_used=8, n_ff_exp=1024, vocab_size=50304, n_ctx=4096, eps=1e-5, qtype="Q8_0",
+    ),
+    # DeepSeek-V2-Lite's real shapes (MLA without q compression, the older attn_kv_b, 64 experts top-6 +
+    # 2 shared, a dense first layer, YaRN): Q4_K_M-like, experts Q4_K (the 1408-wide down rows Q8_0, see
+    # k_fallback), the dense rest Q8_0 (~10 GB).
+    "deepseek-v2-lite-q4k": ModelSpec(
+        name="deepseek-v2-lite-q4k", arch="deepseek2", n_layer=27, n_embd=2048, n_head=16, n_head_kv=16,
+        head_dim=192, n_expert=64, n_expert_used=6, n_ff_exp=1408, vocab_size=102400, n_ctx=163840,
+        rope_base=1e4, eps=1e-6, n_dense_lead=1, n_ff=10944, n_expert_shared=2, n_rot=64, gating=1, w_scale=1.0,
+        q_lora_rank=0, kv_lora_rank=512, v_head_dim=128, mla_split=False, yarn_factor=40.0, yarn_orig_ctx=4096,
+        yarn_log_mul=0.0707, qtype="Q8_0", expert_qtype="Q4_K", k_fallback=True,
     ),
     # Qwen3-30B-A3B's real shapes: experts Q4_K, the dense rest Q8_0.
     "qwen3-30b-a3b-q4k": ModelSpec(
@@ -433,8 +446,11 @@ def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
     plans.append(norm("output_norm.weight", D))
     if not spec.tied_output:
         plans.append(w("output.weight", (V, D), out_std, quiet=True))
-    for p in plans:
+    for i, p in enumerate(plans):
         block = GGML_QUANT_SIZES[p.qtype][0]
+        if p.shape[-1] % block and spec.k_fallback and block == 256:
+            plans[i] = p = dataclasses.replace(p, qtype=GGMLQuantizationType.Q8_0)
+            block = GGML_QUANT_SIZES[p.qtype][0]
         if p.shape[-1] % block:
             raise UnsupportedError(where, p.name, f"a row length that is a multiple of {block} for {p.qtype.name}", p.shape[-1])
     return plans
