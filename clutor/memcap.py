@@ -51,62 +51,17 @@ class CapResult:
     seconds: float
 
 
-def run_capped(cmd: Sequence[str], limit: int, *, timeout: float = 900, env: dict | None = None,
-               drop_caches: bool = False) -> CapResult:
-    """Run cmd inside a fresh memory cgroup limited to `limit` bytes (no swap here); remove it afterwards."""
-    why = unavailable_reason()
-    if why:
-        raise RuntimeError(why)
-    mode = _mode()
-    cg = (V1 if mode == "v1" else V2) / f"clutor-{os.getpid()}-{next(_seq)}"
-    cg.mkdir()
-    try:
-        if mode == "v1":
-            (cg / "memory.limit_in_bytes").write_text(str(limit))
-        else:
-            (cg / "memory.max").write_text(str(limit))
-            (cg / "memory.swap.max").write_text("0")
-        if drop_caches:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("1")
-        procs = str(cg / "cgroup.procs")
-
-        def enter():  # runs in the child between fork and exec: the child is capped from its first byte
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        t0 = time.perf_counter()
-        p = subprocess.run(list(cmd), preexec_fn=enter, capture_output=True, text=True, timeout=timeout, env=env)
-        dt = time.perf_counter() - t0
-        if mode == "v1":
-            peak = int((cg / "memory.max_usage_in_bytes").read_text())
-            oom = "oom_kill 0" not in (cg / "memory.oom_control").read_text() or p.returncode == -9
-        else:
-            peak = int((cg / "memory.peak").read_text()) if (cg / "memory.peak").exists() else -1
-            events = dict(l.split() for l in (cg / "memory.events").read_text().splitlines())
-            oom = int(events.get("oom_kill", 0)) > 0
-        return CapResult(p.returncode, p.stdout, p.stderr, limit, peak, oom, dt)
-    finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:  # the last process may still be exiting
-                time.sleep(0.1)
-
-
 @contextlib.contextmanager
-def capped_popen(cmd: Sequence[str], limit: int, *, drop_caches: bool = False, **popen):
-    """Start cmd inside a fresh memory cgroup of `limit` bytes and yield (process, peak) where peak()
-    reads the cgroup's peak charge so far (bytes, -1 if the kernel does not say). On exit the process
-    is killed if still running and the cgroup removed. For long-lived children (a server under test)."""
+def _cgroup(limit: int, drop_caches: bool):
+    """A fresh memory cgroup of `limit` bytes (no swap): yields (enter, peak) where enter() moves the
+    calling process into it (a preexec_fn: the child is capped from its first byte) and peak() reads
+    its peak charge (bytes, -1 if the kernel does not say). Removed afterwards."""
     why = unavailable_reason()
     if why:
         raise RuntimeError(why)
     mode = _mode()
     cg = (V1 if mode == "v1" else V2) / f"clutor-{os.getpid()}-{next(_seq)}"
     cg.mkdir()
-    p = None
     try:
         if mode == "v1":
             (cg / "memory.limit_in_bytes").write_text(str(limit))
@@ -126,15 +81,42 @@ def capped_popen(cmd: Sequence[str], limit: int, *, drop_caches: bool = False, *
             f = cg / ("memory.max_usage_in_bytes" if mode == "v1" else "memory.peak")
             return int(f.read_text()) if f.exists() else -1
 
-        p = subprocess.Popen(list(cmd), preexec_fn=enter, **popen)
-        yield p, peak
+        def oom_killed() -> bool:
+            if mode == "v1":
+                return "oom_kill 0" not in (cg / "memory.oom_control").read_text()
+            events = dict(l.split() for l in (cg / "memory.events").read_text().splitlines())
+            return int(events.get("oom_kill", 0)) > 0
+
+        yield enter, peak, oom_killed
     finally:
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
         for _ in range(50):
             try:
                 cg.rmdir()
                 break
-            except OSError:
+            except OSError:  # the last process may still be exiting
                 time.sleep(0.1)
+
+
+def run_capped(cmd: Sequence[str], limit: int, *, timeout: float = 900, env: dict | None = None,
+               drop_caches: bool = False) -> CapResult:
+    """Run cmd inside a fresh memory cgroup limited to `limit` bytes (no swap here); remove it afterwards."""
+    with _cgroup(limit, drop_caches) as (enter, peak, oom_killed):
+        t0 = time.perf_counter()
+        p = subprocess.run(list(cmd), preexec_fn=enter, capture_output=True, text=True, timeout=timeout, env=env)
+        dt = time.perf_counter() - t0
+        return CapResult(p.returncode, p.stdout, p.stderr, limit, peak(), oom_killed() or p.returncode == -9, dt)
+
+
+@contextlib.contextmanager
+def capped_popen(cmd: Sequence[str], limit: int, *, drop_caches: bool = False, **popen):
+    """Start cmd inside a fresh memory cgroup of `limit` bytes and yield (process, peak) where peak()
+    reads the cgroup's peak charge so far (bytes, -1 if the kernel does not say). On exit the process
+    is killed if still running and the cgroup removed. For long-lived children (a server under test)."""
+    with _cgroup(limit, drop_caches) as (enter, peak, _):
+        p = subprocess.Popen(list(cmd), preexec_fn=enter, **popen)
+        try:
+            yield p, peak
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

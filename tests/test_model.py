@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import clutor
-from conftest import ARCHS, TYPES, fixture_path, golden, run
+from conftest import assert_matches_golden, ARCHS, TYPES, fixture_path, golden, run
 
 
 async def _logits(path, ids):
@@ -20,17 +20,7 @@ def test_logits_match_llama_cpp(arch, qtype):
     g = golden(arch, qtype)
     ref = g["logits"].astype(np.float32)  # [T, V]
     got = run(_logits(fixture_path(arch, qtype), g["prompt_ids"].tolist()))
-    assert got.shape == ref.shape
-    diff = np.abs(got - ref)
-    same_argmax = np.mean(got.argmax(-1) == ref.argmax(-1))
-    if qtype == "F16":
-        assert diff.max() <= 0.02, f"max |diff| {diff.max():.4f}"
-        assert same_argmax == 1.0, f"argmax agrees at {same_argmax:.1%} of positions"
-    else:
-        # llama.cpp rounds activations to 8 bits before quantised dot products, and near-tied routers
-        # can flip an expert, so quantised files are held to agreement, not equality.
-        assert same_argmax >= 0.90, f"argmax agrees at {same_argmax:.1%} of positions"
-        assert diff.mean() <= 0.01 * np.abs(ref).max(), f"mean |diff| {diff.mean():.4f} vs max |logit| {np.abs(ref).max():.3f}"
+    assert_matches_golden(got, ref, qtype)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
