@@ -283,7 +283,7 @@ def _concurrency(args, common: dict, disk_bps: float | None) -> dict:
     rows = []
     for n in args.concurrency:
         progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
-                       + (f", capped" if cap else ""))
+                       + (", capped" if cap else ""))
         o = run_worker(args.model, "clutor", {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n},
                        cap=cap, drop_caches=cap is not None or args.drop_caches, timeout=args.timeout)
         r = o.result or {}

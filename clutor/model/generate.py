@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-import numpy as np
 
 from ..errors import ClutorError
 from .sampling import Sampler, SamplingParams, token_logprobs

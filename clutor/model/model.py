@@ -17,14 +17,13 @@ from ..io.policies import DEFAULT_POLICY
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import Arch, read_arch
-from .config import ModelConfig
 from .layers import rmsnorm
 from .gguf import GGUFFile
 from . import kernels
 from .compute import compute
 from .engine import Engine
 from .kernels import Job
-from .quants import apply_all, matmul_jobs
+from .quants import matmul_jobs
 from .options import ModelOptions, resolve_budget
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
