@@ -85,9 +85,10 @@ class Model:
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
-        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README):
-        # with several sequences in a step (16 streams: +15%), not for one alone (-5%: its wasted reads
-        # doubled the bytes per token). None = that rule; True/False = always/never.
+        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README,
+        # "prefetch"): in steps of several sequences, whose union of experts is predicted well and whose
+        # compute hides the reads; not for one alone, where its wrong guesses cost more reads than it
+        # saves. None = that rule; True/False = always/never.
         self._prefetch = "off" if options.io == "memory" or options.prefetch is False else (
             "always" if options.prefetch is True else "batched")
         self._hints = experts.wants_hints
