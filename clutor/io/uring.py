@@ -42,6 +42,8 @@ _MAX_SHORT_RETRIES = 3
 # Refusals that mean "no io_uring here" (kernel without it, sysctl io_uring_disabled, seccomp).
 _UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
 
+_SUBMIT_BATCH = 16  # reads handed to the kernel per loop turn (see _flush)
+
 
 class UringUnavailable(ClutorError):
     """io_uring cannot be used on this machine; ``open_backend(io="auto")`` falls back to threads."""
@@ -178,7 +180,12 @@ class UringBackend:
             sqe.user_data = rid
         pending, free, handles = self._pending, self._free, self._slot_handle
         QUEUED, INFLIGHT = ReadState.QUEUED, ReadState.INFLIGHT
-        while pending and free:
+        # io_uring_submit holds the GIL and the loop while the kernel pins each O_DIRECT buffer and
+        # builds its bios: one layer of a batched step (well over a hundred multi-MiB reads) in a single
+        # submit stalled the event loop for milliseconds (README, "Batched engine"). So at most
+        # _SUBMIT_BATCH reads go per loop turn; the rest follow after the loop's other callbacks.
+        budget = _SUBMIT_BATCH - len(self._retry)
+        while pending and free and budget > 0:
             h = pending[0]
             if h.state is not QUEUED or h.done.cancelled():
                 pending.popleft()
@@ -198,6 +205,9 @@ class UringBackend:
             self._slot_got[rid] = 0
             self._slot_tries[rid] = 0
             h.state = INFLIGHT
+            budget -= 1
+        if pending and free:  # the rest after other callbacks have run
+            self._schedule_flush()
         ready = L.io_uring_sq_ready(ring)
         if ready:
             try:
