@@ -28,3 +28,27 @@ class AwaitableContext(Generic[T]):
         obj, self._obj = self._obj, None
         if obj is not None:
             await obj.aclose()
+
+
+def open_regular(path: str, what: str) -> int:
+    """A read-only fd of ``path`` (blocking, close-on-exec), or ModelFileError naming the file when it
+    is missing, unreadable or not a regular file. O_NONBLOCK for the open itself: opening a FIFO for
+    reading would otherwise wait for a writer before the regular-file check could refuse it."""
+    import os
+    import stat
+
+    from .errors import ModelFileError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelFileError(path, "file", f"an existing {what}", "missing") from None
+    except OSError as e:
+        raise ModelFileError(path, "file", f"a readable {what}", e.strerror or str(e)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ModelFileError(path, "file", f"a regular file ({what})",
+                             "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+    os.set_blocking(fd, True)
+    return fd

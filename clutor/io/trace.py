@@ -23,6 +23,7 @@ from typing import IO, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from .._util import open_regular
 from ..errors import ClosedError, ClutorError, ModelFileError
 
 __all__ = [
@@ -161,19 +162,7 @@ _MAX_LINE = 1 << 20  # a record is ~100 bytes per expert; a longer line is not a
 def _open_text(path: str):
     """The trace file opened for reading lines (bytes), or ModelFileError for a missing, unreadable or
     non-regular path (a FIFO is refused without blocking on it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ModelFileError(path, "file", "an existing routing trace (JSONL)", "missing") from None
-    except OSError as e:
-        raise ModelFileError(path, "file", "a readable routing trace (JSONL)", e.strerror or str(e)) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ModelFileError(path, "file", "a regular file (a routing trace, JSONL)",
-                             "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    return os.fdopen(open_regular(path, "routing trace (JSONL)"), "rb")
 
 
 def iter_trace(path: str | os.PathLike) -> Iterator[TraceHeader | TraceRecord]:

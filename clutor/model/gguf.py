@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -32,6 +31,7 @@ from typing import Collection, Sequence
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from .._util import open_regular
 from ..errors import ClosedError, ClutorIOError, ModelFileError, UnsupportedError
 from ..io.layout import ExpertLayout, ExpertTensor
 
@@ -271,10 +271,7 @@ class _Part:
 
 
 def _parse_part(path: str, fd: int) -> _Part:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise ModelFileError(path, "file", "a regular GGUF file", "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-    size = st.st_size
+    size = os.fstat(fd).st_size  # a regular file: open_regular checked
     r = _Reader(fd, path, size)
 
     magic = r.take(4, "magic")
@@ -369,14 +366,7 @@ def _parse_part(path: str, fd: int) -> _Part:
 
 
 def _open_part(path: str) -> _Part:
-    try:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer before the
-        # regular-file check below could refuse it (it has no effect on regular files).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ModelFileError(path, "file", "an existing GGUF file", "missing") from None
-    except OSError as e:
-        raise ModelFileError(path, "file", "a readable GGUF file", e.strerror or str(e)) from None
+    fd = open_regular(path, "GGUF file")
     try:
         return _parse_part(path, fd)
     except BaseException:
