@@ -85,6 +85,29 @@ def test_worker_prints_one_json_line_with_positive_speeds(tiny):
     assert d["seconds"]["generate"] >= s["prefill_seconds"] + s["decode_seconds"] * 0.99
 
 
+def test_bench_profile_splits_decode_steps_into_spans(tiny, capsys):
+    """--profile: each decode step's wall time is split into spans that add up to no more than the step,
+    the spans that run matrix products report kernel time, and the report prints the table."""
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [tiny, "--budgets", "50%", "--prefetch", "off", "--io", "threads", "--tokens", "5", "--prompt-tokens", "8",
+         "--fio-seconds", "0", "--profile"])
+    assert bench_cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert "decode: 4 steps, 4 tokens" in out and "prefill: 1 steps, 8 tokens" in out, out
+    rc, d = _worker("clutor.bench.worker", tiny, {"io": "threads", "expert_cache": "50%", "prompt_tokens": 8,
+                                                   "tokens": 5, "profile": True})
+    assert rc == 0, d
+    dec = d["profile"]["decode"]
+    assert dec["steps"] == 4 and dec["tokens"] == 4  # the first token comes from the prefill
+    spans = dec["spans"]
+    for name in ("attention", "router", "experts", "output", "sampling", "wait for reads"):
+        assert spans[name]["seconds"] > 0 and spans[name]["calls"] >= 4, (name, spans)
+    for name in ("attention", "experts", "output"):  # their matrix products are timed inside them
+        assert 0 < spans[name]["kernel_seconds"] <= spans[name]["seconds"], (name, spans[name])
+    # spans on the compute thread and the coroutine's waits never overlap: they fit in the steps' time
+    assert sum(s["seconds"] for s in spans.values()) <= dec["seconds"]
+
+
 def test_worker_reports_bad_input_as_json_error(tmp_path):
     rc, d = _worker("clutor.bench.worker", str(tmp_path / "missing.gguf"), {"io": "memory"})
     assert rc == 1 and "missing.gguf" in d["error"]

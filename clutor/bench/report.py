@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..model.profile import from_json, render as render_profile
 from ..units import format_bytes
 
 __all__ = ["render_report", "render_concurrency", "render_sweep", "render_comparison", "format_table", "decode_read_per_token",
@@ -149,6 +150,13 @@ def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
 COMPARE_HEADERS = ("setting", "memory cap", "engine", "configuration", "prefill tok/s", "decode tok/s",
                    "peak memory", "read/token", "of disk limit")
 
+PROFILE_LEGEND = """\
+profile: wall time per step (decode: one token per sequence; prefill: the prompt), per span; kernels: the
+  span's matrix products (quantised weights x activations), glue: the rest of the span (norms, RoPE, softmax,
+  attention over the KV cache, gathers); wait for reads: the model coroutine waiting on expert bytes;
+  hand-off and Python: what no span covers (trips to the compute thread, the event loop, Python code)"""
+
+
 COMPARE_LEGEND = """\
 ratio: Clutor's tok/s divided by llama.cpp's (above 1.00x: Clutor is faster)
 peak memory: peak RSS uncapped; in capped rows the cgroup's peak charge (process memory + page cache it pulled in)
@@ -237,6 +245,12 @@ def render_report(report: dict) -> str:
     summary = _summary(report["sweep"], disk.get("bytes_per_second"))
     parts += ["", summary] if summary else []
     parts += ["", SWEEP_LEGEND]
+    for row in report["sweep"]:
+        prof = (row.get("result") or {}).get("profile")
+        if prof:
+            parts += ["", f"profile: budget {row['budget']}, prefetch {_onoff(row['prefetch'])}, policy {row['policy']}"]
+            parts += [render_profile(phase, p) for phase, p in sorted(from_json(prof).items())]
+            parts += [PROFILE_LEGEND]
     if report.get("comparison"):
         parts += ["", "", "Clutor vs llama.cpp", "",
                   render_comparison(report["comparison"], disk.get("bytes_per_second"), st["tokens"])]

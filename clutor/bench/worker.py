@@ -18,6 +18,7 @@ import time
 
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
+from ..model.profile import to_json
 from .process import peak_memory, storage_read_bytes
 from .prompt import bench_prompt, prompt_digest
 from .protocol import worker_main
@@ -37,10 +38,13 @@ DEFAULTS: dict = {
     "io": "auto",
     "direct": True,
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
+    "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
 }
-OPEN_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
+STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
+OPEN_KEYS = STORE_KEYS + ("profile",)
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
-_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True}
+_NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
+            "profile": False}
 
 
 def to_jsonable(obj):
@@ -77,11 +81,11 @@ def _open_kwargs(open_fn, opts: dict) -> tuple[dict, list[str]]:
     ignored: list[str] = []
     # Without a store (io="memory") the cache options have nothing to act on.
     storeless = opts["io"] == "memory" and not (takes_any or "io" in params)
-    for key in OPEN_KEYS:
+    for key in (k for k in OPEN_KEYS if k in opts):
         value = opts[key]
         if takes_any or key in params:
             kwargs[key] = value
-        elif storeless or value == _NEUTRAL[key]:
+        elif (storeless and key in STORE_KEYS) or value == _NEUTRAL[key]:
             ignored.append(key)
         else:
             raise ClutorError(f"this Clutor's Model.open has no {key!r} option (asked for {key}={value!r})")
@@ -120,6 +124,8 @@ async def _run(path: str, opts: dict) -> dict:
             t1 = time.perf_counter()
             await _generate(model, warm, 1)
             t_warm = time.perf_counter() - t1
+        if opts["profile"]:
+            model.profile.reset()  # the figures are the measured generation's, not the warm-up's
         read0 = storage_read_bytes()
         t2 = time.perf_counter()
         tokens, stats, read_mid = await _generate(model, ids, opts["tokens"])
@@ -127,6 +133,7 @@ async def _run(path: str, opts: dict) -> dict:
         read1 = storage_read_bytes()
         cfg = model.config
         n_ctx = model.n_ctx
+        profile = to_json(model.profile) if opts["profile"] else None  # (older checkouts have no .profile)
     t_total = time.perf_counter() - t0
     s = to_jsonable(stats) or {}
     io = s.pop("io", None)
@@ -149,6 +156,7 @@ async def _run(path: str, opts: dict) -> dict:
         else {"prefill": read_mid - read0, "decode": read1 - read_mid},
         "seconds": {"open": t_open, "warmup": t_warm, "generate": t_gen, "total": t_total},
         "threads": os.cpu_count(),
+        "profile": profile,
     }
 
 

@@ -140,6 +140,9 @@ def add_parser(sub):
     m.add_argument("--fio-seconds", type=float, default=5.0, help="fio disk measurement length (0: skip)")
     m.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is abandoned")
     m.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    m.add_argument("--profile", action="store_true",
+                   help="also time each step's spans (attention, router, experts and their kernels, waiting "
+                        "for reads, sampling, hand-off) and print where a decode step's time goes")
     return p
 
 
@@ -294,7 +297,7 @@ def _concurrency(args, common: dict, disk_bps: float | None) -> dict:
 
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
-    opts = {**common, "io": args.io, "direct": not args.buffered}
+    opts = {**common, "io": args.io, "direct": not args.buffered, "profile": args.profile}
     if args.io != "memory":
         opts.update(expert_cache=budget.worker_value, prefetch=prefetch, policy=policy)
     return opts

@@ -5,9 +5,12 @@ G = H // Hkv, hd = head dim, N = positions in the KV cache so far, E = experts, 
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..errors import BudgetError
+from .profile import kernel_done
 
 __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "KVCache", "LatentKV", "attention", "route", "gate"]
 
@@ -224,11 +227,19 @@ def _attention_masked(q, cache, layer, p0, scale, window, sinks):
     return o.transpose(2, 0, 1, 3).reshape(T, -1)
 
 
+def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
+    """h [T, D] @ router [E, D].T -> [T, E] (float32 BLAS; timed as a kernel by a running profile)."""
+    t0 = time.perf_counter()
+    logits = h @ router.T
+    kernel_done(t0)
+    return logits
+
+
 def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.ndarray, np.ndarray]:
     """Router: h [T, D], router [E, D] -> (experts [T, K] int64, weights [T, K] float32).
 
     Softmax over ALL experts, then the k largest probabilities (ties -> lower expert id)."""
-    probs = softmax(h @ router.T)  # [T, E]
+    probs = softmax(router_logits(h, router))  # [T, E]
     sel = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, K]
     w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
     if renorm:
@@ -248,7 +259,7 @@ def gate(h: np.ndarray, router: np.ndarray, k: int, *, func: str = "softmax", bi
     (clamped to F16's smallest normal); ``scale`` multiplies them unless 0 or 1. Ties -> lower id."""
     if func == "softmax" and bias is None and groups is None and logit_bias is None and scale in (0.0, 1.0):
         return route(h, router, k, norm)  # softmax probabilities sum to >= 1/E: the clamp never acts
-    logits = h @ router.T  # [T, E]
+    logits = router_logits(h, router)  # [T, E]
     if logit_bias is not None:
         logits = logits + logit_bias
     if func == "softmax":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
@@ -25,6 +26,7 @@ from .engine import Engine
 from .kernels import Job
 from .quants import matmul_jobs
 from .options import ModelOptions, resolve_budget
+from .profile import NO_PROFILE, Profile
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
 from .weights import DenseWeights, load_dense, resident_bytes
@@ -97,6 +99,7 @@ class Model:
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.engine = Engine(self, max_sequences=options.max_sequences, step_tokens=options.step_tokens,
                              prefix_bytes=options.prefix_cache_bytes)
 
@@ -105,7 +108,7 @@ class Model:
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
              prefetch: bool | None = None, policy: str = DEFAULT_POLICY, io: str = "auto", direct: bool = True,
              trace: str | os.PathLike | None = None, max_sequences: int = 16, step_tokens: int = 256,
-             prefix_cache: int | str = "256MiB",
+             prefix_cache: int | str = "256MiB", profile: bool = False,
              progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
@@ -124,11 +127,14 @@ class Model:
             chunks of what is left after every decoding sequence's token, so they never freeze the others.
         prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
             starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off.
+        profile: time every step's spans (attention, router, experts, waiting for reads, ...) into
+            ``model.profile`` (clutor.model.profile; ``clutor bench --profile`` prints it).
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
         """
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
                             direct=direct, trace=os.fspath(trace) if trace is not None else None,
-                            max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache)
+                            max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache,
+                            profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
@@ -229,15 +235,17 @@ class Model:
         ``head(that list)``, if given, runs on the compute thread and its result is returned instead."""
         self._check_open()
         step = self._plan(batch, need)
-        x = h = ys = None
-        for l in range(self.config.n_layers):
-            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
-            # the previous layer's expert sum (or the embedding), then this layer's attention and router.
-            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
-            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
-        for seg in step.segments:  # the positions are filled only once every layer has written them
-            seg.seq.kv.n = seg.p0 + len(seg.ids)
-        return await compute(self._head, x, h, ys, step, all_logits, head)
+        phase = "decode" if len(step.ids) == len(step.segments) else "prefill"
+        with self.profile.step(phase, len(step.ids)):
+            x = h = ys = None
+            for l in range(self.config.n_layers):
+                # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
+                # the previous layer's expert sum (or the embedding), then this layer's attention and router.
+                x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
+                ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
+            for seg in step.segments:  # the positions are filled only once every layer has written them
+                seg.seq.kv.n = seg.p0 + len(seg.ids)
+            return await compute(self._head, x, h, ys, step, all_logits, head)
 
     def _plan(self, batch, need) -> "_Step":
         cfg = self.config
@@ -266,18 +274,26 @@ class Model:
         """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
         then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
         experts [R, K], weights [R, K]; both None in a dense layer)."""
-        arch, lw = self.arch, self._w.layers[l]
-        x = self._w.tok_embd.rows(step.ids) if l == 0 else self._moe_add(l - 1, x, h, ys)  # [R, D]
-        x = x + arch.attention(lw, l, x, step, self._rope)
-        h = arch.ffn_input(lw, x)  # [R, D]
-        if lw.experts is None:
-            return x, h, None, None, None
-        sel, w = arch.route(lw, h)  # [R, K], [R, K]
+        arch, lw, prof = self.arch, self._w.layers[l], self.profile
+        if l == 0:
+            with prof.span("embed"):
+                x = self._w.tok_embd.rows(step.ids)  # [R, D]
+        else:
+            with prof.span("shared + sum"):
+                x = self._moe_add(l - 1, x, h, ys)  # [R, D]
+        with prof.span("attention"):
+            x = x + arch.attention(lw, l, x, step, self._rope)
+        with prof.span("router"):
+            h = arch.ffn_input(lw, x)  # [R, D]
+            if lw.experts is None:
+                return x, h, None, None, None
+            sel, w = arch.route(lw, h)  # [R, K], [R, K]
         nxt = None
         if len(sel) == len(step.segments) and l + 1 in self._moe_index and self._predicting(len(sel)):
             # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
             # told to the cache before this layer's get (and read ahead by prefetch when it is on).
-            nxt = self._predict(l + 1, x)
+            with prof.span("predict"):
+                nxt = self._predict(l + 1, x)
         if self._trace is not None:
             for r in range(len(sel)):
                 self._trace.write(int(step.pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
@@ -288,28 +304,29 @@ class Model:
         """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
         [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
         that gate and up for all of them are one kernel launch, and down another."""
-        cfg, et = self.config, self._w.layers[l].experts
-        D, F = cfg.n_embd, cfg.n_ff_exp
-        picks = [np.nonzero(sel == v.expert) for v in views]  # (rows, top-k slots) per expert
-        counts = [len(rows) for rows, _ in picks]
-        starts = np.cumsum([0] + counts)[:-1].tolist()
-        xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = rows summed over experts
-        gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
-        matmul_jobs([job for v, t0, n in zip(views, starts, counts)
-                     for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
-        biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
-        if biased:
-            for v, t0, n in zip(views, starts, counts):
-                gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
-                gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
-        a = self.arch.expert_act(gu, F)  # [S, F]
-        y = np.empty((len(xg), D), np.float32)  # [S, D]
-        matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
-        if biased:
-            for v, t0, n in zip(views, starts, counts):
-                y[t0 : t0 + n] += v.biases[2].view(np.float32)
-        y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
-        return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
+        with self.profile.span("experts"):
+            cfg, et = self.config, self._w.layers[l].experts
+            D, F = cfg.n_embd, cfg.n_ff_exp
+            picks = [np.nonzero(sel == v.expert) for v in views]  # (rows, top-k slots) per expert
+            counts = [len(rows) for rows, _ in picks]
+            starts = np.cumsum([0] + counts)[:-1].tolist()
+            xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = rows summed over experts
+            gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+            matmul_jobs([job for v, t0, n in zip(views, starts, counts)
+                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
+            biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
+                    gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
+            a = self.arch.expert_act(gu, F)  # [S, F]
+            y = np.empty((len(xg), D), np.float32)  # [S, D]
+            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    y[t0 : t0 + n] += v.biases[2].view(np.float32)
+            y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
+            return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
         """x + the routed experts' outputs (summed in the order the experts were asked for, so the
@@ -327,7 +344,17 @@ class Model:
         """The last layer's output, then the output projection of the rows wanted: all of a
         segment's, or its last (the others' logits would cost a [V, D] product per row for nothing)."""
         cfg = self.config
-        x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+        with self.profile.span("shared + sum"):
+            x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+        with self.profile.span("output"):
+            out = self._output(x, step, all_logits)
+        if head is None:
+            return out
+        with self.profile.span("sampling"):
+            return head(out)
+
+    def _output(self, x: np.ndarray, step: "_Step", all_logits: bool) -> list[np.ndarray | None]:
+        cfg = self.config
         spans = [(s.r0, len(s.ids)) if all_logits else (s.r0 + len(s.ids) - 1, 1) for s in step.segments]
         wanted = [span for span, ok in zip(spans, step.need) if ok]
         out: list[np.ndarray | None] = [None] * len(spans)
@@ -338,7 +365,7 @@ class Model:
             for i, ((_, n), ok) in enumerate(zip(spans, step.need)):
                 if ok:
                     out[i], at = logits[at : at + n], at + n
-        return head(out) if head is not None else out
+        return out
 
     def _prefetching(self, n_seq: int) -> bool:
         return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
@@ -368,7 +395,9 @@ class Model:
             groups = self._experts.get_ready(self._moe_index[l], chunk)
             try:
                 first = True
+                t_wait = time.perf_counter()
                 async for views in groups:
+                    self.profile.add("wait for reads", time.perf_counter() - t_wait)
                     if first and i == 0 and nxt is not None and self._prefetching(len(step.segments)):
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # layer l+1's router picks from the current hidden state, read while this
@@ -376,6 +405,7 @@ class Model:
                         self._experts.prefetch(self._moe_index[l + 1], nxt)
                     first = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
+                    t_wait = time.perf_counter()
             finally:
                 await groups.aclose()
             # Let another forward waiting for the slots just released reserve before this one does

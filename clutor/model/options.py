@@ -26,6 +26,7 @@ class ModelOptions:
     max_sequences: int = 16                # live sequences in one batched step
     step_tokens: int = 256                 # tokens one step computes at most (prompts are chunked)
     prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
+    profile: bool = False                  # time each step's spans (clutor.model.profile)
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -6,12 +6,15 @@ gguf-py's reference code and uses BLAS. Nothing converts the whole model up fron
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _ref
+
+from .profile import kernel_done
 
 __all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight", "apply_all"]
 
@@ -56,11 +59,14 @@ def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray)
     """x @ W.T for W stored as raw bytes (numpy shape (n_rows, n_cols)); x float32 [T, n_cols] -> [T, n_rows]."""
     from . import kernels  # late: kernels import numba, which is slow to import
 
+    t0 = time.perf_counter()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if kernels.has_kernel(qtype):
-        return kernels.matmul(raw, qtype, n_rows, n_cols, x)
-    w = dequantize(raw, qtype, (n_rows, n_cols))  # [N, K]
-    return x @ w.T
+        y = kernels.matmul(raw, qtype, n_rows, n_cols, x)
+    else:
+        y = x @ dequantize(raw, qtype, (n_rows, n_cols)).T
+    kernel_done(t0)
+    return y
 
 
 def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -69,7 +75,10 @@ def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray
     from . import kernels
 
     if all(kernels.has_kernel(j.qtype) for j in jobs):
-        return kernels.matmul_jobs(jobs, n_cols, x, out)
+        t0 = time.perf_counter()
+        kernels.matmul_jobs(jobs, n_cols, x, out)
+        kernel_done(t0)
+        return out
     for j in jobs:
         rows = slice(j.t0, j.t0 + j.n_tok)
         out[rows, j.col : j.col + j.n_rows] = matmul(j.w, j.qtype, j.n_rows, n_cols, x[rows])
@@ -104,7 +113,10 @@ class Weight:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Apply as a linear layer: x float32 [T, n_cols] -> [T, n_rows]."""
         if self._f32 is not None:
-            return np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
+            t0 = time.perf_counter()
+            y = np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
+            kernel_done(t0)
+            return y
         return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x)
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
