@@ -52,3 +52,14 @@ def open_regular(path: str, what: str) -> int:
                              "a directory" if stat.S_ISDIR(mode) else "not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def sleeping_kernel_workers() -> None:
+    """Called by Model.open and by the clutor command before any kernel runs (never on import):
+    numba's OpenMP workers sleep between kernel launches instead of spinning. Spinning workers keep
+    the cores busy while BLAS's threads, the event loop and other processes wait for them; on a busy
+    machine a product then takes many times longer. It takes effect if it runs before the process's
+    first OpenMP launch, and an OMP_WAIT_POLICY the application set wins."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

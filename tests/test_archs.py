@@ -9,7 +9,7 @@ import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
-from conftest import assert_matches_golden, NEW_ARCHS, NEW_FIXTURES, fixture_path, golden, run
+from conftest import assert_matches_golden, ACTIVATIONS, NEW_ARCHS, NEW_FIXTURES, STEP_TOL, fixture_path, golden, run
 
 
 async def _logits(path, ids, **opts):
@@ -39,9 +39,10 @@ def test_greedy_matches_llama_cpp(arch):
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
-def test_prefill_equals_incremental_decode(arch):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_prefill_equals_incremental_decode(arch, activations):
     async def both():
-        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), activations=activations) as model:
             ids = golden(arch, "Q8_0")["prompt_ids"].tolist()[:16]
             full = await model.logits(ids)
             seq = model.new_sequence()
@@ -50,7 +51,7 @@ def test_prefill_equals_incremental_decode(arch):
             return full, np.concatenate([half, np.stack(rest)])
 
     full, mixed = run(both())
-    np.testing.assert_allclose(mixed, full, rtol=0, atol=1e-4 * np.abs(full).max())
+    np.testing.assert_allclose(mixed, full, rtol=0, atol=STEP_TOL[activations] * np.abs(full).max())
     assert (mixed.argmax(-1) == full.argmax(-1)).all()
 
 

@@ -17,6 +17,7 @@ from gguf import quants
 
 from clutor.errors import ClutorError
 from clutor.model import kernels
+from clutor.model.kernel_settings import KernelSettings as KS
 
 TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
 TYPES_256 = ("Q4_K", "Q5_K", "Q6_K")
@@ -75,15 +76,6 @@ def q8_bound(x: np.ndarray, block: int) -> np.ndarray:
     return np.sqrt((block * (amax / 254.0) ** 2).sum(axis=1))  # [T]
 
 
-@pytest.fixture(autouse=True)
-def _restore_settings():
-    mode, thr = kernels.activation_mode(), kernels.threads()
-    yield
-    kernels.set_activation_mode(mode)
-    kernels.set_threads(thr)
-    kernels.set_blas_min_tokens(None, None)
-
-
 @pytest.mark.parametrize("name,n_cols", list(_cases()))
 def test_matmul_matches_reference(name: str, n_cols: int) -> None:
     qt = int(QT[name])
@@ -97,15 +89,14 @@ def test_matmul_matches_reference(name: str, n_cols: int) -> None:
             scale = np.linalg.norm(x.astype(np.float64), axis=1)[:, None] * wnorm[None, :]  # [T, N]
             # row kernels (BLAS threshold out of reach), then the dequantise + BLAS path
             for blas_from in (10**9, 1):
-                kernels.set_blas_min_tokens(blas_from, blas_from)
                 for mode in ("f32", "q8"):
-                    kernels.set_activation_mode(mode)
+                    ks = KS(mode, blas_min_tokens=blas_from)
                     out = np.full((n_tok, n_rows), np.nan, np.float32)
-                    got = kernels.matmul(raw, qt, n_rows, n_cols, x, out=out)
+                    got = kernels.matmul(raw, qt, n_rows, n_cols, x, out=out, settings=ks)
                     assert got is out
                     err = np.abs(got.astype(np.float64) - want)
                     where = f"{name} N={n_rows} K={n_cols} T={n_tok} mode={mode} blas_from={blas_from}"
-                    q8_used = kernels.activation_mode() == "q8" and name in Q8_BLOCK and blas_from > n_tok
+                    q8_used = kernels.mode(ks) == "q8" and name in Q8_BLOCK and blas_from > n_tok
                     if q8_used:
                         limit = wnorm[None, :] * q8_bound(x, Q8_BLOCK[name])[:, None] + F32_RTOL * scale
                         assert (err <= limit).all(), f"{where}: q8 error above bound by {(err / limit).max():.3f}x"
@@ -133,13 +124,14 @@ def test_token_tiles_equal_single_tokens(name: str) -> None:
     rng = np.random.default_rng(5)
     x = activations(15, 512, seed=5) * rng.uniform(0.1, 10.0, size=(15, 1)).astype(np.float32)  # scales differ
     for mode in ("f32", "q8"):
-        kernels.set_activation_mode(mode)
-        together = kernels.matmul(raw, int(QT[name]), 17, 512, x)  # tiles 8 + 4 + 2 + 1
-        alone = np.stack([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 1])[0] for t in range(15)])
+        ks = KS(mode)
+        together = kernels.matmul(raw, int(QT[name]), 17, 512, x, settings=ks)  # tiles 8 + 4 + 2 + 1
+        alone = np.stack([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 1], settings=ks)[0] for t in range(15)])
         # equal up to the order of a few float additions (Q4_0 / Q5_0 offset terms)
         np.testing.assert_allclose(together, alone, rtol=0, atol=1e-6 * np.abs(alone).max(), err_msg=f"{name} {mode}")
         if mode == "f32":
-            pairs = np.concatenate([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 2]) for t in range(0, 14, 2)])
+            pairs = np.concatenate([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 2], settings=ks)
+                                    for t in range(0, 14, 2)])
             np.testing.assert_array_equal(together[:14], pairs, err_msg=name)
 
 
@@ -147,8 +139,7 @@ def test_token_tiles_equal_single_tokens(name: str) -> None:
 def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
     """matmul_jobs: experts on their own rows of x, q/k/v side by side; mixed types, a job big
     enough for the BLAS path, an empty job. Each block of out equals matmul of that job alone."""
-    kernels.set_activation_mode(mode)
-    kernels.set_blas_min_tokens(12, 12)
+    ks = KS(mode, blas_min_tokens=12)
     specs = [("Q8_0", 33, 0, 5), ("Q4_K", 17, 5, 1), ("Q6_K", 64, 6, 13), ("F16", 3, 19, 2), ("Q5_0", 255, 21, 0),
              ("F32", 7, 21, 3)]
     n_cols = 512
@@ -159,9 +150,9 @@ def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
         jobs.append(kernels.Job(raw, int(QT[name]), n_rows, t0, n_tok, col))
         col += n_rows
     out = np.full((24, col), np.nan, np.float32)
-    assert kernels.matmul_jobs(jobs, n_cols, x, out) is out
+    assert kernels.matmul_jobs(jobs, n_cols, x, out, ks) is out
     for j in jobs:
-        alone = kernels.matmul(j.w, j.qtype, j.n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok])
+        alone = kernels.matmul(j.w, j.qtype, j.n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=ks)
         np.testing.assert_array_equal(out[j.t0 : j.t0 + j.n_tok, j.col : j.col + j.n_rows], alone)
     assert np.isnan(out[21:24, sum(s[1] for s in specs[:4]) : sum(s[1] for s in specs[:5])]).all()  # empty job: untouched
     with pytest.raises(ClutorError, match="outside"):
@@ -181,17 +172,15 @@ def test_read_only_and_offset_views() -> None:
     x = activations(2, 512, seed=1)
     x.flags.writeable = False
     for mode in ("f32", "q8"):
-        kernels.set_activation_mode(mode)
-        a = kernels.matmul(view, int(QT.Q4_K), 17, 512, x)
-        b = kernels.matmul(raw, int(QT.Q4_K), 17, 512, x)
+        a = kernels.matmul(view, int(QT.Q4_K), 17, 512, x, settings=KS(mode))
+        b = kernels.matmul(raw, int(QT.Q4_K), 17, 512, x, settings=KS(mode))
         np.testing.assert_array_equal(a, b)
 
 
 def test_one_dimensional_x() -> None:
     raw, ref = weight("Q8_0", 17, 256)
     x = activations(1, 256, seed=2)
-    kernels.set_activation_mode("f32")
-    y = kernels.matmul(raw, int(QT.Q8_0), 17, 256, x[0])
+    y = kernels.matmul(raw, int(QT.Q8_0), 17, 256, x[0], settings=KS("f32"))
     assert y.shape == (17,)
     np.testing.assert_allclose(y, (x @ ref.T)[0], rtol=1e-4, atol=1e-4)
 
@@ -200,11 +189,8 @@ def test_thread_count_does_not_change_results() -> None:
     raw, _ = weight("Q6_K", 255, 2048)
     x = activations(3, 2048, seed=3)
     for mode in ("f32", "q8"):
-        kernels.set_activation_mode(mode)
-        kernels.set_threads(1)
-        one = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x)
-        kernels.set_threads(2)
-        two = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x)
+        one = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x, settings=KS(mode, threads=1))
+        two = kernels.matmul(raw, int(QT.Q6_K), 255, 2048, x, settings=KS(mode, threads=2))
         np.testing.assert_array_equal(one, two)
 
 
@@ -212,7 +198,6 @@ def test_concurrent_callers() -> None:
     """Kernels release the GIL; calls from several threads at once must not interfere."""
     raw, ref = weight("Q8_0", 255, 2048)
     xs = [activations(1, 2048, seed=10 + i) for i in range(4)]
-    kernels.set_activation_mode("f32")
     expect = [kernels.matmul(raw, int(QT.Q8_0), 255, 2048, x) for x in xs]
     results: dict[int, list[np.ndarray]] = {i: [] for i in range(4)}
 
@@ -247,13 +232,34 @@ def test_unsupported_and_bad_arguments() -> None:
         kernels.matmul(raw, int(QT.Q8_0), 3, 256, x.astype(np.float64))
     with pytest.raises(ClutorError, match="out must be"):
         kernels.matmul(raw, int(QT.Q8_0), 3, 256, x, out=np.empty((1, 4), np.float32))
-    with pytest.raises(ClutorError, match="q8"):
-        kernels.set_activation_mode("int4")
+    with pytest.raises(ClutorError, match="activations.*q8"):
+        KS("int4")
+    with pytest.raises(ClutorError, match="threads"):
+        KS(threads=0)
 
 
 def test_warmup_and_info() -> None:
     kernels.warmup()
     info = kernels.info()
-    assert info.threads == kernels.threads() >= 1
-    assert info.activation_mode in ("q8", "f32")
+    assert info.threads == KS().n_threads >= 1 and kernels.info(KS(threads=1)).threads == 1
+    assert info.activation_mode == kernels.mode() and kernels.info(KS("f32")).activation_mode == "f32"
+    assert kernels.info(KS("q8")).activation_mode == ("q8" if kernels._ir.HAVE_INT8_SIMD else "f32")
     assert {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"} <= set(info.types)
+
+
+def test_importing_clutor_leaves_the_process_environment_alone(tmp_path) -> None:
+    """A library embedded in another process must not change it on import: no environment
+    variable set, and no file written or removed (the kernels' cache check runs at the first
+    launch; numba itself only creates its empty cache directory when the kernels are declared)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import os, json; before = dict(os.environ); import clutor, clutor.model.kernels, clutor.model.model; "
+            "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
+    assert [p for p in (tmp_path / "numba").rglob("*") if not p.is_dir()] == [], "files written on import"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import clutor
-from conftest import assert_matches_golden, ARCHS, TYPES, fixture_path, golden, run
+from conftest import assert_matches_golden, ACTIVATIONS, ARCHS, STEP_TOL, TYPES, fixture_path, golden, run
 
 
 async def _logits(path, ids):
@@ -39,9 +39,10 @@ def test_greedy_matches_llama_cpp(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("qtype", ["F16", "Q4_K_M"])
-def test_prefill_equals_incremental_decode(arch, qtype):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_prefill_equals_incremental_decode(arch, qtype, activations):
     async def both():
-        async with clutor.Model.open(fixture_path(arch, qtype)) as model:
+        async with clutor.Model.open(fixture_path(arch, qtype), activations=activations) as model:
             ids = golden(arch, qtype)["prompt_ids"].tolist()[:16]
             full = await model.logits(ids)
             seq = model.new_sequence()
@@ -54,8 +55,8 @@ def test_prefill_equals_incremental_decode(arch, qtype):
 
     full, steps, mixed = run(both())
     scale = np.abs(full).max()
-    np.testing.assert_allclose(steps, full, rtol=0, atol=1e-4 * scale)
-    np.testing.assert_allclose(mixed, full, rtol=0, atol=1e-4 * scale)
+    np.testing.assert_allclose(steps, full, rtol=0, atol=STEP_TOL[activations] * scale)
+    np.testing.assert_allclose(mixed, full, rtol=0, atol=STEP_TOL[activations] * scale)
     assert (steps.argmax(-1) == full.argmax(-1)).all()
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, quants as ref
 
+from clutor.model.kernel_settings import KernelSettings
 from clutor.model.quants import QT, SUPPORTED, Weight, dequantize_rows, matmul, row_bytes, type_name
 
 
@@ -47,11 +48,12 @@ def test_matmul_equals_reference(qtype, T):
     assert np.isfinite(w_ref).all()
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     want = x.astype(np.float64) @ np.asarray(w_ref, np.float64).T  # [T, n_rows]
-    got = matmul(raw, qtype, n_rows, n_cols, x)
+    f32 = KernelSettings("f32")  # exact up to float rounding (the int8 path's bound: tests/test_kernels.py)
+    got = matmul(raw, qtype, n_rows, n_cols, x, f32)
     tol = 1e-4 * np.abs(x).max() * np.abs(w_ref).sum(axis=1).max() + 1e-6
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
     # the resident-weight path (embedding lookups and dense layers) agrees too
-    W = Weight("w", raw, qtype, (n_rows, n_cols))
+    W = Weight("w", raw, qtype, (n_rows, n_cols), kernels=f32)
     np.testing.assert_allclose(W(x), want, rtol=0, atol=tol)
     np.testing.assert_allclose(W.rows(np.array([3, 0])), np.asarray(w_ref, np.float32)[[3, 0]], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dequantize_rows(raw, qtype, n_cols, np.array([6])), np.asarray(w_ref, np.float32)[[6]],

@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT  # noqa: E402
 
+from clutor._util import sleeping_kernel_workers  # noqa: E402
 from clutor.model import kernels  # noqa: E402
+from clutor.model.kernel_settings import KernelSettings  # noqa: E402
 
 SHAPES = {  # name -> (n_rows, n_cols) in numpy order
     "expert_gate_up": (1024, 2048),
@@ -82,16 +84,16 @@ def bench_one(name: str, shape: str, n_tok: int, mode: str, args, rng) -> dict:
     copies = [w] + [w.copy() for _ in range(n_copies - 1)]
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
     out = np.empty((n_tok, n_rows), np.float32)
-    kernels.set_activation_mode(mode)
+    ks = KernelSettings(mode, threads=args.threads)
 
     def ours(ww):
-        kernels.matmul(ww, qt, n_rows, n_cols, x, out=out)
+        kernels.matmul(ww, qt, n_rows, n_cols, x, out=out, settings=ks)
 
     ours(w)  # compile / load
     t, fastest = _times(ours, copies, args.runs, args.repeat)
     del copies
     return {"type": name, "shape": shape, "n_rows": n_rows, "n_cols": n_cols, "tokens": n_tok,
-            "mode": kernels.activation_mode(), "ms": t * 1e3, "ms_min": fastest * 1e3, "weight_bytes": int(w.nbytes),
+            "mode": kernels.mode(ks), "ms": t * 1e3, "ms_min": fastest * 1e3, "weight_bytes": int(w.nbytes),
             "GBps": w.nbytes / t / 1e9, "GFLOPs": 2.0 * n_rows * n_cols * n_tok / t / 1e9}
 
 
@@ -121,23 +123,21 @@ def sweep_t(args, rng) -> list[dict]:
         w = random_weight(name, n_rows, n_cols, rng)
         copies = [w] + [w.copy() for _ in range(max(1, int(args.rotate_mb * 2**20 // w.nbytes)))]
         for mode in args.modes:
-            kernels.set_activation_mode(mode)
             for n_tok in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256):
                 x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
                 out = np.empty((n_tok, n_rows), np.float32)
                 res = {}
                 for path, thr in (("rows", 10**9), ("blas", 1)):
-                    kernels.set_blas_min_tokens(thr, thr)
+                    ks = KernelSettings(mode, threads=args.threads, blas_min_tokens=thr)
 
                     def call(ww):
-                        kernels.matmul(ww, qt, n_rows, n_cols, x, out=out)
+                        kernels.matmul(ww, qt, n_rows, n_cols, x, out=out, settings=ks)
 
                     call(w)
                     res[path] = _times(call, copies, args.runs, args.repeat)[0] * 1e3
-                kernels.set_blas_min_tokens(None, None)
-                rows.append({"type": name, "mode": kernels.activation_mode(), "tokens": n_tok,
+                rows.append({"type": name, "mode": kernels.mode(ks), "tokens": n_tok,
                              "rows_ms": res["rows"], "blas_ms": res["blas"]})
-                print(f"{name:6s} {kernels.activation_mode():3s} T={n_tok:3d}  rows {res['rows']:8.3f} ms"
+                print(f"{name:6s} {kernels.mode(ks):3s} T={n_tok:3d}  rows {res['rows']:8.3f} ms"
                       f"  dequant+blas {res['blas']:8.3f} ms", file=sys.stderr)
     return rows
 
@@ -156,11 +156,10 @@ def main() -> None:
     ap.add_argument("--sweep-shape", default="expert_gate_up", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true", help="print results as JSON on stdout")
     args = ap.parse_args()
-    if args.threads:
-        kernels.set_threads(args.threads)
+    sleeping_kernel_workers()  # as Model.open does
     t0 = time.perf_counter()
     kernels.warmup()
-    info = kernels.info()
+    info = kernels.info(KernelSettings(threads=args.threads))
     print(f"backend {info.backend}, {info.threads} threads, warmup {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rng = np.random.default_rng(0)
 

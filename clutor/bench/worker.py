@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from .._util import sleeping_kernel_workers
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from ..model.profile import to_json
@@ -39,12 +40,13 @@ DEFAULTS: dict = {
     "direct": True,
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
     "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
+    "activations": "auto",   # kernels: auto | q8 | f32
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
-OPEN_KEYS = STORE_KEYS + ("profile",)
+OPEN_KEYS = STORE_KEYS + ("profile", "activations")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
 _NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
-            "profile": False}
+            "profile": False, "activations": "auto"}
 
 
 def to_jsonable(obj):
@@ -255,4 +257,5 @@ def run(path: str, options: dict) -> dict:
 
 
 if __name__ == "__main__":
+    sleeping_kernel_workers()  # as the clutor command runs them
     sys.exit(worker_main("python -m clutor.bench.worker", run))

@@ -8,6 +8,7 @@ import inspect
 import os
 import sys
 
+from .._util import sleeping_kernel_workers
 from ..errors import ClutorError
 
 # sub-command -> module; imported lazily so `clutor --help` stays fast
@@ -52,6 +53,7 @@ def run_coro(coro):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure ends as one `clutor: error:` line and exit code 1 (Ctrl-C: 130)."""
+    sleeping_kernel_workers()
     try:
         args = build_parser().parse_args(argv)
         result = args._run(args)

@@ -119,6 +119,8 @@ def add_parser(sub):
     g.add_argument("--policy", type=_names, default=DEFAULT_POLICY, help="cache eviction policies, comma-separated")
     g.add_argument("--io", choices=IO_CHOICES, default="auto", help="read backend (memory: mmap, no cache)")
     g.add_argument("--buffered", action="store_true", help="read through the page cache instead of O_DIRECT")
+    g.add_argument("--activations", choices=("auto", "q8", "f32"), default="auto",
+                   help="kernels: int8 activations with integer dot products (q8), float (f32), or auto")
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
@@ -297,7 +299,8 @@ def _concurrency(args, common: dict, disk_bps: float | None) -> dict:
 
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
-    opts = {**common, "io": args.io, "direct": not args.buffered, "profile": args.profile}
+    opts = {**common, "io": args.io, "direct": not args.buffered, "profile": args.profile,
+            "activations": args.activations}
     if args.io != "memory":
         opts.update(expert_cache=budget.worker_value, prefetch=prefetch, policy=policy)
     return opts

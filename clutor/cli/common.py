@@ -48,6 +48,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context length in tokens (default: min(the model's, 4096))")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="threads for the compute kernels (default: the CPU cores numba sees)")
+    p.add_argument("--activations", choices=("auto", "q8", "f32"), default="auto",
+                   help="q8: round activations to int8 and use integer dot products, as llama.cpp does; f32: "
+                        "float activations, exact up to float rounding; auto: the faster where the CPU has int8 SIMD")
     g = p.add_argument_group("expert streaming")
     g.add_argument("--expert-cache", default=None, metavar="SIZE",
                    help="memory for routed experts: bytes, '4GiB' or '25%%' of the expert bytes "
@@ -90,19 +93,16 @@ def sampling_kwargs(args, n_ctx: int | None = None) -> dict:
 
 
 def model_kwargs(args) -> dict:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ClutorError(f"-t/--threads must be >= 1, got {args.threads}")
-        from ..model import kernels
-
-        kernels.set_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ClutorError(f"-t/--threads must be >= 1, got {args.threads}")
     if args.io == "memory" and (args.expert_cache is not None or args.prefetch is not None):
         print("clutor: note: --expert-cache and --prefetch do not apply with --io memory "
               "(experts are mapped from the file, nothing is cached or prefetched)", file=sys.stderr)
     prefetch = None if args.prefetch in (None, "auto") else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
-                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, progress=load_progress())
+                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, activations=args.activations,
+                threads=args.threads, progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from .._util import AwaitableContext
+from .._util import AwaitableContext, sleeping_kernel_workers
 from ..io.policies import DEFAULT_POLICY
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
@@ -100,6 +100,9 @@ class Model:
         room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
+        self.kernels = options.kernels  # how this model's products compute (activations, threads)
+        for w in dense.matrices():
+            w.kernels = self.kernels
         self.engine = Engine(self, max_sequences=options.max_sequences, step_tokens=options.step_tokens,
                              prefix_bytes=options.prefix_cache_bytes)
 
@@ -108,8 +111,8 @@ class Model:
     def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
              prefetch: bool | None = None, policy: str = DEFAULT_POLICY, io: str = "auto", direct: bool = True,
              trace: str | os.PathLike | None = None, max_sequences: int = 16, step_tokens: int = 256,
-             prefix_cache: int | str = "256MiB", profile: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
+             prefix_cache: int | str = "256MiB", activations: str = "auto", threads: int | None = None,
+             profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
         n_ctx: context length (default min(model's, 4096)).
@@ -127,14 +130,23 @@ class Model:
             chunks of what is left after every decoding sequence's token, so they never freeze the others.
         prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
             starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off.
+        activations: "auto" (default), "q8" (int8 activations with integer dot products, as llama.cpp
+            computes; x86 AVX2) or "f32" (float activations, exact up to float rounding); see
+            clutor.model.kernel_settings.
+        threads: threads each matrix product is split over (default: the CPUs this process may use).
         profile: time every step's spans (attention, router, experts, waiting for reads, ...) into
             ``model.profile`` (clutor.model.profile; ``clutor bench --profile`` prints it).
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
+
+        The first open in a process sets OMP_WAIT_POLICY=PASSIVE unless the application has set it:
+        the kernels' OpenMP workers then sleep between launches instead of spinning against BLAS,
+        the event loop and other processes (clutor._util.sleeping_kernel_workers).
         """
+        sleeping_kernel_workers()
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
                             direct=direct, trace=os.fspath(trace) if trace is not None else None,
                             max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache,
-                            profile=profile)
+                            activations=activations, threads=threads, profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
@@ -161,7 +173,7 @@ class Model:
                     budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes)
                 dense = load_dense(f, arch, _progress_of(progress, resident_bytes(f, arch)))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
-                kernels.warmup()
+                kernels.warmup(opts.kernels)
             except BaseException:
                 f.close()
                 raise
@@ -313,7 +325,8 @@ class Model:
             xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = rows summed over experts
             gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
             matmul_jobs([job for v, t0, n in zip(views, starts, counts)
-                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu)
+                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
+                        self.kernels)
             biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
             if biased:
                 for v, t0, n in zip(views, starts, counts):
@@ -321,7 +334,8 @@ class Model:
                     gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
             a = self.arch.expert_act(gu, F)  # [S, F]
             y = np.empty((len(xg), D), np.float32)  # [S, D]
-            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y)
+            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
+                        self.kernels)
             if biased:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)

@@ -8,6 +8,7 @@ from ..io.layout import ExpertLayout
 from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..io.store import slot_bytes  # the store owns slot geometry; budgets are counted in its slots
 from ..units import format_bytes, parse_bytes
+from .kernel_settings import KernelSettings
 
 __all__ = ["ModelOptions", "resolve_budget", "mem_available"]
 
@@ -27,6 +28,12 @@ class ModelOptions:
     step_tokens: int = 256                 # tokens one step computes at most (prompts are chunked)
     prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
     profile: bool = False                  # time each step's spans (clutor.model.profile)
+    activations: str = "auto"              # kernels: auto | q8 | f32 (clutor.model.kernel_settings)
+    threads: int | None = None             # kernels: threads per product (None: the CPUs allowed)
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return KernelSettings(self.activations, self.threads)
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -41,6 +48,7 @@ class ModelOptions:
             self.prefix_cache_bytes
         except (ValueError, TypeError, OverflowError) as e:
             raise ClutorError(f"prefix_cache: expected bytes like '256MiB' or 0, got {self.prefix_cache!r} ({e})") from None
+        self.kernels  # raises ClutorError naming a bad activations / threads value
         if self.io not in IO_CHOICES:
             raise ClutorError(f"io must be one of {', '.join(IO_CHOICES)}, got {self.io!r}")
         if self.io != "memory" and self.policy not in POLICIES:

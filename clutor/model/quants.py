@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as _ref
 
+from .kernel_settings import DEFAULT, KernelSettings
 from .profile import kernel_done
 
 __all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight", "apply_all"]
@@ -55,33 +56,34 @@ def dequantize_rows(raw: np.ndarray, qtype: int, n_cols: int, rows: np.ndarray) 
     return dequantize(picked.reshape(-1), qtype, (len(rows), n_cols))
 
 
-def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray) -> np.ndarray:
+def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
+           settings: KernelSettings = DEFAULT) -> np.ndarray:
     """x @ W.T for W stored as raw bytes (numpy shape (n_rows, n_cols)); x float32 [T, n_cols] -> [T, n_rows]."""
     from . import kernels  # late: kernels import numba, which is slow to import
 
     t0 = time.perf_counter()
     x = np.ascontiguousarray(x, dtype=np.float32)
     if kernels.has_kernel(qtype):
-        y = kernels.matmul(raw, qtype, n_rows, n_cols, x)
+        y = kernels.matmul(raw, qtype, n_rows, n_cols, x, settings=settings)
     else:
         y = x @ dequantize(raw, qtype, (n_rows, n_cols)).T
     kernel_done(t0)
     return y
 
 
-def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: KernelSettings = DEFAULT) -> np.ndarray:
     """Several products sharing x [S, n_cols] and out [S, M] (see kernels.matmul_jobs and its Job):
     one kernel launch when every type has a kernel, else one product at a time."""
     from . import kernels
 
     if all(kernels.has_kernel(j.qtype) for j in jobs):
         t0 = time.perf_counter()
-        kernels.matmul_jobs(jobs, n_cols, x, out)
+        kernels.matmul_jobs(jobs, n_cols, x, out, settings)
         kernel_done(t0)
         return out
     for j in jobs:
         rows = slice(j.t0, j.t0 + j.n_tok)
-        out[rows, j.col : j.col + j.n_rows] = matmul(j.w, j.qtype, j.n_rows, n_cols, x[rows])
+        out[rows, j.col : j.col + j.n_rows] = matmul(j.w, j.qtype, j.n_rows, n_cols, x[rows], settings)
     return out
 
 
@@ -93,6 +95,7 @@ class Weight:
     raw: np.ndarray  # uint8 [n_rows * row_bytes]
     qtype: int
     shape: tuple[int, int]  # (n_rows, n_cols) numpy order
+    kernels: KernelSettings = DEFAULT  # the owning model's (Model.open sets it)
     _f32: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,7 +120,7 @@ class Weight:
             y = np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
             kernel_done(t0)
             return y
-        return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x)
+        return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x, self.kernels)
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """float32 [len(idx), n_cols]: embedding lookup without dequantising the whole table."""
@@ -137,5 +140,5 @@ def apply_all(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     cols = np.cumsum([0] + [w.shape[0] for w in weights]).tolist()
     out = np.empty((len(x), cols[-1]), np.float32)  # [T, sum N]
     matmul_jobs([Job(w.raw, w.qtype, w.shape[0], 0, len(x), c) for w, c in zip(weights, cols)], weights[0].shape[1],
-                x, out)
+                x, out, weights[0].kernels)
     return [out[:, a:b] for a, b in zip(cols[:-1], cols[1:])]

@@ -47,6 +47,14 @@ class DenseWeights:
     output: Weight         # (V, D); the same object as tok_embd when tied
     layers: list[LayerWeights]
 
+    def matrices(self):
+        """Every resident Weight (a tied output once)."""
+        seen: set[int] = set()
+        for a in [self.tok_embd, self.output] + [a for lw in self.layers for a in vars(lw).values()]:
+            if isinstance(a, Weight) and id(a) not in seen:
+                seen.add(id(a))
+                yield a
+
     @property
     def nbytes(self) -> int:
         seen: dict[int, int] = {}

@@ -6,20 +6,24 @@ w is the raw bytes of a 2-D weight (numpy shape (n_rows, n_cols), blocks along n
 the file or an expert-cache slot. Types: F32 (BLAS), F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
 
-- "q8" activations (x86 with AVX2; CLUTOR_ACTIVATIONS=q8 or set_activation_mode("q8")): each row
+Every function takes ``settings`` (clutor.model.kernel_settings.KernelSettings: activations, threads,
+BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
+
+- "q8" activations (x86 with AVX2): each row
   of x is rounded to int8 blocks with one float scale per 32 (Q8_0-style) or per 256 (K-quants,
   Q8_K-style) elements, then int8 x int8 dot products run block by block, as llama.cpp does on
   CPUs. Error bound, per output element r of token t:
       |y_q8 - y| <= ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| / 254)**2)   (+ float rounding)
   because rounding moves each element of block b (n_b elements) by at most max|x_tb| / 254. For
   Gaussian-like x the actual error is ~0.5-1.5% of max|y|. tests/test_kernels.py checks the bound.
-- "f32" activations (the default): the weight is dequantised on the fly (bit-identical to gguf-py's
+- "f32" activations: the weight is dequantised on the fly (bit-identical to gguf-py's
   dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available. Tiles of
   2 rows x 8/4/2/1 tokens unpack each block once per tile and keep one accumulator per (row,
   token) in registers (_ir.tile_intrinsic).
-- T >= set_blas_min_tokens' threshold (32 in f32 mode, 96 in q8 mode): rows are dequantised in
+- T >= settings.blas_min_tokens (default 32 in f32 mode, 96 in q8 mode): rows are dequantised in
   chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm.
-In q8 mode below that threshold, the row kernels take tokens four at a time.
+In q8 mode below that threshold, the row kernels take tokens four at a time, x rounded to int8 in the
+same launch.
 
     out = matmul_jobs([Job(w, qtype, n_rows, t0, n_tok, col), ...], n_cols, x, out)
 
@@ -27,19 +31,20 @@ runs several products that share x and out (a layer's experts on their own rows 
 side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch here, as much as a
 2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
-Threads: the numba kernels split rows over ``threads()`` threads (default: the CPUs this process
-may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so it is
-applied on every call. OMP_WAIT_POLICY defaults to PASSIVE here (see below). BLAS has its own
-pool: a caller running kernels from several threads at once should cap BLAS threads (e.g.
-OPENBLAS_NUM_THREADS=1 or threadpoolctl) and ``set_threads`` so the total stays at the core count.
+Threads: the numba kernels split rows over ``settings.threads`` threads (default: the CPUs this
+process may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so
+it is applied on every call. BLAS has its own pool: a caller running kernels from several threads
+at once should cap BLAS threads (e.g. OPENBLAS_NUM_THREADS=1 or threadpoolctl) and settings.threads
+so the total stays at the core count. numba's OpenMP workers spin after each launch unless
+OMP_WAIT_POLICY=PASSIVE: the clutor command sets that for its own process (spinning workers fight
+BLAS's threads and any other process for the cores); a library user chooses for their process.
 
 Compilation: every kernel is compiled once and cached on disk (numba cache=True); ``warmup()``
-loads or compiles all of them (~30 s the first time, <1 s from the cache) so that no token pays.
+loads or compiles all of them (once per machine, then from the cache) so that no token pays.
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +54,9 @@ import numba
 import numpy as np
 
 from ...errors import ClutorError
+from ..kernel_settings import DEFAULT, KernelSettings
 
-__all__ = [
-    "has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize",
-    "set_activation_mode", "activation_mode", "set_threads", "threads", "set_blas_min_tokens",
-    "info", "KernelInfo",
-]
+__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize", "mode", "info", "KernelInfo"]
 
 # GGML type ids -> (elements per block, bytes per block). F32 goes straight to BLAS.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -70,8 +72,7 @@ _Q8_BLOCK = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, IQ4_NL: 32, MXFP4
 # On a quiet machine BLAS wins from T ~ 16 (f32 mode) and T ~ 32 (Q8_0) to ~96 (Q4_K) with int8
 # activations; on a loaded one, alternating numba's and OpenBLAS's thread pools made the BLAS path
 # 10-50x slower at the median while the row kernels stayed within 2x. Hence the high q8 setting.
-_DEFAULT_BLAS_MIN_T = (32, 96)  # (f32 mode, q8 mode)
-_BLAS_MIN_T_F32, _BLAS_MIN_T_Q8 = _DEFAULT_BLAS_MIN_T
+_BLAS_MIN_T = {"f32": 32, "q8": 96}
 # Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
 _CHUNK_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 128 << 10
@@ -82,66 +83,49 @@ class KernelInfo:
     backend: str            # "x86-avx512vnni" | "x86-avx2" | "portable"
     activation_mode: str    # "q8" | "f32" (what matmul will use for T below the BLAS threshold)
     threads: int
-    blas_min_tokens_f32: int
-    blas_min_tokens_q8: int
+    blas_min_tokens: int
     types: tuple[str, ...]
 
 
-def _guard_cache() -> None:
-    """numba's on-disk cache only watches each function's own file; the drivers are compiled from
-    IR written in sibling modules. Drop the drivers' cache when any kernel source changed."""
-    here = Path(__file__).resolve().parent
-    digest = hashlib.sha1(os.environ.get("CLUTOR_KERNELS_ISA", "").encode())
-    for p in sorted(here.glob("*.py")):
-        digest.update(p.name.encode() + p.read_bytes())
-    cache_dir = here / "__pycache__"
-    stamp = cache_dir / "kernels-sources.sha1"
-    try:
-        if stamp.exists() and stamp.read_text() == digest.hexdigest():
-            return
-        cache_dir.mkdir(exist_ok=True)
-        for f in cache_dir.glob("*.nb[ic]"):
-            f.unlink()
-        stamp.write_text(digest.hexdigest())
-    except OSError:  # read-only install: numba then caches elsewhere or not at all
-        pass
-
-
-_guard_cache()
-
-# numba's OpenMP threads would otherwise spin for milliseconds after each kernel, fighting BLAS's
-# own threads (and any other process) for the cores: on the shared 2-core test machine a
-# decode-shaped loop (tools: 16 layers x 4 dense + 24 expert products) took 420-740 ms per token
-# with spinning, 120-160 ms without. Sleeping threads cost ~10-15 us to wake per kernel call; on a
-# dedicated machine OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 measured ~25% faster on that loop.
-# An explicit user setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from . import _ir  # noqa: E402  (after the cache guard, before numba compiles anything)
+from . import _ir  # noqa: E402
 from . import drivers as _drv  # noqa: E402
 
-# f32 by default: with q8, prefill and one-token decode of the same prompt differ by more than
-# float rounding (a last-bit difference in x can flip an int8 rounding), which the model's
-# exactness tests reject; q8 is the faster choice once its tolerance is accepted.
-_mode = os.environ.get("CLUTOR_ACTIVATIONS", "f32")
-if _mode not in ("q8", "f32"):
-    _mode = "f32"
-try:
-    _threads = len(os.sched_getaffinity(0))
-except AttributeError:  # not Linux
-    _threads = os.cpu_count() or 1
 _tls = threading.local()
 # numba's "workqueue" threading layer (used when neither TBB nor OpenMP is available) aborts the
 # process if two threads launch parallel kernels at once; then launches are serialised.
 _serial_lock: threading.Lock | None = None
 _layer_checked = False
+_cache_checked = False
+
+
+def _guard_cache() -> None:
+    """numba's on-disk cache only watches each function's own file; the drivers are compiled from
+    IR written in sibling modules (and for the ISA _ir targets). Before the first launch of this
+    process, drop the drivers' cached code when any of that changed since it was compiled. Only
+    Clutor's own cache files are touched, in the directory numba really uses for them."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha1(_ir.BACKEND.encode())
+    for p in sorted(here.glob("*.py")):
+        digest.update(p.name.encode() + p.read_bytes())
+    try:
+        cache_dir = Path(_drv.matmul_jobs_f32._cache._cache_path)  # numba's locator (NUMBA_CACHE_DIR aware)
+    except AttributeError:  # caching off or a numba without this attribute: nothing to guard
+        return
+    stamp = cache_dir / "clutor-kernels-sources.sha1"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for mod in ("drivers", "activations"):
+            for f in cache_dir.glob(f"{mod}.*.nb[ic]"):
+                f.unlink()
+        stamp.write_text(digest.hexdigest())
+    except OSError:  # read-only install: numba then caches elsewhere or not at all
+        pass
 
 
 def _max_numba_threads() -> int:
     return int(numba.config.NUMBA_NUM_THREADS)
-
-
-_threads = max(1, min(_threads, _max_numba_threads()))
 
 
 # F16 on x86 without F16C: vector half conversion would need a runtime library numba does not link.
@@ -153,49 +137,31 @@ def has_kernel(qtype: int) -> bool:
     return int(qtype) in _SUPPORTED
 
 
-def set_activation_mode(mode: str) -> None:
-    """"q8" (int8 activations, faster; needs x86 AVX2, else f32 is used) or "f32" (exact float path).
-    Process-wide."""
-    global _mode
-    if mode not in ("q8", "f32"):
-        raise ClutorError(f"kernels.set_activation_mode: expected 'q8' or 'f32', got {mode!r}")
-    _mode = mode
+def mode(settings: KernelSettings = DEFAULT) -> str:
+    """The activation mode products below the BLAS threshold really use: "q8" or "f32" ("auto" is
+    q8 where the machine has int8 SIMD; q8 falls back to f32 without it)."""
+    return "q8" if settings.activations in ("q8", "auto") and _ir.HAVE_INT8_SIMD else "f32"
 
 
-def activation_mode() -> str:
-    """The mode decode-sized products really use (q8 falls back to f32 without int8 SIMD)."""
-    return "q8" if _mode == "q8" and _ir.HAVE_INT8_SIMD else "f32"
+def _blas_from(settings: KernelSettings, q8: bool) -> int:
+    return settings.blas_min_tokens or _BLAS_MIN_T["q8" if q8 else "f32"]
 
 
-def set_threads(n: int) -> None:
-    """Threads the numba kernels use (clamped to 1..NUMBA_NUM_THREADS)."""
-    global _threads
-    _threads = max(1, min(int(n), _max_numba_threads()))
+def _n_threads(settings: KernelSettings) -> int:
+    return max(1, min(settings.n_threads, _max_numba_threads()))
 
 
-def threads() -> int:
-    return _threads
-
-
-def set_blas_min_tokens(f32: int | None, q8: int | None) -> None:
-    """Token counts from which matmul dequantises and calls BLAS (None: the measured default).
-    For tuning and tests; the defaults come from tools/bench_kernels.py --sweep-t."""
-    global _BLAS_MIN_T_F32, _BLAS_MIN_T_Q8
-    _BLAS_MIN_T_F32 = _DEFAULT_BLAS_MIN_T[0] if f32 is None else max(1, int(f32))
-    _BLAS_MIN_T_Q8 = _DEFAULT_BLAS_MIN_T[1] if q8 is None else max(1, int(q8))
-
-
-def info() -> KernelInfo:
+def info(settings: KernelSettings = DEFAULT) -> KernelInfo:
     names = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
              Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-    return KernelInfo(_ir.BACKEND, activation_mode(), _threads, _BLAS_MIN_T_F32, _BLAS_MIN_T_Q8,
+    m = mode(settings)
+    return KernelInfo(_ir.BACKEND, m, _n_threads(settings), _blas_from(settings, m == "q8"),
                       tuple(names[q] for q in _BLOCKS if has_kernel(q)))
 
 
-def _apply_threads(n: int | None = None) -> None:
+def _apply_threads(n: int) -> None:
     """numba's thread count is per calling thread; remember what this thread last set, because
     numba.get_num_threads() alone costs ~1 us."""
-    n = _threads if n is None else n
     if getattr(_tls, "nthreads", None) != n:
         numba.set_num_threads(n)
         _tls.nthreads = n
@@ -203,7 +169,10 @@ def _apply_threads(n: int | None = None) -> None:
 
 def _launch(fn, *args) -> None:
     """Run a parallel driver, serialised when the threading layer needs it."""
-    global _serial_lock, _layer_checked
+    global _serial_lock, _layer_checked, _cache_checked
+    if not _cache_checked:
+        _cache_checked = True
+        _guard_cache()
     if _serial_lock is not None:
         with _serial_lock:
             fn(*args)
@@ -274,7 +243,8 @@ def _check(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
     return rb
 
 
-def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndarray | None = None) -> np.ndarray:
+def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndarray | None = None,
+               settings: KernelSettings = DEFAULT) -> np.ndarray:
     """The whole weight as float32 [n_rows, n_cols] (bit-identical to gguf.quants.dequantize)."""
     qtype = int(qtype)
     rb = _check(w, qtype, n_rows, n_cols)
@@ -283,13 +253,13 @@ def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndar
     if qtype == F32:
         out[...] = w.view(np.float32).reshape(n_rows, n_cols)
         return out
-    _apply_threads()
+    _apply_threads(_n_threads(settings))
     _launch(_drv.dequantize_rows, w, qtype, rb, 0, n_rows, n_cols, out)
     return out
 
 
 def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
-           out: np.ndarray | None = None) -> np.ndarray:
+           out: np.ndarray | None = None, settings: KernelSettings = DEFAULT) -> np.ndarray:
     """x @ W.T. w: uint8 [n_rows * row_bytes]; x: f32 [T, n_cols] (or [n_cols]); out: f32 [T, n_rows].
 
     Returns `out` when given (nothing allocated on the hot path)."""
@@ -318,14 +288,12 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
         np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
         return out
     # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
-    _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _threads)
-    q8 = _mode == "q8" and _ir.HAVE_INT8_SIMD and qtype in _Q8_BLOCK
-    if n_tok >= (_BLAS_MIN_T_Q8 if q8 else _BLAS_MIN_T_F32):
+    _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
+    q8 = mode(settings) == "q8" and qtype in _Q8_BLOCK
+    if n_tok >= _blas_from(settings, q8):
         _blas(w, qtype, rb, n_rows, n_cols, x2, out2)
     elif q8:
-        block = _Q8_BLOCK[qtype]
-        xq, xd, xs32, xs16 = _act_buffers(n_tok, n_cols, block)
-        _launch(_drv.matmul_q8, w, qtype, rb, n_rows, n_cols, x2, block, xq, xd, xs32, xs16, out2)
+        _run_jobs_q8(_Q8_BLOCK[qtype], [(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
     else:
         _run_jobs([(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
     return out
@@ -342,12 +310,13 @@ class Job(NamedTuple):
     col: int = 0
 
 
-def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray,
+                settings: KernelSettings = DEFAULT) -> np.ndarray:
     """Several products sharing x [S, n_cols] and out [S, M] (C-contiguous float32), e.g. a layer's
     experts (each on its own rows of x) or q/k/v (same rows, side by side in out).
 
-    Each (row, token) result equals what matmul() gives for that job alone. Where the float row
-    kernels apply, all jobs run in ONE parallel launch: waking the worker threads costs ~0.1 ms per
+    Each (row, token) result equals what matmul() gives for that job alone. All jobs below the BLAS
+    threshold run in ONE parallel launch (one per activation block size in q8 mode): waking the worker threads costs ~0.1 ms per
     launch on a 2-core VM, as much as a 2 MB expert's product itself. Returns out."""
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not x.flags.c_contiguous:
         raise ClutorError(f"kernels: x must be C-contiguous float32 [S, {n_cols}], got {x.dtype} {x.shape}")
@@ -358,8 +327,9 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         xc[...] = x
         x = xc
     batched: list[tuple[int, int, int, int, int, int, int]] = []
+    by_block: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}  # int8 path: activation block -> jobs
     work = 0
-    q8 = _mode == "q8" and _ir.HAVE_INT8_SIMD
+    q8 = mode(settings) == "q8"
     for j in jobs:
         qtype, n_rows = int(j.qtype), int(j.n_rows)
         rb = _check(j.w, qtype, n_rows, n_cols)
@@ -368,15 +338,20 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
                               f"x {x.shape} / out {out.shape}")
         if j.n_tok == 0:
             continue
-        if qtype == F32 or (q8 and qtype in _Q8_BLOCK) or j.n_tok >= _BLAS_MIN_T_F32:
-            y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok])  # [n_tok, n_rows]
+        int8 = q8 and qtype in _Q8_BLOCK
+        if qtype == F32 or j.n_tok >= _blas_from(settings, int8):
+            y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
             continue
-        batched.append((j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col))
+        job = (j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col)
+        (by_block.setdefault(_Q8_BLOCK[qtype], []) if int8 else batched).append(job)
         work += j.w.size * j.n_tok
+    if batched or by_block:
+        _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
     if batched:
-        _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _threads)
         _run_jobs(batched, n_cols, x, out)
+    for block, group in by_block.items():
+        _run_jobs_q8(block, group, n_cols, x, out)
     return out
 
 
@@ -386,6 +361,15 @@ def _run_jobs(jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int,
     caller keeps the weights alive and has set the thread count."""
     ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
     _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
+
+
+def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int, x: np.ndarray,
+                 out: np.ndarray) -> None:
+    """The int8 driver on checked jobs whose types all take activation blocks of `block` elements:
+    x is rounded once for all of them, in the same launch."""
+    ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
+    xq, xd, xs32, xs16 = _act_buffers(x.shape[0], n_cols, block)
+    _launch(_drv.matmul_jobs_q8, ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs32, xs16, t0s, nts, out, cols)
 
 
 def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
@@ -398,12 +382,12 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
         np.matmul(x2, wc.T, out=out2[:, r0:r1])
 
 
-def warmup() -> None:
+def warmup(settings: KernelSettings = DEFAULT) -> None:
     """Compile (or load from the on-disk cache) every kernel, for writable and read-only weights.
 
     The weight type is a runtime argument of each compiled driver, so one call per driver and
     weight flavour covers every type."""
-    _apply_threads()
+    _apply_threads(_n_threads(settings))
     n_cols = 256
     x = np.zeros((1, n_cols), np.float32)
     out = np.zeros((1, 1), np.float32)
@@ -411,9 +395,9 @@ def warmup() -> None:
     w = np.zeros(n_cols // 32 * 34, np.uint8)  # one Q8_0 row
     ro = w.copy()
     ro.flags.writeable = False
-    xq, xd, xs32, xs16 = _act_buffers(1, n_cols, 32)
     for ww in (w, ro):
         _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
-        if _drv.matmul_q8 is not None:
-            _launch(_drv.matmul_q8, ww, Q8_0, w.size, 1, n_cols, x, 32, xq, xd, xs32, xs16, out)
-    _run_jobs([(w.ctypes.data, Q8_0, w.size, 1, 0, 1, 0)], n_cols, x, out)  # addresses: one flavour
+    job = [(w.ctypes.data, Q8_0, w.size, 1, 0, 1, 0)]  # addresses: one flavour
+    _run_jobs(job, n_cols, x, out)
+    if _drv.matmul_jobs_q8 is not None:
+        _run_jobs_q8(32, job, n_cols, x, out)

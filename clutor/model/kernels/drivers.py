@@ -7,7 +7,8 @@ threads split tasks of ROWS_PER_TASK rows (prange).
 
 - float activations (the default): tiles of 2 rows x 8/4/2/1 tokens. matmul_jobs_f32 runs one or
   several products (a layer's experts, q/k/v) in one launch.
-- int8 activations: one row x four tokens, then one at a time.
+- int8 activations: one row x four tokens, then one at a time; matmul_jobs_q8 runs one or several
+  products in one launch, rounding x to int8 first.
 
 Shapes: w uint8 [n_rows * rb] (rb bytes per row) or its address, x f32 [T, K], out f32 [T, N].
 """
@@ -19,7 +20,7 @@ from . import _ir as R
 from . import floats, kquants, legacy
 from .activations import quantize_activations
 
-__all__ = ["FORMATS", "ROWS_PER_TASK", "dequantize_rows", "matmul_jobs_f32", "matmul_q8"]
+__all__ = ["FORMATS", "ROWS_PER_TASK", "dequantize_rows", "matmul_jobs_f32", "matmul_jobs_q8"]
 
 # GGML type id (gguf.GGMLQuantizationType) -> block description.
 FORMATS = {1: floats.FORMATS["F16"], 30: floats.FORMATS["BF16"], 8: legacy.FORMATS["Q8_0"],
@@ -94,26 +95,37 @@ if R.HAVE_INT8_SIMD:
     _idot4 = R.idot_intrinsic(FORMATS, 4)
     _idot1 = R.idot_intrinsic(FORMATS, 1)
 
+    @njit(**_one)
+    def _idot_rows(w, qt, rb, r0, r1, n_cols, xq, xd, xs32, xs16, t0, n_tok, out, oc0):
+        """out[t0 + t, oc0 + r] = W[r] . xq[t0 + t] for r in r0..r1, t < n_tok (int8 activations,
+        quantised by the caller); w is the weight's address. Tokens four at a time, then one."""
+        for r in range(r0, r1):
+            t = t0
+            while t + 4 <= t0 + n_tok:
+                v = _idot4(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                out[t, oc0 + r] = v[0]
+                out[t + 1, oc0 + r] = v[1]
+                out[t + 2, oc0 + r] = v[2]
+                out[t + 3, oc0 + r] = v[3]
+                t += 4
+            while t < t0 + n_tok:
+                out[t, oc0 + r] = _idot1(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                t += 1
+
     @njit(**_par)
-    def matmul_q8(w, qt, rb, n_rows, n_cols, x, block, xq, xd, xs32, xs16, out):
-        """out[t, r] with x rounded to int8 first (activations.py: xq [T, K], xd, xs32, xs16 are
-        caller-owned scratch), in the same call to save a dispatch."""
+    def matmul_jobs_q8(ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs32, xs16, t0s, nts, out, oc0s):
+        """matmul_jobs_f32's contract with x rounded to int8 blocks of `block` elements first
+        (activations.py; xq [T, K], xd, xs32, xs16 are caller-owned scratch), in the same launch:
+        every job's type must take activation blocks of that size."""
         quantize_activations(x, block, xq, xd, xs32, xs16)
-        n_tok = x.shape[0]
-        n_tasks = (n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-        for task in prange(n_tasks):
-            a = task * ROWS_PER_TASK
-            for r in range(a, min(n_rows, a + ROWS_PER_TASK)):
-                t = 0
-                while t + 4 <= n_tok:
-                    v = _idot4(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
-                    out[t, r] = v[0]
-                    out[t + 1, r] = v[1]
-                    out[t + 2, r] = v[2]
-                    out[t + 3, r] = v[3]
-                    t += 4
-                while t < n_tok:
-                    out[t, r] = _idot1(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
-                    t += 1
+        n_jobs = ws.shape[0]
+        per_job = (nrs.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(n_jobs * per_job):
+            c = task // n_jobs
+            j = task - c * n_jobs
+            a = c * ROWS_PER_TASK
+            if a < nrs[j]:
+                _idot_rows(ws[j], qts[j], rbs[j], a, min(nrs[j], a + ROWS_PER_TASK), n_cols, xq, xd, xs32, xs16,
+                           t0s[j], nts[j], out, oc0s[j])
 else:
-    matmul_q8 = None
+    matmul_jobs_q8 = None

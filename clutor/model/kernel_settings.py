@@ -1,0 +1,53 @@
+"""How the matrix kernels compute: one small value a model owns and hands to every product it runs.
+
+Nothing about it is process-wide: two models in one process may use different settings, and
+importing Clutor changes nothing in the host process. ``Model.open(activations=..., threads=...)``
+builds one; ``clutor.model.kernels`` functions take one (``DEFAULT`` when not given).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import ClutorError
+
+__all__ = ["KernelSettings", "DEFAULT", "ACTIVATIONS"]
+
+ACTIVATIONS = ("auto", "q8", "f32")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """activations: "q8" rounds activations to int8 blocks and multiplies with integer dot products
+    (what llama.cpp computes on CPUs; needs x86 AVX2, elsewhere f32 is used); "f32" multiplies the
+    dequantised weights by float activations (exact up to float rounding); "auto" (default) is the
+    faster of the two where the machine has int8 SIMD (clutor.model.kernels: ``mode``).
+    threads: threads one product is split over (None: the CPUs this process may use).
+    blas_min_tokens: token count from which a product is dequantised and handed to BLAS (None: the
+    measured default of the mode)."""
+
+    activations: str = "auto"
+    threads: int | None = None
+    blas_min_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.activations not in ACTIVATIONS:
+            raise ClutorError(f"activations: expected one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        for name in ("threads", "blas_min_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ClutorError(f"{name}: expected an integer >= 1 or None, got {v!r}")
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads if self.threads is not None else _cpus()
+
+
+DEFAULT = KernelSettings()
