@@ -57,7 +57,7 @@ def os_figures() -> dict[str, int]:
 # -- a model whose experts dwarf the cap ---------------------------------------------------------
 def big_spec():
     """olmoe structure, Q8_0: 6 layers x 32 experts of 3.19 MiB = 612 MiB of routed experts, ~27 MiB dense."""
-    from clutor.model.synth import ModelSpec
+    from synth import ModelSpec
 
     return ModelSpec(
         name="streaming-big", arch="olmoe", n_layer=6, n_embd=1024, n_head=8, n_head_kv=8, head_dim=128,

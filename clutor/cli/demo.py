@@ -25,7 +25,7 @@ def add_parser(sub):
 def run(args):
     """Build the model here, in the main thread, before any event loop runs: Ctrl-C then stops the
     write at once (and its temporary file is removed) instead of waiting for a worker thread."""
-    from ..model.synth import ensure_demo_model
+    from .demo_model import ensure_demo_model
 
     if args.max_tokens < 1:
         raise ClutorError(f"-n/--max-tokens must be >= 1, got {args.max_tokens}")
