@@ -1,7 +1,7 @@
 """Helpers for tests/test_streaming.py: a child process that generates under a memory cap, and the
 writer of a model whose routed experts are far larger than that cap.
 
-Run as a script (inside clutor.memcap.run_capped) it prints ONE JSON line on stdout::
+Run as a script (inside clutor.bench.memcap.run_capped) it prints ONE JSON line on stdout::
 
     python tests/streaming_util.py generate MODEL --io threads --cache 96MiB --tokens 8
     python tests/streaming_util.py baseline MODEL      # imports + a forward pass: the runtime allowance

@@ -19,7 +19,7 @@ import pytest
 
 import clutor
 import streaming_util as su
-from clutor import memcap
+from clutor.bench import memcap
 from clutor.io.simulate import simulate, slots_for_budget
 from clutor.io.trace import read_trace
 from clutor.model.arch import read_config

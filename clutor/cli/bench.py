@@ -164,7 +164,7 @@ def _best(sweep: list[dict]) -> dict | None:
 def _plan_cap(args, path: str, desc: dict, n_ctx: int):
     """(cap bytes, Budget for Clutor in the capped run) or None with the reason the capped runs are skipped."""
     from ..bench.runner import Budget, cache_bytes_for, estimate_footprint, kv_bytes
-    from ..memcap import unavailable_reason
+    from ..bench.memcap import unavailable_reason
     from ..units import format_bytes
 
     if args.cap == "none":

@@ -100,7 +100,7 @@ def _check_args(args) -> None:
 
 
 async def run(args) -> int:
-    from clutor.io.bench import drop_caches, fs_type, make_test_file, measure, median_result, run_fio
+    from clutor.bench.disk import drop_caches, fs_type, make_test_file, measure, median_result, run_fio
 
     _check_args(args)
     created = None

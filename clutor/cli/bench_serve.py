@@ -83,7 +83,7 @@ async def _wait_up(url: str, proc, timeout: float) -> None:
 async def _bench(args, url: str, proc) -> list:
     import httpx
 
-    from ..server.bench import bench_prompts, run_level, served_model
+    from ..bench.serve_load import bench_prompts, run_level, served_model
 
     await _wait_up(url, proc, args.start_timeout)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -143,7 +143,7 @@ async def run(args) -> int:
         url = f"http://127.0.0.1:{port}"
         report["server"] = " ".join(cmd)
         if args.cap:
-            from ..memcap import capped_popen
+            from ..bench.memcap import capped_popen
             from ..units import format_bytes, parse_bytes
 
             try:
