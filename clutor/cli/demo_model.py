@@ -340,17 +340,23 @@ def _writer(path: Path, arch: str, kvs: Sequence[KV], plans: Sequence[TensorPlan
     return w
 
 
+def _write_head(w: GGUFWriter):
+    """Write the header, metadata and tensor table, padded to where the data starts; return the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    w.write_padding(f, f.tell())
+    return f
+
+
 def header_bytes(arch: str, kvs: Sequence[KV], plans: Sequence[TensorPlan]) -> bytes:
     """Everything before the first tensor's data (padded to the alignment), as ``write_gguf`` writes it."""
     with tempfile.TemporaryDirectory(prefix="clutor-header-") as d:
         path = Path(d) / "h.gguf"
         w = _writer(path, arch, kvs, plans)
         try:
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            f = w.fout[0]
-            w.write_padding(f, f.tell())
+            _write_head(w)
         finally:
             w.close()
         return path.read_bytes()
@@ -375,13 +381,9 @@ def write_gguf(
     path = Path(path)
     w = _writer(path, arch, kvs, plans)
     try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
         # GGUFWriter takes a whole tensor at a time; a few-GB expert tensor goes through in chunks
-        # instead, written to its file with its own padding rule.
-        f = w.fout[0]
-        w.write_padding(f, f.tell())
+        # instead, written to its file with the writer's padding rule.
+        f = _write_head(w)
         done, total = f.tell(), file_size(f.tell(), plans)
         for p in plans:
             written = 0
