@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..errors import ClutorError
+from ..model.sampling import SamplingParams
 from .common import Formatter, add_model_args, model_kwargs
 
 
@@ -35,11 +36,11 @@ def add_parser(sub):
                    help="on SIGINT/SIGTERM, seconds requests in flight may still run")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g = p.add_argument_group("defaults for requests that omit a sampling field")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=SamplingParams.temperature)
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty)
     add_model_args(p)
     return p
 
