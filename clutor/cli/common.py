@@ -26,6 +26,13 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def add_command(sub, name: str, help: str, doc: str | None, *examples: str) -> argparse.ArgumentParser:
+    """A sub-command's parser: ``help`` in the command list, the module docstring as its description,
+    the examples (command lines) after the options."""
+    epilog = ("example:" if len(examples) == 1 else "examples:") + "".join(f"\n  {e}" for e in examples)
+    return sub.add_parser(name, help=help, formatter_class=Formatter, description=doc, epilog=epilog)
+
+
 def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = SamplingParams.temperature,
                       max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")

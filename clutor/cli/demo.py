@@ -7,12 +7,11 @@ from __future__ import annotations
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter, byte_progress, print_stats, warm_kernels, write_out
+from .common import add_command, byte_progress, print_stats, warm_kernels, write_out
 
 
 def add_parser(sub):
-    p = sub.add_parser("demo", help="generate from a built-in random-weight model", formatter_class=Formatter,
-                       description=__doc__, epilog="example:\n  clutor demo -n 32")
+    p = add_command(sub, "demo", "generate from a built-in random-weight model", __doc__, "clutor demo -n 32")
     p.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens to generate")
     p.add_argument("--prompt", default="Once upon a time, in a land of many experts,", help="the prompt")
     p.add_argument("--cache-dir", default=None,

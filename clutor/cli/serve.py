@@ -11,16 +11,14 @@ import sys
 
 from ..errors import ClutorError
 from ..model.sampling import SamplingParams
-from .common import Formatter, add_model_args, model_kwargs
+from .common import add_command, add_model_args, model_kwargs
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server", formatter_class=Formatter, description=__doc__,
-        epilog="examples:\n  clutor serve olmoe.gguf --expert-cache 3GiB --port 8000\n"
-               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
-               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'",
-    )
+    p = add_command(sub, "serve", "OpenAI-compatible HTTP server", __doc__,
+                    "clutor serve olmoe.gguf --expert-cache 3GiB --port 8000",
+                    "curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+                    "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
