@@ -52,3 +52,16 @@ def open_regular(path: str, what: str) -> int:
                              "a directory" if stat.S_ISDIR(mode) else "not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A ``KEY:  N kB`` field of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes, or
+    None where the file or the field cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 
+from .._util import proc_bytes
 from ..errors import ClutorError
 from .sampling import Sampler, SamplingParams, token_logprobs
 
@@ -14,13 +15,9 @@ __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_r
 
 def peak_rss() -> int:
     """VmHWM of this process (what the kernel reports as its peak resident set), bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
     import sys
 
