@@ -29,7 +29,6 @@ def describe(path: str) -> dict:
         layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
         types = Counter()
         type_bytes = Counter()
-        dense = 0
         for t in f.tensors.values():
             types[type_name(t.qtype)] += 1
             type_bytes[type_name(t.qtype)] += t.nbytes
