@@ -150,7 +150,7 @@ def read_stdin() -> str:
 
 
 def warm_kernels() -> None:
-    """Compile the compute kernels (first run on a machine: ~30 s, minutes when it is busy) or load
+    """Compile the compute kernels (the first run on a machine, which takes a while) or load
     them from numba's cache, here in the main thread before any event loop, so Ctrl-C stops it at
     once; on a terminal, a line says what is going on if it takes more than two seconds. (Model.open
     warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)"""

@@ -147,8 +147,8 @@ class UringBackend(QueueBackend):
         pending, free, handles = self._pending, self._free, self._slot_handle
         QUEUED, INFLIGHT = ReadState.QUEUED, ReadState.INFLIGHT
         # io_uring_submit holds the GIL and the loop while the kernel pins each O_DIRECT buffer and
-        # builds its bios: one layer of a batched step (well over a hundred multi-MiB reads) in a single
-        # submit stalled the event loop for milliseconds (README, "Batched engine"). So at most
+        # builds its bios, so one layer of a batched step (over a hundred multi-MiB reads) in a single
+        # submit holds the event loop for all of them (README, "Batched engine"). So at most
         # _SUBMIT_BATCH reads go per loop turn; the rest follow after the loop's other callbacks.
         budget = _SUBMIT_BATCH - len(self._retry)
         while pending and free and budget > 0:

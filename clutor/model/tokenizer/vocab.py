@@ -98,7 +98,7 @@ class Tokenizer:
 
         raw_tokens = metadata.get("tokenizer.ggml.tokens")
         if isinstance(raw_tokens, (list, tuple)) and len(raw_tokens) > MAX_VOCAB:
-            # the tables built below cost ~650 bytes and ~5 us per token: refuse before building them
+            # the tables built below cost memory and time for every token: refuse before building them
             raise ModelFileError(path, "tokenizer.ggml.tokens", f"at most {MAX_VOCAB} tokens", len(raw_tokens))
         tokens = _strings(metadata, "tokenizer.ggml.tokens", path)
         n = len(tokens)
