@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ModelFileError, UnsupportedError
+from .errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ModelFileError, UnsupportedError  # noqa: F401
+from .errors import __all__ as _error_names  # the error hierarchy, exported whole
 
 if TYPE_CHECKING:
     from .model.generate import GenerationChunk, GenerationStats, IOReport
     from .model.model import Model
-    from .model.sampling import SamplingParams
     from .model.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -25,13 +25,7 @@ __all__ = [
     "GenerationChunk",
     "GenerationStats",
     "IOReport",
-    "SamplingParams",
-    "ClutorError",
-    "ModelFileError",
-    "UnsupportedError",
-    "ClutorIOError",
-    "BudgetError",
-    "ClosedError",
+    *_error_names,
 ]
 
 # Imported on first use (numpy, numba and the kernels take a noticeable fraction of a second): the
@@ -43,7 +37,6 @@ _LAZY = {
     "GenerationChunk": ".model.generate",
     "GenerationStats": ".model.generate",
     "IOReport": ".model.generate",
-    "SamplingParams": ".model.sampling",
 }
 
 

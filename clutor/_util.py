@@ -63,3 +63,16 @@ def sleeping_kernel_workers() -> None:
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A ``KEY:  N kB`` field of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes, or
+    None where the file or the field cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -19,6 +20,8 @@ TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
 GOLDEN = TESTS / "golden"
 SHARED_DATA = TESTS.parents[1] / "shared" / "data"
+# tools/synth.py writes the random-weight models of every architecture the tests build
+sys.path.insert(0, str(TESTS.parent / "tools"))
 
 ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
 TYPES = ("F16", "Q8_0", "Q4_K_M", "Q6_K")
@@ -36,6 +39,14 @@ NEW_FIXTURES = [(a, q) for a in NEW_ARCHS for q in NEW_TYPES] + [("gptoss", "MXF
 # and type: 1.1e-2 (qwen2moe Q8_0); most cases stay below 1e-6.
 STEP_TOL = {"f32": 1e-4, "q8": 2.5e-2}
 ACTIVATIONS = tuple(STEP_TOL)
+
+
+def tiny_demo_spec(name: str = "tiny-olmoe"):
+    """The demo model's structure at tiny-olmoe's size: quick to build, for the demo-cache tests."""
+    from clutor.cli.demo_model import DemoSpec
+
+    return DemoSpec(name=name, n_layer=2, n_embd=256, n_head=4, head_dim=64, n_expert=8, n_expert_used=2,
+                    n_ff_exp=256, vocab_size=512, n_ctx=512)
 
 
 def fixture_path(arch: str, qtype: str) -> Path:

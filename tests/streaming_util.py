@@ -1,7 +1,7 @@
 """Helpers for tests/test_streaming.py: a child process that generates under a memory cap, and the
 writer of a model whose routed experts are far larger than that cap.
 
-Run as a script (inside clutor.memcap.run_capped) it prints ONE JSON line on stdout::
+Run as a script (inside clutor.bench.memcap.run_capped) it prints ONE JSON line on stdout::
 
     python tests/streaming_util.py generate MODEL --io threads --cache 96MiB --tokens 8
     python tests/streaming_util.py baseline MODEL      # imports + a forward pass: the runtime allowance
@@ -57,7 +57,7 @@ def os_figures() -> dict[str, int]:
 # -- a model whose experts dwarf the cap ---------------------------------------------------------
 def big_spec():
     """olmoe structure, Q8_0: 6 layers x 32 experts of 3.19 MiB = 612 MiB of routed experts, ~27 MiB dense."""
-    from clutor.model.synth import ModelSpec
+    from synth import ModelSpec
 
     return ModelSpec(
         name="streaming-big", arch="olmoe", n_layer=6, n_embd=1024, n_head=8, n_head_kv=8, head_dim=128,

@@ -4,7 +4,7 @@ import clutor
 
 def test_public_api_is_pinned():
     assert sorted(clutor.__all__) == sorted([
-        "Model", "Tokenizer", "GenerationChunk", "GenerationStats", "IOReport", "SamplingParams",
+        "Model", "Tokenizer", "GenerationChunk", "GenerationStats", "IOReport",
         "ClutorError", "ModelFileError", "UnsupportedError", "ClutorIOError", "BudgetError", "ClosedError",
     ])
     for name in clutor.__all__:

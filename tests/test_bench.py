@@ -27,14 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    """The committed tiny OLMoE fixture, or one written by clutor.model.synth when it is absent."""
+    """The committed tiny OLMoE fixture, or one written by tools/synth.py when it is absent."""
     path = fixture_path("olmoe", "Q8_0")
     if path.exists():
         return str(path)
     try:
-        from clutor.model.synth import write_model
+        from synth import write_model
     except ImportError:
-        pytest.skip(f"no {path.name} fixture and no clutor.model.synth to make one")
+        pytest.skip(f"no {path.name} fixture and no tools/synth.py to make one")
     return str(write_model(tmp_path_factory.mktemp("bench") / path.name, "tiny-olmoe", seed=0, qtype="Q8_0"))
 
 

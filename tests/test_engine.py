@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import clutor
-from clutor.model.synth import ModelSpec, write_model
+from synth import ModelSpec, write_model
 
 from conftest import ACTIVATIONS, ARCHS, STEP_TOL, fixture_path, run
 

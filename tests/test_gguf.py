@@ -381,6 +381,7 @@ def test_every_header_byte_corrupted(tmp_path):
     with GGUFFile.open(_base().write(tmp_path / "full.gguf")) as g:
         header_end = min(t.offset for t in g.tensors.values())
     p = tmp_path / "flip.gguf"
+    rejected: list[int] = []  # the byte of each corruption refused
     for i in range(header_end):
         for value in (0xFF, raw[i] ^ 0x01):
             flipped = bytearray(raw)
@@ -390,6 +391,11 @@ def test_every_header_byte_corrupted(tmp_path):
                 GGUFFile.open(p).close()
             except ClutorError as e:
                 assert p.name in str(e)
+                rejected.append(i)
+    # The sweep must detect something: every magic and version byte (0xFF there is never valid), and
+    # more besides (a flip elsewhere may land on a value that is still valid, so not every byte).
+    assert set(range(8)) <= set(rejected), f"undetected at bytes {sorted(set(range(8)) - set(rejected))}"
+    assert len(rejected) > 16, f"only {len(rejected)} of {2 * header_end} corruptions were detected"
 
 
 def test_wrong_magic(tmp_path):

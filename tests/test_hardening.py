@@ -2,7 +2,6 @@
 allocations, hangs): each test reproduces one finding and asserts the clean outcome instead."""
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import shutil
@@ -25,7 +24,7 @@ from clutor.model.chat import render_chat
 from clutor.model.gguf import GGUFFile
 from clutor.model.layers import Rope
 from clutor.model.tokenizer import Tokenizer
-from conftest import fixture_path, run, run_on_loop
+from conftest import fixture_path, run, run_on_loop, tiny_demo_spec
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = fixture_path("olmoe", "Q8_0")
@@ -347,7 +346,7 @@ def test_slot_geometry_of_4096_layers_by_4096_experts():
 
 # -- 9. demo model temp files ---------------------------------------------------------------------
 def test_demo_build_removes_dead_runs_temp_files_and_keeps_live_ones(tmp_path):
-    from clutor.model.synth import PRESETS, ensure_demo_model
+    from clutor.cli.demo_model import ensure_demo_model
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -355,7 +354,7 @@ def test_demo_build_removes_dead_runs_temp_files_and_keeps_live_ones(tmp_path):
     live = tmp_path / f".tiny-olmoe-0123456789abcdef.gguf.{os.getpid()}.def456.tmp"
     stale.write_bytes(b"x" * 1000)
     live.write_bytes(b"x" * 1000)
-    path = ensure_demo_model(tmp_path, spec=PRESETS["tiny-olmoe"])
+    path = ensure_demo_model(tmp_path, spec=tiny_demo_spec())
     assert path.exists() and not stale.exists() and live.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{path.name}")]
 

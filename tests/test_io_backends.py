@@ -21,7 +21,7 @@ from clutor.io import backend as backend_mod
 from clutor.io import uring as uring_mod
 from clutor.io.arena import Arena, round_up, widen
 from clutor.io.backend import ReadHandle, ReadRequest, ReadState
-from clutor.io.faults import FaultyBackend
+from faults import FaultyBackend
 from clutor.io.open_backend import open_backend
 from clutor.io.threads import ThreadBackend
 from clutor.io.uring import UringBackend, UringUnavailable

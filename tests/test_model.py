@@ -96,11 +96,11 @@ def test_generate_options_and_stop():
                                                      ignore_eos=True)]
             greedy = [o async for o in model.generate("Hello there", max_tokens=12, temperature=0, ignore_eos=True)]
             text = "".join(o.text for o in greedy)
-            stop = text[len(text) // 2: len(text) // 2 + 2] if len(text) > 4 else None
-            stopped = None
-            if stop:
-                stopped = [o async for o in model.generate("Hello there", max_tokens=12, temperature=0,
-                                                           ignore_eos=True, stop=[stop])]
+            # a stop string from the middle of the greedy text: the same run must end just before it
+            assert len(text) > 4, f"greedy text too short to take a stop string from: {text!r}"
+            stop = text[len(text) // 2: len(text) // 2 + 2]
+            stopped = [o async for o in model.generate("Hello there", max_tokens=12, temperature=0,
+                                                       ignore_eos=True, stop=[stop])]
             return outs, again, greedy, text, stop, stopped
 
     outs, again, greedy, text, stop, stopped = run(go())
@@ -108,10 +108,9 @@ def test_generate_options_and_stop():
     assert outs[-1].stats is not None and outs[-1].stats.generated_tokens == 8
     assert sum(o.token is not None for o in outs) == 8
     assert greedy[-1].stats.stop_reason == "length"
-    if stop:
-        stext = "".join(o.text for o in stopped)
-        assert stop not in stext and text.startswith(stext)
-        assert stopped[-1].stats.stop_reason == "stop"
+    stext = "".join(o.text for o in stopped)
+    assert stop not in stext and text.startswith(stext)
+    assert stopped[-1].stats.stop_reason == "stop"
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -503,7 +503,7 @@ def test_bench_serve_against_the_server(srv, tmp_path, capsys):
 
 # -- faults -------------------------------------------------------------------------------------------
 def test_read_faults_fail_only_the_requests_they_hit():
-    from clutor.io.faults import FaultyBackend
+    from faults import FaultyBackend
 
     fault = {"p": 0.0}
     rng = random.Random(3)

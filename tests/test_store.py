@@ -18,7 +18,7 @@ from conftest import run_on_loop
 
 from clutor.errors import BudgetError, ClosedError, ClutorIOError
 from clutor.io.backend import ReadHandle, ReadState
-from clutor.io.faults import FaultyBackend
+from faults import FaultyBackend
 from clutor.io.layout import ExpertLayout, ExpertTensor
 from clutor.io.open_backend import open_backend
 from clutor.io.store import PREFETCH_DEPTH, ExpertStore, StoreStats

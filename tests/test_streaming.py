@@ -19,13 +19,13 @@ import pytest
 
 import clutor
 import streaming_util as su
-from clutor import memcap
+from clutor.bench import memcap
 from clutor.io.simulate import simulate, slots_for_budget
 from clutor.io.trace import read_trace
 from clutor.model.arch import read_config
 from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
-from clutor.model.synth import ModelSpec, plan_tensors, write_model
+from synth import ModelSpec, plan_tensors, write_model
 from clutor.units import format_bytes
 from conftest import SHARED_DATA, fixture_path, run
 

@@ -1,5 +1,5 @@
-"""The random-weight GGUF generator (clutor/model/synth.py): determinism, llama.cpp's layout,
-random quant blocks with the intended spread, the trained tokenizer, the demo-model cache."""
+"""The random-weight GGUF generators (tools/synth.py on clutor/cli/demo_model.py): determinism, llama.cpp's
+layout, random quant blocks with the intended spread, the trained tokenizer, the demo-model cache."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,9 @@ from gguf import GGUFReader, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from clutor.errors import UnsupportedError
-from clutor.model import synth
+from conftest import run, tiny_demo_spec
+import synth
+from clutor.cli import demo_model
 
 TINY = ("tiny-olmoe", "tiny-qwen2moe", "tiny-qwen3moe")
 
@@ -155,8 +157,8 @@ def test_random_blocks_dequantise_to_the_intended_spread(tmp_path, qtype):
             continue
         x = dequantize(t.data, t.tensor_type).astype(np.float64)
         if p.quiet:  # output rows of control tokens and stray bytes are damped
-            quiet = synth.quiet_tokens(p.shape[0])
-            assert x[quiet].std() == pytest.approx(synth.QUIET_ROW_GAIN * p.std, rel=0.1), t.name
+            quiet = demo_model.quiet_tokens(p.shape[0])
+            assert x[quiet].std() == pytest.approx(demo_model.QUIET_ROW_GAIN * p.std, rel=0.1), t.name
             x = x[~quiet]
         assert x.std() == pytest.approx(p.std, rel=0.05), t.name
         assert abs(x.mean()) < 0.02 * p.std, t.name
@@ -192,16 +194,16 @@ def test_q4_k_scale_packing_matches_ggml():
 
 
 def test_tokenizer_training_is_deterministic_and_exact_size():
-    a_learned, a_merges = synth._train_bpe.__wrapped__(500)
-    b_learned, b_merges = synth._train_bpe.__wrapped__(500)
+    a_learned, a_merges = demo_model.train_bpe.__wrapped__(500)
+    b_learned, b_merges = demo_model.train_bpe.__wrapped__(500)
     assert a_learned == b_learned and a_merges == b_merges
     for size in (512, 4096, 50304):
-        tokens, types, merges = synth.train_tokenizer(size)
+        tokens, types, merges = demo_model.train_tokenizer(size)
         assert len(tokens) == len(types) == size
         assert len(set(tokens)) == size
-        assert tokens[:256] == synth._byte_chars()
+        assert tokens[:256] == demo_model.byte_chars()
         end = tokens.index("<|endoftext|>")
-        assert tokens[end : end + 3] == list(synth.SPECIAL_TOKENS)
+        assert tokens[end : end + 3] == list(demo_model.SPECIAL_TOKENS)
         assert set(types[:end]) == {1} and set(types[end:]) == {3}
         assert len(merges) == end - 256
         assert all(t.startswith("<|unused_") for t in tokens[end + 3 :])
@@ -214,7 +216,7 @@ def test_tokenizer_training_is_deterministic_and_exact_size():
 def test_tokenizer_round_trips_text():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tokens, _, merges = synth.train_tokenizer(512)
+    tokens, _, merges = demo_model.train_tokenizer(512)
     vocab = {t: i for i, t in enumerate(tokens)}
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -233,14 +235,14 @@ def test_tokenizer_round_trips_text():
 
 
 def test_ensure_demo_model_writes_once_and_reuses(tmp_path):
-    spec = dataclasses.replace(synth.PRESETS["tiny-olmoe"], name="demo-test", qtype="Q8_0")
-    path = synth.ensure_demo_model(tmp_path, spec=spec, seed=0)
+    spec = tiny_demo_spec("demo-test")
+    path = demo_model.ensure_demo_model(tmp_path, spec=spec, seed=0)
     assert path.parent == tmp_path and path.exists()
-    assert path.stat().st_size == synth.expected_size(spec, 0)
+    assert path.stat().st_size == demo_model.demo_size(spec, 0)
     r = GGUFReader(path)
-    assert _field(r, "clutor.synth.fingerprint") == synth.model_fingerprint(spec, 0)
+    assert _field(r, "clutor.synth.fingerprint") == demo_model.demo_fingerprint(spec, 0)
     stat = path.stat()
-    again = synth.ensure_demo_model(tmp_path, spec=spec, seed=0)
+    again = demo_model.ensure_demo_model(tmp_path, spec=spec, seed=0)
     assert again == path
     assert (path.stat().st_mtime_ns, path.stat().st_ino) == (stat.st_mtime_ns, stat.st_ino)
     assert sorted(os.listdir(tmp_path)) == [path.name]  # no temporary left behind
@@ -248,18 +250,34 @@ def test_ensure_demo_model_writes_once_and_reuses(tmp_path):
     # a truncated file is replaced
     with open(path, "r+b") as f:
         f.truncate(stat.st_size // 2)
-    fixed = synth.ensure_demo_model(tmp_path, spec=spec, seed=0)
+    fixed = demo_model.ensure_demo_model(tmp_path, spec=spec, seed=0)
     assert fixed == path and path.stat().st_size == stat.st_size
 
     # another seed is another file
-    other = synth.ensure_demo_model(tmp_path, spec=spec, seed=1)
+    other = demo_model.ensure_demo_model(tmp_path, spec=spec, seed=1)
     assert other != path and other.exists()
+
+
+def test_demo_model_opens_and_generates(tmp_path):
+    import clutor
+
+    path = demo_model.ensure_demo_model(tmp_path, spec=tiny_demo_spec("demo-test"))
+
+    async def go():
+        async with clutor.Model.open(path, io="threads") as model:
+            logits = await model.logits(model.tokenizer.encode("The river and the mill"))
+            tokens = [out.token async for out in model.generate("Once", max_tokens=4, temperature=0, ignore_eos=True)
+                      if out.token is not None]
+        return logits, tokens
+
+    logits, tokens = run(go())
+    assert np.isfinite(logits).all() and 1.5 < logits.std(axis=-1).mean() < 6  # LOGIT_STD = 3
+    assert len(tokens) == 4
 
 
 def test_cache_dir_defaults_to_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = dataclasses.replace(synth.PRESETS["tiny-qwen3moe"], name="demo-test", qtype="Q4_K")
-    path = synth.ensure_demo_model(spec=spec)
+    path = demo_model.ensure_demo_model(spec=tiny_demo_spec("demo-test"))
     assert path.parent == tmp_path / "clutor"
 
 
@@ -269,10 +287,9 @@ def test_big_presets_have_the_real_shapes():
     assert synth.expected_size(olmoe) == pytest.approx(7.36e9, rel=0.005)
     assert {p.qtype for p in synth.plan_tensors(olmoe) if len(p.shape) > 1 and "gate_inp" not in p.name} == {
         GGMLQuantizationType.Q8_0}
-    demo = synth.PRESETS["demo"]
-    plans = synth.plan_tensors(demo)
-    experts = sum(p.nbytes for p in plans if "_exps" in p.name)
-    assert 0.8e9 < synth.expected_size(demo) < 1.1e9 and experts > 0.8 * synth.expected_size(demo)
+    demo_size = demo_model.demo_size()
+    experts = sum(p.nbytes for p in demo_model._demo_plans(demo_model.DEMO) if "_exps" in p.name)
+    assert 0.8e9 < demo_size < 1.1e9 and experts > 0.8 * demo_size
     qwen = synth.plan_tensors(synth.PRESETS["qwen3-30b-a3b-q4k"])
     assert {p.qtype for p in qwen if "_exps" in p.name} == {GGMLQuantizationType.Q4_K}
     assert "output.weight" in {p.name for p in qwen}
@@ -299,8 +316,8 @@ def test_llama_cpp_loads_random_block_files(tmp_path, preset, qtype):
 
 
 def test_quiet_tokens_are_controls_and_stray_bytes():
-    tokens, types, _ = synth.train_tokenizer(512)
-    quiet = synth.quiet_tokens(512)
+    tokens, types, _ = demo_model.train_tokenizer(512)
+    quiet = demo_model.quiet_tokens(512)
     assert quiet[[i for i, t in enumerate(types) if t == 3]].all()
     assert quiet[0x80:0x100].all()  # token id b is the lone byte b; bytes >= 0x80 are not UTF-8 alone
     assert quiet[0] and quiet[13] and not quiet[10] and not quiet[9]  # NUL, CR quiet; LF, TAB not
@@ -312,7 +329,7 @@ def test_quiet_tokens_are_controls_and_stray_bytes():
 def test_chat_template_renders(arch):
     import jinja2
 
-    template = synth.OLMOE_TEMPLATE if arch == "olmoe" else synth.CHATML_TEMPLATE
+    template = demo_model.OLMOE_TEMPLATE if arch == "olmoe" else synth.CHATML_TEMPLATE
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
     text = jinja2.Environment().from_string(template).render(

@@ -66,6 +66,7 @@ def _reference_cases(name: str) -> list[tuple[str, list[int]]]:
         pos = nxt + len(sep)
     expected = [[int(x) for x in line.split()] for line in Path(f"{path}.out").read_text().splitlines()]
     assert len(cases) == len(expected), (len(cases), len(expected))
+    assert cases, f"{path}.inp has no cases: a test looping over them would check nothing"
     return list(zip(cases, expected))
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a random-weight MoE GGUF (see clutor/model/synth.py).
+"""Write a random-weight MoE GGUF (see tools/synth.py).
 
     python tools/make_model.py PRESET OUT.gguf [--seed 0] [--type F16|Q8_0|Q4_K|...]
     python tools/make_model.py PRESET OUT.gguf --quantize Q4_K_M|Q6_K|Q8_0|F16 --llama-quantizer
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clutor.model.synth import PRESETS, write_model  # noqa: E402
+from synth import PRESETS, write_model  # noqa: E402
 
 # llama.cpp's llama_ftype values for the mixes we make.
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,

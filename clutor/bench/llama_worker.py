@@ -19,16 +19,12 @@ import numpy as np
 from ..errors import ClutorError
 from .process import peak_memory, storage_read_bytes
 from .prompt import bench_prompt, prompt_digest
-from .protocol import worker_main
+from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run"]
 
 DEFAULTS: dict = {
-    "prompt_tokens": 64,
-    "tokens": 32,
-    "seed": 0,
-    "warmup": True,
-    "n_ctx": None,     # None: prompt_tokens + tokens + 8
+    **COMMON_OPTIONS,
     "n_threads": None,  # None: os.cpu_count()
     "n_batch": 512,
 }
@@ -64,13 +60,8 @@ def _greedy(llm, llama_cpp, n_vocab: int) -> int:
 
 
 def run(path: str, options: dict) -> dict:
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ClutorError(f"unknown benchmark option(s): {', '.join(unknown)}")
-    opts = {**DEFAULTS, **options}
+    opts = worker_options(DEFAULTS, options)
     P, N = int(opts["prompt_tokens"]), int(opts["tokens"])
-    if N < 1:
-        raise ClutorError(f"tokens must be >= 1, got {N}")
     n_ctx = opts["n_ctx"] or P + N + 8
     threads = opts["n_threads"] or os.cpu_count() or 1
     if not os.path.isfile(path):

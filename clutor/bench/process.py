@@ -3,18 +3,9 @@ from __future__ import annotations
 
 import resource
 
+from .._util import proc_bytes
+
 __all__ = ["peak_memory", "storage_read_bytes"]
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def peak_memory() -> dict:
@@ -24,8 +15,8 @@ def peak_memory() -> dict:
     its own allocations; VmRSS is the current value, for comparison."""
     return {
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "vm_hwm": _status_kib("VmHWM"),
-        "vm_rss": _status_kib("VmRSS"),
+        "vm_hwm": proc_bytes("/proc/self/status", "VmHWM"),
+        "vm_rss": proc_bytes("/proc/self/status", "VmRSS"),
     }
 
 

@@ -9,9 +9,31 @@ from typing import Callable
 
 from ..errors import ClutorError
 
-__all__ = ["worker_main", "parse_result"]
+__all__ = ["COMMON_OPTIONS", "worker_main", "worker_options", "parse_result"]
 
 EXIT_ERROR = 1
+
+# The options every worker takes: both engines generate the same tokens from the same prompt.
+COMMON_OPTIONS: dict = {
+    "prompt_tokens": 64,
+    "tokens": 32,
+    "seed": 0,
+    "warmup": True,
+    "n_ctx": None,  # None: prompt_tokens + tokens + 8
+}
+
+
+def worker_options(defaults: dict, options: dict) -> dict:
+    """``options`` over a worker's ``defaults``; an unknown key or ``tokens`` < 1 is an error."""
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ClutorError(f"unknown benchmark option(s): {', '.join(unknown)}")
+    opts = {**defaults, **options}
+    if opts["n_ctx"] is None:
+        opts["n_ctx"] = int(opts["prompt_tokens"]) + int(opts["tokens"]) + 8
+    if int(opts["tokens"]) < 1:
+        raise ClutorError(f"tokens must be >= 1, got {opts['tokens']}")
+    return opts
 
 
 def worker_main(prog: str, body: Callable[[str, dict], dict], argv: list[str] | None = None) -> int:

@@ -181,7 +181,7 @@ def run_worker(model: str, engine: str, args: dict, *, cap: int | None = None, d
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
             rc, out, err = p.returncode, p.stdout, p.stderr
         else:
-            from ..memcap import run_capped
+            from .memcap import run_capped
 
             c = run_capped(cmd, cap, timeout=timeout, env=_env())
             rc, out, err, peak, oom = c.returncode, c.stdout, c.stderr, c.peak, c.oom_killed
@@ -228,7 +228,7 @@ def disk_bandwidth(path: str, seconds: float, on_start: Callable[[str], None] | 
     if size < 16 * FIO_BLOCK:
         return DiskBandwidth(None, f"disk not measured: the model file ({format_bytes(size)}) is too small for "
                                    f"{format_bytes(FIO_BLOCK)} random reads to mean anything")
-    from ..io.bench import run_fio
+    from .disk import run_fio
 
     if on_start is not None:
         on_start(f"measuring the disk with fio ({seconds:g} s) ...")

@@ -22,17 +22,13 @@ from ..io.policies import DEFAULT_POLICY
 from ..model.profile import to_json
 from .process import peak_memory, storage_read_bytes
 from .prompt import bench_prompt, prompt_digest
-from .protocol import worker_main
+from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run", "to_jsonable"]
 
 # Options of the run; the Model.open ones are passed through as given.
 DEFAULTS: dict = {
-    "prompt_tokens": 64,
-    "tokens": 32,
-    "seed": 0,
-    "warmup": True,
-    "n_ctx": None,           # None: prompt_tokens + tokens + 8
+    **COMMON_OPTIONS,
     "expert_cache": None,
     "prefetch": None,
     "policy": DEFAULT_POLICY,
@@ -243,14 +239,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
 
 def run(path: str, options: dict) -> dict:
     """Run one benchmark; options are DEFAULTS' keys (unknown keys are an error)."""
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise ClutorError(f"unknown benchmark option(s): {', '.join(unknown)}")
-    opts = {**DEFAULTS, **options}
-    if opts["n_ctx"] is None:
-        opts["n_ctx"] = opts["prompt_tokens"] + opts["tokens"] + 8
-    if opts["tokens"] < 1:
-        raise ClutorError(f"tokens must be >= 1, got {opts['tokens']}")
+    opts = worker_options(DEFAULTS, options)
     from ..cli import run_coro
 
     return run_coro(_run(path, opts))

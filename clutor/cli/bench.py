@@ -16,7 +16,7 @@ import sys
 
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
-from .common import Formatter
+from .common import add_command
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
@@ -105,12 +105,10 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "bench", help="end-to-end tok/s over cache budgets, prefetch and policies (optionally vs llama.cpp)",
-        formatter_class=Formatter, description=__doc__,
-        epilog="examples:\n  clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off\n"
-               "  clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB\n"
-               "  clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
+    p = add_command(sub, "bench", "end-to-end tok/s over cache budgets, prefetch and policies (optionally vs llama.cpp)",
+                    __doc__, "clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off",
+                    "clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB",
+                    "clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     g = p.add_argument_group("configurations (every combination is one run)")
     g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
@@ -169,7 +167,7 @@ def _best(sweep: list[dict]) -> dict | None:
 def _plan_cap(args, path: str, desc: dict, n_ctx: int):
     """(cap bytes, Budget for Clutor in the capped run) or None with the reason the capped runs are skipped."""
     from ..bench.runner import Budget, cache_bytes_for, estimate_footprint, kv_bytes
-    from ..memcap import unavailable_reason
+    from ..bench.memcap import unavailable_reason
     from ..units import format_bytes
 
     if args.cap == "none":

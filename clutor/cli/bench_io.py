@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from clutor.errors import ClutorError
 
-from .common import Formatter
+from .common import add_command
 from clutor.units import format_bytes, parse_bytes
 
 MODES = ("direct", "buffered")
@@ -46,11 +46,8 @@ def _choices(allowed):
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "bench-io", help="measure disk read bandwidth of the I/O backends (vs fio)", formatter_class=Formatter,
-        description=__doc__,
-        epilog="example:\n  clutor bench-io --block 1MiB,4MiB --depth 8,32 --mode direct --seconds 5",
-    )
+    p = add_command(sub, "bench-io", "measure disk read bandwidth of the I/O backends (vs fio)", __doc__,
+                    "clutor bench-io --block 1MiB,4MiB --depth 8,32 --mode direct --seconds 5")
     add_arguments(p)
     return p
 
@@ -100,7 +97,7 @@ def _check_args(args) -> None:
 
 
 async def run(args) -> int:
-    from clutor.io.bench import drop_caches, fs_type, make_test_file, measure, median_result, run_fio
+    from clutor.bench.disk import drop_caches, fs_type, make_test_file, measure, median_result, run_fio
 
     _check_args(args)
     created = None

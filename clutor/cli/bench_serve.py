@@ -15,17 +15,15 @@ import sys
 import time
 
 from ..errors import ClutorError
-from .common import Formatter
+from .common import add_command
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "bench-serve", help="concurrent streaming clients against an OpenAI-compatible server",
-        formatter_class=Formatter, description=__doc__,
-        epilog="examples:\n  clutor bench-serve http://127.0.0.1:8000 --clients 1,4,8,16\n"
-               "  clutor bench-serve --serve 'clutor serve olmoe.gguf --port {port} --max-sequences 16' --cap 3GiB\n"
-               "  clutor bench-serve --serve 'python -m llama_cpp.server --model olmoe.gguf --port {port}' --cap 3GiB",
-    )
+    p = add_command(
+        sub, "bench-serve", "concurrent streaming clients against an OpenAI-compatible server", __doc__,
+        "clutor bench-serve http://127.0.0.1:8000 --clients 1,4,8,16",
+        "clutor bench-serve --serve 'clutor serve olmoe.gguf --port {port} --max-sequences 16' --cap 3GiB",
+        "clutor bench-serve --serve 'python -m llama_cpp.server --model olmoe.gguf --port {port}' --cap 3GiB")
     p.add_argument("url", nargs="?", default=None, help="server base URL (without /v1); omit with --serve")
     p.add_argument("--serve", default=None, metavar="CMD", help="start this server command ({port} = a free port)")
     p.add_argument("--cap", default=None, metavar="SIZE", help="with --serve: run it in a cgroup capped at SIZE")
@@ -83,7 +81,7 @@ async def _wait_up(url: str, proc, timeout: float) -> None:
 async def _bench(args, url: str, proc) -> list:
     import httpx
 
-    from ..server.bench import bench_prompts, run_level, served_model
+    from ..bench.serve_load import bench_prompts, run_level, served_model
 
     await _wait_up(url, proc, args.start_timeout)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -143,7 +141,7 @@ async def run(args) -> int:
         url = f"http://127.0.0.1:{port}"
         report["server"] = " ".join(cmd)
         if args.cap:
-            from ..memcap import capped_popen
+            from ..bench.memcap import capped_popen
             from ..units import format_bytes, parse_bytes
 
             try:

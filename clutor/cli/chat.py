@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 
 from ..errors import ClutorError
-from .common import (Formatter, OutputError, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
+from .common import (OutputError, add_command, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
                      read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 PROMPT = "> "
 
 
 def add_parser(sub):
-    p = sub.add_parser("chat", help="interactive chat through the model's chat template", formatter_class=Formatter,
-                       description=__doc__, epilog="example:\n  clutor chat qwen3-30b-a3b.gguf --system 'Be brief.'")
+    p = add_command(sub, "chat", "interactive chat through the model's chat template", __doc__,
+                    "clutor chat qwen3-30b-a3b.gguf --system 'Be brief.'")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--no-stats", action="store_true", help="do not print per-reply statistics")

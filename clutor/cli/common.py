@@ -10,6 +10,7 @@ import time
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..model.generate import GenerationStats
+from ..model.sampling import SamplingParams
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.HelpFormatter):
@@ -25,18 +26,26 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = 0.8, max_tokens: int = 128) -> None:
+def add_command(sub, name: str, help: str, doc: str | None, *examples: str) -> argparse.ArgumentParser:
+    """A sub-command's parser: ``help`` in the command list, the module docstring as its description,
+    the examples (command lines) after the options."""
+    epilog = ("example:" if len(examples) == 1 else "examples:") + "".join(f"\n  {e}" for e in examples)
+    return sub.add_parser(name, help=help, formatter_class=Formatter, description=doc, epilog=epilog)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = SamplingParams.temperature,
+                      max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
                    help="tokens to generate at most; -1 = until end of text or the context is full")
     g.add_argument("--temperature", "--temp", type=float, default=temperature,
                    help="randomness of sampling; 0 = greedy (always the most likely token)")
-    g.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=0.95,
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="sample among the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p,
                    help="sample among the most likely tokens whose probabilities sum to p (1 = off)")
-    g.add_argument("--min-p", type=float, default=0.05,
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p,
                    help="drop tokens less likely than min-p times the most likely one (0 = off)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0,
+    g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty,
                    help="penalise tokens among the last 64 generated or in the prompt, as llama.cpp does (1 = off)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a fresh one each run)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
@@ -78,8 +87,6 @@ def check_sampling_args(args) -> None:
     """Refuse impossible sampling options before anything is loaded."""
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise ClutorError(f"-n/--max-tokens must be >= 1, or -1 for no limit; got {args.max_tokens}")
-    from ..model.sampling import SamplingParams
-
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repeat_penalty=args.repeat_penalty, seed=args.seed)  # raises ClutorError naming the option
 
@@ -143,7 +150,7 @@ def read_stdin() -> str:
 
 
 def warm_kernels() -> None:
-    """Compile the compute kernels (first run on a machine: ~30 s, minutes when it is busy) or load
+    """Compile the compute kernels (the first run on a machine, which takes a while) or load
     them from numba's cache, here in the main thread before any event loop, so Ctrl-C stops it at
     once; on a terminal, a line says what is going on if it takes more than two seconds. (Model.open
     warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)"""

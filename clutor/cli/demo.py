@@ -7,12 +7,11 @@ from __future__ import annotations
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter, byte_progress, print_stats, warm_kernels, write_out
+from .common import add_command, byte_progress, print_stats, warm_kernels, write_out
 
 
 def add_parser(sub):
-    p = sub.add_parser("demo", help="generate from a built-in random-weight model", formatter_class=Formatter,
-                       description=__doc__, epilog="example:\n  clutor demo -n 32")
+    p = add_command(sub, "demo", "generate from a built-in random-weight model", __doc__, "clutor demo -n 32")
     p.add_argument("-n", "--max-tokens", type=int, default=48, help="tokens to generate")
     p.add_argument("--prompt", default="Once upon a time, in a land of many experts,", help="the prompt")
     p.add_argument("--cache-dir", default=None,
@@ -25,7 +24,7 @@ def add_parser(sub):
 def run(args):
     """Build the model here, in the main thread, before any event loop runs: Ctrl-C then stops the
     write at once (and its temporary file is removed) instead of waiting for a worker thread."""
-    from ..model.synth import ensure_demo_model
+    from .demo_model import ensure_demo_model
 
     if args.max_tokens < 1:
         raise ClutorError(f"-n/--max-tokens must be >= 1, got {args.max_tokens}")

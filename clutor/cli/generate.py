@@ -1,21 +1,17 @@
 """clutor generate MODEL PROMPT: stream a continuation to stdout, stats to stderr."""
 from __future__ import annotations
 
-import sys
 
 from ..errors import ClutorError
-from .common import (Formatter, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
+from .common import (add_command, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
                      read_stdin, read_text_file, sampling_kwargs, warm_kernels, write_out)
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "generate", help="generate text from a prompt", formatter_class=Formatter,
-        description=__doc__,
-        epilog="examples:\n  clutor generate olmoe.gguf 'The capital of France is' -n 32 --temperature 0\n"
-               "  echo 'Write a haiku' | clutor generate qwen3.gguf - --chat\n"
-               "  clutor generate olmoe.gguf -f prompt.txt -n -1",
-    )
+    p = add_command(sub, "generate", "generate text from a prompt", __doc__,
+                    "clutor generate olmoe.gguf 'The capital of France is' -n 32 --temperature 0",
+                    "echo 'Write a haiku' | clutor generate qwen3.gguf - --chat",
+                    "clutor generate olmoe.gguf -f prompt.txt -n -1")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - to read it from stdin")
     p.add_argument("-p", "--prompt", dest="prompt_opt", default=None, metavar="TEXT", help="prompt text (as llama.cpp)")

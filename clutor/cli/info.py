@@ -4,12 +4,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict
 
-from .common import Formatter
+from .common import add_command
 
 
 def add_parser(sub):
-    p = sub.add_parser("info", help="describe a GGUF MoE model", formatter_class=Formatter, description=__doc__,
-                       epilog="example:\n  clutor info qwen3-30b-a3b-q4_k_m-00001-of-00003.gguf")
+    p = add_command(sub, "info", "describe a GGUF MoE model", __doc__,
+                    "clutor info qwen3-30b-a3b-q4_k_m-00001-of-00003.gguf")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     return p
@@ -29,7 +29,6 @@ def describe(path: str) -> dict:
         layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
         types = Counter()
         type_bytes = Counter()
-        dense = 0
         for t in f.tensors.values():
             types[type_name(t.qtype)] += 1
             type_bytes[type_name(t.qtype)] += t.nbytes

@@ -10,16 +10,15 @@ import os
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter, add_model_args, model_kwargs
+from ..model.sampling import SamplingParams
+from .common import add_command, add_model_args, model_kwargs
 
 
 def add_parser(sub):
-    p = sub.add_parser(
-        "serve", help="OpenAI-compatible HTTP server", formatter_class=Formatter, description=__doc__,
-        epilog="examples:\n  clutor serve olmoe.gguf --expert-cache 3GiB --port 8000\n"
-               "  curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
-               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'",
-    )
+    p = add_command(sub, "serve", "OpenAI-compatible HTTP server", __doc__,
+                    "clutor serve olmoe.gguf --expert-cache 3GiB --port 8000",
+                    "curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+                    "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")
     p.add_argument("model", help="GGUF file (first part of a split model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
@@ -35,11 +34,11 @@ def add_parser(sub):
                    help="on SIGINT/SIGTERM, seconds requests in flight may still run")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g = p.add_argument_group("defaults for requests that omit a sampling field")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=SamplingParams.temperature)
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty)
     add_model_args(p)
     return p
 

@@ -12,16 +12,13 @@ import json
 import sys
 
 from ..errors import ClutorError
-from .common import Formatter
+from .common import add_command
 from ..units import format_bytes, parse_bytes
 
-DESCRIPTION = __doc__
-EPILOG = (
-    "examples:\n"
-    "  clutor simulate trace.jsonl --budget 2GiB\n"
-    "  clutor simulate trace.jsonl --budget 1GiB,2GiB,3GiB --expert-bytes 6684672 --json\n"
-    "  clutor simulate --synthetic --tokens 200 --layers 16 --experts 64 --top-k 8 "
-    "--skew 1.0 --reuse 0.4 --budget-slots 256"
+EXAMPLES = (
+    "clutor simulate trace.jsonl --budget 2GiB",
+    "clutor simulate trace.jsonl --budget 1GiB,2GiB,3GiB --expert-bytes 6684672 --json",
+    "clutor simulate --synthetic --tokens 200 --layers 16 --experts 64 --top-k 8 --skew 1.0 --reuse 0.4 --budget-slots 256",
 )
 
 
@@ -60,8 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("simulate", help="replay a routing trace through the cache policies",
-                       formatter_class=Formatter, description=DESCRIPTION, epilog=EPILOG)
+    p = add_command(sub, "simulate", "replay a routing trace through the cache policies", __doc__, *EXAMPLES)
     add_arguments(p)
     return p
 

@@ -16,12 +16,16 @@ import asyncio
 import enum
 import errno
 import os
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
-from clutor.errors import ClutorIOError
+import numpy as np
 
-__all__ = ["ReadRequest", "ReadState", "ReadHandle", "Backend", "FileTable", "DEFAULT_ALIGN"]
+from clutor.errors import ClosedError, ClutorIOError
+
+__all__ = ["ReadRequest", "ReadState", "ReadHandle", "Backend", "FileTable", "DEFAULT_ALIGN", "QueueBackend",
+           "check_requests", "check_buffers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,9 @@ class Backend(Protocol):
 # it satisfies O_DIRECT's offset, length and address rules without asking the device; larger is
 # taken only when sysfs reports a larger logical block.
 DEFAULT_ALIGN = 4096
+
+# A read cut short away from end of file is resubmitted for its remainder this many times, then fails.
+MAX_SHORT_RETRIES = 3
 
 
 def _logical_block_size(fd: int) -> int:
@@ -153,3 +160,99 @@ class FileTable:
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
+
+
+def check_requests(files: FileTable, buffers: Sequence[memoryview], requests: Sequence[ReadRequest]) -> None:
+    """Reject a malformed batch before any of it is queued."""
+    for r in requests:
+        if not 0 <= r.file < len(files.paths):
+            raise ClutorIOError(f"<file #{r.file}>", r.offset, r.length, f"no such file index (have {len(files.paths)})")
+        path = files.paths[r.file]
+        if not 0 <= r.buf < len(buffers):
+            raise ClutorIOError(path, r.offset, r.length, f"no such buffer index {r.buf} (have {len(buffers)})")
+        if r.offset < 0 or r.length <= 0 or r.length > len(buffers[r.buf]):
+            raise ClutorIOError(
+                path, r.offset, r.length,
+                f"need offset >= 0 and 0 < length <= {len(buffers[r.buf])} (size of buffer {r.buf})",
+            )
+        if files.file_direct[r.file] and (r.offset % files.align or r.length % files.align):
+            raise ClutorIOError(path, r.offset, r.length, f"O_DIRECT needs offset and length multiples of {files.align}")
+
+
+def check_buffers(buffers: Sequence[memoryview], align: int) -> list[memoryview]:
+    out = []
+    for i, b in enumerate(buffers):
+        mv = memoryview(b).cast("B")
+        if mv.readonly:
+            raise ValueError(f"buffer {i} is read-only")
+        if align > 1:
+            # memoryview hides the address; numpy's interface exposes it without copying.
+            addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+            if addr % align:
+                raise ValueError(f"buffer {i} at address {addr:#x} is not {align}-byte aligned (O_DIRECT)")
+        out.append(mv)
+    return out
+
+
+class QueueBackend:
+    """What the io_uring and thread-pool backends share: the file and buffer tables, the queue of reads
+    not yet handed over (where ``drop()`` still works), resolving a read, and closing. A subclass
+    hands queued reads on in ``submit`` and releases its resources in ``_maybe_finish`` once
+    ``_drained`` is set and nothing it handed over is left."""
+
+    name: str
+
+    def _open_tables(self, files: Sequence[str | os.PathLike], buffers: Sequence[memoryview], direct: bool) -> None:
+        """Open the files and check the buffers (closing the files again if a buffer is refused)."""
+        self._loop = asyncio.get_running_loop()
+        self._files = FileTable(files, direct=direct)
+        try:
+            self._buffers = check_buffers(buffers, self._files.align)
+        except BaseException:
+            self._files.close()
+            raise
+        self.paths = self._files.paths
+        self.direct = self._files.direct
+        self.file_direct = self._files.file_direct
+        self.align = self._files.align
+        self.fallback_reason = self._files.fallback_reason
+        self._pending: deque[ReadHandle] = deque()  # not yet handed over; drop() works
+        self._closed = False
+        self._drained: asyncio.Future[None] | None = None
+
+    def _queue(self, requests: Sequence[ReadRequest]) -> list[ReadHandle]:
+        """Check a batch and queue it: the first half of ``submit``."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__}: submit() after aclose()")
+        check_requests(self._files, self._buffers, requests)
+        handles = [ReadHandle(r, self._loop) for r in requests]
+        self._pending.extend(handles)
+        return handles
+
+    @staticmethod
+    def _resolve(h: ReadHandle, nbytes: int, err: ClutorIOError | None) -> None:
+        h.state = ReadState.DONE
+        if not h.done.done():
+            if err is None:
+                h.done.set_result(nbytes)
+            else:
+                h.done.set_exception(err)
+
+    async def aclose(self) -> None:
+        """Drop what is still queued, then wait for every read already handed over (the kernel or a
+        worker owns its buffer until it completes)."""
+        if not self._closed:
+            self._closed = True
+            self._drained = self._loop.create_future()
+            while self._pending:
+                h = self._pending.popleft()
+                if h.state is ReadState.QUEUED:
+                    h.state = ReadState.DROPPED
+                    if not h.done.done():
+                        h.done.set_exception(ClosedError(f"{type(self).__name__} closed before this read was started"))
+                        h.done.exception()  # nobody may be waiting; do not log "never retrieved"
+            self._maybe_finish()
+        await asyncio.shield(self._drained)
+
+    def _maybe_finish(self) -> None:
+        raise NotImplementedError

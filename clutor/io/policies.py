@@ -199,8 +199,9 @@ class LFU(_ScoredPolicy):
 
     @classmethod
     def for_slots(cls, n_slots: int) -> "LFU":
-        # Halving once per cache-full of accesses beat ageing 4x or 16x slower on the synthetic
-        # traces tried (by up to 16 points of hit rate at small caches).
+        # Halving once per cache-full of accesses lets the counts follow a working set that moves;
+        # ageing much more slowly keeps yesterday's favourites resident, which small caches cannot
+        # afford (compare with ``clutor simulate``).
         return cls(halve_every=max(16, n_slots))
 
     def __init__(self, halve_every: int = 2048) -> None:
@@ -385,13 +386,12 @@ class Forecast(Policy):
     over it (pinned, loading, staged). The layer being served is scored from the experts it has
     been asked for so far, once per round; the experts of its round in progress go last.
 
-    Cost: measured in the simulator at 1.2-2x LRFU's per access (numpy over one layer's experts at
-    each round and hint, over all keys at each eviction).
-    Measured (``clutor simulate`` on decode-order traces of the small MoE trained on real text; see
-    the README): ahead of LRFU at 12.5%, 25% and 50% of all experts on every trace (Python, prose,
-    C). The next-layer hint adds little there: evictions made while layer l runs rarely pick layer
-    l+1's experts, which are the nearest in time anyway (even a perfect next-layer oracle added 0.4
-    points); most of the gain is the transition model's and the hit-density ranking's.
+    Cost: more per access than LRFU (numpy over one layer's experts at each round and hint, over all
+    keys at each eviction).
+    On decode-order traces of a model trained on real text it beats LRFU in ``clutor simulate`` (the
+    README's *Cache policy on real routing* has the figures and how they were made). The next-layer
+    hint adds little there: evictions made while layer l runs rarely pick layer l+1's experts, which
+    are the nearest in time anyway; the gain is the transition model's and the hit-density ranking's.
     """
 
     name = "forecast"
@@ -607,7 +607,8 @@ class Forecast(Policy):
         if self._round:
             # The current layer's next round follows this one: predicted from this one's experts as
             # known at the round's first eviction (the request's hits and first miss; not redone for
-            # each miss: it measured the same and costs a tenth).
+            # each miss: the later misses of a round hardly change the prediction, and redoing it costs
+            # a prediction per miss).
             part = self._partial
             if part is None or part[0] != cur or part[1] is not self._round:
                 p, _ = self._chances(cur, self._round)

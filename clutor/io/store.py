@@ -32,11 +32,12 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
+from .._util import AwaitableContext
 from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError
 from ..units import format_bytes
 from .arena import Arena, round_up, widen
@@ -175,23 +176,15 @@ class _Load:
         self.released = False          # (spare loads) the batch that owns the spare let go of it
 
 
-class _Opening:
-    """What ExpertStore.open returns: await it, or use it with ``async with``."""
+@dataclass
+class _Placed:
+    """What one get() holds and reads (see ExpertStore._place)."""
 
-    def __init__(self, factory: Callable[[], Awaitable["ExpertStore"]]):
-        self._factory = factory
-        self._store: ExpertStore | None = None
-
-    def __await__(self) -> Generator[object, None, "ExpertStore"]:
-        return self._factory().__await__()
-
-    async def __aenter__(self) -> "ExpertStore":
-        self._store = await self._factory()
-        return self._store
-
-    async def __aexit__(self, *exc) -> None:
-        if self._store is not None:
-            await self._store.aclose()
+    slots: list[int] = field(default_factory=list)        # pinned slots to unpin at release
+    spares: list[_Load] = field(default_factory=list)     # spare loads to give back at release
+    where: dict[tuple[int, int], int] = field(default_factory=dict)  # key -> arena buffer holding it
+    wait: list[_Load] = field(default_factory=list)       # reads to wait for
+    submit: list[_Load] = field(default_factory=list)     # reads to submit now
 
 
 class ExpertStore:
@@ -209,7 +202,7 @@ class ExpertStore:
         prefetch_slots: int | None = None,
         spare_slots: int | None = None,
         backend: BackendFactory | None = None,
-    ) -> _Opening:
+    ) -> AwaitableContext["ExpertStore"]:
         """Open a store over ``layout`` holding at most ``budget`` bytes of experts.
 
         ``policy``: a name from clutor.io.policies.POLICIES or a Policy instance. ``io``/``direct``
@@ -219,7 +212,7 @@ class ExpertStore:
         bypass reads, taken from the budget (default n/8, at most 4).
         Raises BudgetError when the budget does not hold one expert.
         """
-        return _Opening(lambda: cls._open(layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend))
+        return AwaitableContext(lambda: cls._open(layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend))
 
     @classmethod
     async def _open(cls, layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend) -> "ExpertStore":
@@ -344,6 +337,19 @@ class ExpertStore:
         Returns ({expert: view}, loads to wait for, release callback)."""
         self._check_open()
         keys = self._keys(layer, experts)
+        grants = await self._reserve_all(keys)
+        placed = self._place(layer, keys, grants)
+        self._end_prefetch(layer)
+        release = self._releaser(placed.slots, placed.spares)
+        if placed.submit:
+            self._submit(placed.submit, demand=True)
+        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
+        views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
+        return views, placed.wait, release
+
+    async def _reserve_all(self, keys: list[tuple[int, int]]) -> list[Grant | None]:
+        """One grant per key (None: a spare buffer's bypass read), waiting while other callers hold
+        every slot and spare; BudgetError when the keys could never fit at once."""
         if len(keys) > self.n_slots + self.n_spare:
             raise BudgetError(
                 f"get() of {len(keys)} distinct experts cannot fit: the store has {self.n_slots} slots "
@@ -352,34 +358,33 @@ class ExpertStore:
         while True:
             grants = self._reserve(keys)
             if grants is not None:
-                break
+                return grants
             # Every slot and spare is held by other callers: wait for a release, then try again.
             self._freed.clear()
             await self._freed.wait()
             self._check_open()
 
+    def _place(self, layer: int, keys: list[tuple[int, int]], grants: list[Grant | None]) -> _Placed:
+        """Where each granted key's bytes are or will be, which reads to submit and which to wait for;
+        counts hits and misses, and takes over (as demand) the layer's prefetches of these keys."""
         c = self._c
         c.accesses += len(keys)
-        slots: list[int] = []        # pinned slots to unpin at release
-        spares: list[_Load] = []     # spare loads to give back at release
-        where: dict[tuple[int, int], int] = {}  # key -> arena buffer holding it
-        wait: list[_Load] = []
-        submit: list[_Load] = []
+        placed = _Placed()
         layer_pf = self._pf.get(layer)
         for key, grant in zip(keys, grants):
             if layer_pf is not None:
                 layer_pf.pop(key, None)  # demanded: no longer the prefetcher's
             if grant is None:
                 load = _Load(key, None, self._spares.pop(), False, self._loop)
-                spares.append(load)
-                submit.append(load)
-                wait.append(load)
+                placed.spares.append(load)
+                placed.submit.append(load)
+                placed.wait.append(load)
                 c.misses += 1
                 c.bypass_reads += 1
-                where[key] = self.n_slots + load.spare
+                placed.where[key] = self.n_slots + load.spare
                 continue
-            slots.append(grant.slot)
-            where[key] = grant.slot
+            placed.slots.append(grant.slot)
+            placed.where[key] = grant.slot
             if grant.state is SlotState.READY:
                 c.hits += 1
                 c.staging_hits += grant.prefetched
@@ -388,7 +393,7 @@ class ExpertStore:
             if grant.state is SlotState.FREE:
                 load = _Load(key, grant.slot, None, False, self._loop)
                 self._loads[grant.slot] = load
-                submit.append(load)
+                placed.submit.append(load)
             else:  # LOADING: a read is already on its way (a prefetch's, or another caller's)
                 load = self._loads[grant.slot]
                 c.prefetch_late += grant.prefetched
@@ -397,10 +402,12 @@ class ExpertStore:
                     self._pf_submitted.discard(load)
                     if load.handles is None:  # still in our queue: it goes now, with the demand
                         self._pq.remove(load)
-                        submit.append(load)
-            wait.append(load)
-        self._end_prefetch(layer)
+                        placed.submit.append(load)
+            placed.wait.append(load)
+        return placed
 
+    def _releaser(self, slots: list[int], spares: list[_Load]) -> Callable[[], None]:
+        """The release callback of one get(): unpin its slots, give back its spares; safe to call twice."""
         released = False
 
         def release() -> None:
@@ -416,11 +423,7 @@ class ExpertStore:
                     self._spares.append(load.spare)
             self._freed.set()
 
-        if submit:
-            self._submit(submit, demand=True)
-        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
-        views = {int(e): self._view(layer, int(e), where[(layer, int(e))]) for e in experts}
-        return views, wait, release
+        return release
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading experts expected soon into staged slots. Never blocks; see the module doc for

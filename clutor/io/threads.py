@@ -9,56 +9,18 @@ post the outcome back with ``call_soon_threadsafe``.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
 import threading
-from collections import deque
 from typing import Sequence
 
-import numpy as np
+from clutor.errors import ClutorIOError
+from clutor.io.backend import MAX_SHORT_RETRIES, QueueBackend, ReadHandle, ReadRequest, ReadState
 
-from clutor.errors import ClosedError, ClutorIOError
-from clutor.io.backend import FileTable, ReadHandle, ReadRequest, ReadState
-
-__all__ = ["ThreadBackend", "check_requests", "check_buffers"]
-
-_MAX_SHORT_RETRIES = 3
+__all__ = ["ThreadBackend"]
 
 
-def check_requests(files: FileTable, buffers: Sequence[memoryview], requests: Sequence[ReadRequest]) -> None:
-    """Reject a malformed batch before any of it is queued (shared by both backends)."""
-    for r in requests:
-        if not 0 <= r.file < len(files.paths):
-            raise ClutorIOError(f"<file #{r.file}>", r.offset, r.length, f"no such file index (have {len(files.paths)})")
-        path = files.paths[r.file]
-        if not 0 <= r.buf < len(buffers):
-            raise ClutorIOError(path, r.offset, r.length, f"no such buffer index {r.buf} (have {len(buffers)})")
-        if r.offset < 0 or r.length <= 0 or r.length > len(buffers[r.buf]):
-            raise ClutorIOError(
-                path, r.offset, r.length,
-                f"need offset >= 0 and 0 < length <= {len(buffers[r.buf])} (size of buffer {r.buf})",
-            )
-        if files.file_direct[r.file] and (r.offset % files.align or r.length % files.align):
-            raise ClutorIOError(path, r.offset, r.length, f"O_DIRECT needs offset and length multiples of {files.align}")
-
-
-def check_buffers(buffers: Sequence[memoryview], align: int) -> list[memoryview]:
-    out = []
-    for i, b in enumerate(buffers):
-        mv = memoryview(b).cast("B")
-        if mv.readonly:
-            raise ValueError(f"buffer {i} is read-only")
-        if align > 1:
-            # memoryview hides the address; numpy's interface exposes it without copying.
-            addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
-            if addr % align:
-                raise ValueError(f"buffer {i} at address {addr:#x} is not {align}-byte aligned (O_DIRECT)")
-        out.append(mv)
-    return out
-
-
-class ThreadBackend:
+class ThreadBackend(QueueBackend):
     """Backend protocol over ``os.preadv`` in ``workers`` threads. Construct inside the running loop."""
 
     name = "threads"
@@ -71,26 +33,12 @@ class ThreadBackend:
         direct: bool,
         workers: int = 4,
     ):
-        self._loop = asyncio.get_running_loop()
-        self._files = FileTable(files, direct=direct)
-        try:
-            self._buffers = check_buffers(buffers, self._files.align)
-        except BaseException:
-            self._files.close()
-            raise
-        self.paths = self._files.paths
-        self.direct = self._files.direct
-        self.file_direct = self._files.file_direct
-        self.align = self._files.align
-        self.fallback_reason = self._files.fallback_reason
+        self._open_tables(files, buffers, direct)
         self.workers = max(1, workers)
         # Two reads per worker handed over keeps every thread busy across the loop round trip that
         # hands it the next one; the rest wait on the loop side where drop() can still take them.
         self._max_handed = 2 * self.workers
-        self._pending: deque[ReadHandle] = deque()
         self._handed = 0
-        self._closed = False
-        self._drained: asyncio.Future[None] | None = None
         self._jobs: queue.SimpleQueue[ReadHandle | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"clutor-io-{i}", daemon=True) for i in range(self.workers)
@@ -100,30 +48,12 @@ class ThreadBackend:
 
     # -- protocol -----------------------------------------------------------------------------
     def submit(self, requests: Sequence[ReadRequest]) -> list[ReadHandle]:
-        if self._closed:
-            raise ClosedError("ThreadBackend: submit() after aclose()")
-        check_requests(self._files, self._buffers, requests)
-        handles = [ReadHandle(r, self._loop) for r in requests]
-        self._pending.extend(handles)
+        handles = self._queue(requests)
         self._pump()
         return handles
 
     def inflight(self) -> int:
         return self._handed + sum(1 for h in self._pending if h.state is ReadState.QUEUED)
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._drained = self._loop.create_future()
-            while self._pending:
-                h = self._pending.popleft()
-                if h.state is ReadState.QUEUED:
-                    h.state = ReadState.DROPPED
-                    if not h.done.done():
-                        h.done.set_exception(ClosedError("ThreadBackend closed before this read was started"))
-                        h.done.exception()  # nobody may be waiting; do not log "never retrieved"
-            self._maybe_finish()
-        await asyncio.shield(self._drained)
 
     # -- loop side ----------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -140,12 +70,7 @@ class ThreadBackend:
 
     def _complete(self, h: ReadHandle, nbytes: int, err: ClutorIOError | None) -> None:
         self._handed -= 1
-        h.state = ReadState.DONE
-        if not h.done.done():
-            if err is None:
-                h.done.set_result(nbytes)
-            else:
-                h.done.set_exception(err)
+        self._resolve(h, nbytes, err)
         if self._closed:
             self._maybe_finish()
         else:
@@ -194,7 +119,7 @@ class ThreadBackend:
                 if r.offset + got >= os.fstat(fd).st_size:
                     return got
                 shorts += 1
-                if shorts > _MAX_SHORT_RETRIES:
+                if shorts > MAX_SHORT_RETRIES:
                     raise ClutorIOError(
                         self.paths[r.file], r.offset, r.length,
                         f"short read: {got} of {r.length} bytes after {shorts} attempts, not at end of file",

@@ -261,26 +261,26 @@ class TraceWriter:
 
     def close(self) -> None:
         """Finish the file and move it into place (an error leaves ``path`` untouched)."""
-        f, self._f = self._f, None
-        if f is None:
-            return
-        try:
-            f.close()
-            os.replace(self._tmp, self.path)
-        except OSError as e:
-            _unlink(self._tmp)
-            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
+        self._end(publish=True)
 
     def abort(self) -> None:
         """Close without publishing: the temporary file is removed, ``path`` is left as it was."""
+        self._end(publish=False)
+
+    def _end(self, publish: bool) -> None:
         f, self._f = self._f, None
         if f is None:
             return
         try:
             f.close()
-        except OSError:
-            pass
-        _unlink(self._tmp)
+            if publish:
+                os.replace(self._tmp, self.path)
+                return
+        except OSError as e:
+            if publish:
+                _unlink(self._tmp)
+                raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
+        _unlink(self._tmp)  # aborted (a failed close does not matter: the file goes)
 
     def __enter__(self) -> "TraceWriter":
         return self

@@ -26,19 +26,16 @@ keep it aligned, else it fails) and after a few tries it fails with ClutorIOErro
 """
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 from collections import deque
 from typing import Any, Sequence
 
-from clutor.errors import ClosedError, ClutorError, ClutorIOError
-from clutor.io.backend import FileTable, ReadHandle, ReadRequest, ReadState
-from clutor.io.threads import check_buffers, check_requests
+from clutor.errors import ClutorError, ClutorIOError
+from clutor.io.backend import MAX_SHORT_RETRIES, QueueBackend, ReadHandle, ReadRequest, ReadState
 
 __all__ = ["UringBackend", "UringUnavailable"]
 
-_MAX_SHORT_RETRIES = 3
 # Refusals that mean "no io_uring here" (kernel without it, sysctl io_uring_disabled, seccomp).
 _UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
 
@@ -57,7 +54,7 @@ def _import_liburing() -> Any:
     return liburing
 
 
-class UringBackend:
+class UringBackend(QueueBackend):
     """Backend protocol over one io_uring. Construct inside the running event loop."""
 
     name = "uring"
@@ -71,14 +68,12 @@ class UringBackend:
         entries: int = 256,
     ):
         L = self._L = _import_liburing()
-        self._loop = asyncio.get_running_loop()
         if not 1 <= entries <= 32768:  # 32768 is the largest ring the kernel accepts
             raise ValueError(f"UringBackend: entries must be in [1, 32768], got {entries}")
         self._ring: Any = None
         self._efd = -1
-        self._files = FileTable(files, direct=direct)
+        self._open_tables(files, buffers, direct)
         try:
-            self._buffers = check_buffers(buffers, self._files.align)
             ring = L.Ring()
             try:
                 L.io_uring_queue_init(entries, ring)
@@ -93,11 +88,6 @@ class UringBackend:
         except BaseException:
             self._release()
             raise
-        self.paths = self._files.paths
-        self.direct = self._files.direct
-        self.file_direct = self._files.file_direct
-        self.align = self._files.align
-        self.fallback_reason = self._files.fallback_reason
         self.entries = entries
         self._fds = self._files.fds
         self._cqe = L.Cqe()
@@ -108,42 +98,18 @@ class UringBackend:
         self._slot_got = [0] * entries
         self._slot_tries = [0] * entries
         self._free = list(range(entries - 1, -1, -1))
-        self._pending: deque[ReadHandle] = deque()  # not yet given to the kernel; drop() works
-        self._retry: deque[int] = deque()           # request ids whose remainder must be resubmitted
+        self._retry: deque[int] = deque()  # request ids whose remainder must be resubmitted
         self._flush_scheduled = False
-        self._closed = False
-        self._drained: asyncio.Future[None] | None = None
 
     # -- protocol -----------------------------------------------------------------------------
     def submit(self, requests: Sequence[ReadRequest]) -> list[ReadHandle]:
-        if self._closed:
-            raise ClosedError("UringBackend: submit() after aclose()")
-        check_requests(self._files, self._buffers, requests)
-        loop = self._loop
-        handles = [ReadHandle(r, loop) for r in requests]
-        self._pending.extend(handles)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
+        handles = self._queue(requests)
+        self._schedule_flush()
         return handles
 
     def inflight(self) -> int:
         owned = self.entries - len(self._free)
         return owned + sum(1 for h in self._pending if h.state is ReadState.QUEUED)
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._drained = self._loop.create_future()
-            while self._pending:
-                h = self._pending.popleft()
-                if h.state is ReadState.QUEUED:
-                    h.state = ReadState.DROPPED
-                    if not h.done.done():
-                        h.done.set_exception(ClosedError("UringBackend closed before this read was submitted"))
-                        h.done.exception()  # nobody may be waiting; do not log "never retrieved"
-            self._maybe_finish()
-        await asyncio.shield(self._drained)
 
     # -- submission ---------------------------------------------------------------------------
     def _iovec(self, buf: int, start: int, length: int) -> Any:
@@ -181,8 +147,8 @@ class UringBackend:
         pending, free, handles = self._pending, self._free, self._slot_handle
         QUEUED, INFLIGHT = ReadState.QUEUED, ReadState.INFLIGHT
         # io_uring_submit holds the GIL and the loop while the kernel pins each O_DIRECT buffer and
-        # builds its bios: one layer of a batched step (well over a hundred multi-MiB reads) in a single
-        # submit stalled the event loop for milliseconds (README, "Batched engine"). So at most
+        # builds its bios, so one layer of a batched step (over a hundred multi-MiB reads) in a single
+        # submit holds the event loop for all of them (README, "Batched engine"). So at most
         # _SUBMIT_BATCH reads go per loop turn; the rest follow after the loop's other callbacks.
         budget = _SUBMIT_BATCH - len(self._retry)
         while pending and free and budget > 0:
@@ -252,11 +218,10 @@ class UringBackend:
             self._flush()
         if self._closed:
             self._maybe_finish()
-        elif n and not self._flush_scheduled:
+        elif n:
             # Done-callbacks just scheduled by set_result run before this flush in the same loop
             # turn, so a read they submit in reply to a completion goes out without waiting a turn.
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._schedule_flush()
 
     def _on_cqe(self, rid: int, res: int) -> None:
         h = self._slot_handle[rid]
@@ -280,7 +245,7 @@ class UringBackend:
             return
         tries = self._slot_tries[rid] + 1
         misaligned = self.file_direct[r.file] and got % self.align
-        if misaligned or tries > _MAX_SHORT_RETRIES:
+        if misaligned or tries > MAX_SHORT_RETRIES:
             why = "not block aligned" if misaligned else f"after {tries} attempts"
             reason = f"short read: {got} of {r.length} bytes, not at end of file ({why})"
             self._finish(rid, 0, ClutorIOError(self.paths[r.file], r.offset, r.length, reason))
@@ -293,13 +258,7 @@ class UringBackend:
         h = self._slot_handle[rid]
         self._slot_handle[rid] = None
         self._free.append(rid)
-        h.state = ReadState.DONE
-        fut = h.done
-        if not fut.done():
-            if err is None:
-                fut.set_result(nbytes)
-            else:
-                fut.set_exception(err)
+        self._resolve(h, nbytes, err)
 
     # -- teardown -----------------------------------------------------------------------------
     def _maybe_finish(self) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 
+from .._util import proc_bytes
 from ..errors import ClutorError
 from .sampling import Sampler, SamplingParams, token_logprobs
 
@@ -14,13 +15,9 @@ __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_r
 
 def peak_rss() -> int:
     """VmHWM of this process (what the kernel reports as its peak resident set), bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     import resource
     import sys
 
@@ -147,12 +144,18 @@ class _StopMatcher:
         return out
 
 
-async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.8,
-                   top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                   repeat_last_n: int = 64, seed: int | None = None, stop: Sequence[str] = (),
-                   ignore_eos: bool = False, special: bool = False, frequency_penalty: float = 0.0,
-                   presence_penalty: float = 0.0, logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
+async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
+                   temperature: float = SamplingParams.temperature, top_k: int = SamplingParams.top_k,
+                   top_p: float = SamplingParams.top_p, min_p: float = SamplingParams.min_p,
+                   repeat_penalty: float = SamplingParams.repeat_penalty,
+                   repeat_last_n: int = SamplingParams.repeat_last_n, seed: int | None = None,
+                   stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
+                   frequency_penalty: float = SamplingParams.frequency_penalty,
+                   presence_penalty: float = SamplingParams.presence_penalty,
+                   logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
+
+    The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
 
     prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
     max_tokens: at most this many tokens, and never past the context: a prompt that leaves less room

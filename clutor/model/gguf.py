@@ -273,7 +273,19 @@ class _Part:
 def _parse_part(path: str, fd: int) -> _Part:
     size = os.fstat(fd).st_size  # a regular file: open_regular checked
     r = _Reader(fd, path, size)
+    version, n_tensors, n_kv = _read_header(r, path)
+    metadata = _read_metadata(r, path, n_kv)
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelFileError(path, "general.alignment", "a positive power of two integer", alignment)
+    infos = _read_tensor_infos(r, path, n_tensors, alignment)
+    data_start = -(-r.pos // alignment) * alignment
+    tensors = _place_tensors(path, infos, data_start, size)
+    return _Part(path, fd, size, version, metadata, tensors, data_start)
 
+
+def _read_header(r: _Reader, path: str) -> tuple[int, int, int]:
+    """(version, tensor count, metadata key count), each checked against what the file can hold."""
     magic = r.take(4, "magic")
     if magic != _MAGIC:
         raise ModelFileError(path, "magic", "b'GGUF' (a GGUF file)", magic)
@@ -294,7 +306,10 @@ def _parse_part(path: str, fd: int) -> _Part:
     if n_tensors > _MAX_TENSORS:
         raise ModelFileError(path, "tensor count", f"at most {_MAX_TENSORS}", n_tensors)
     r.need(n_kv * 14 + n_tensors * 33, f"{n_kv} metadata pairs and {n_tensors} tensor infos")
+    return version, n_tensors, n_kv
 
+
+def _read_metadata(r: _Reader, path: str, n_kv: int) -> dict[str, object]:
     metadata: dict[str, object] = {}
     for i in range(n_kv):
         key = r.string(f"metadata key #{i}", limit=1 << 16)
@@ -304,12 +319,13 @@ def _parse_part(path: str, fd: int) -> _Part:
             raise ModelFileError(path, f"metadata key {key}", "a key appearing once", "a duplicate")
         vtype = r.u32(f"metadata {key} type")
         metadata[key] = _read_value(r, vtype, f"metadata {key}")
+    return metadata
 
-    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
-        raise ModelFileError(path, "general.alignment", "a positive power of two integer", alignment)
 
-    # (name, qtype, numpy shape, relative offset, nbytes); sizes are validated once data_start is known
+def _read_tensor_infos(r: _Reader, path: str, n_tensors: int,
+                       alignment: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
+    """(name, qtype, numpy shape, relative offset, nbytes) of each tensor; its bytes are checked
+    against the file by _place_tensors, once the data section's start is known."""
     infos: list[tuple[str, int, tuple[int, ...], int, int]] = []
     seen: set[str] = set()
     for i in range(n_tensors):
@@ -336,14 +352,18 @@ def _parse_part(path: str, fd: int) -> _Part:
                 path, f"tensor {name} type",
                 "one of " + ", ".join(sorted(_type_name(t) for t in SUPPORTED_TYPES)), _type_name(qtype),
             )
-        # Python ints do not overflow; the size check against the file below bounds the product.
+        # Python ints do not overflow; the size check against the file bounds the product.
         shape = tuple(reversed(ne))
         nbytes = tensor_nbytes(qtype, shape, path=path, name=name)
         if offset % alignment:
             raise ModelFileError(path, f"tensor {name} offset", f"a multiple of the alignment {alignment}", offset)
         infos.append((name, qtype, shape, offset, nbytes))
+    return infos
 
-    data_start = -(-r.pos // alignment) * alignment
+
+def _place_tensors(path: str, infos: list[tuple[str, int, tuple[int, ...], int, int]], data_start: int,
+                   size: int) -> dict[str, TensorInfo]:
+    """The tensor table with absolute offsets: every tensor inside the file, no two overlapping."""
     data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, qtype, shape, offset, nbytes in infos:
@@ -362,7 +382,7 @@ def _parse_part(path: str, fd: int) -> _Part:
                 path, f"tensor {b.name} offset",
                 f"not overlapping tensor {a.name} (which ends at {a.offset + a.nbytes})", b.offset,
             )
-    return _Part(path, fd, size, version, metadata, tensors, data_start)
+    return tensors
 
 
 def _open_part(path: str) -> _Part:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._util import proc_bytes
 from ..errors import BudgetError, ClutorError
 from ..io.layout import ExpertLayout
 from ..io.policies import DEFAULT_POLICY, POLICIES
@@ -57,14 +58,8 @@ class ModelOptions:
 
 def mem_available() -> int:
     """MemAvailable from /proc/meminfo (bytes), or 4 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    avail = proc_bytes("/proc/meminfo", "MemAvailable")
+    return avail if avail is not None else 4 << 30
 
 
 def min_budget(layout: ExpertLayout, top_k: int) -> int:

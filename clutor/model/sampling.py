@@ -20,7 +20,10 @@ __all__ = ["SamplingParams", "Sampler", "token_logprobs"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling options; a stage is off at its neutral value (top_k=0, top_p=1, min_p=0, penalty=1)."""
+    """Sampling options; a stage is off at its neutral value (top_k=0, top_p=1, min_p=0, penalty=1).
+
+    The one place their defaults are written (llama.cpp's): generate(), the CLI and the server's
+    request defaults take theirs from here. Internal: the public calls take these as keyword options."""
 
     temperature: float = 0.8
     top_k: int = 40

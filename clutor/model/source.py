@@ -41,14 +41,15 @@ class ExpertSource(Protocol):
 class InMemoryExperts:
     """Experts as views into read-only mmaps of the model files (the page cache holds them).
 
-    The mappings are populated when opened (MAP_POPULATE, as llama.cpp does): page-table faults on
-    first touch cost a 64-token prefill of the OLMoE-shaped model ~1 s otherwise, paid by whichever
-    tokens first route to each expert.
+    The mappings are populated when opened (MAP_POPULATE, as llama.cpp does): otherwise every first
+    touch of a page is a page-table fault, a cost paid inside the compute of whichever tokens first
+    route to each expert.
 
     A mapping outlives changes to its file: if the file is truncated, touching a page past the new
     end raises SIGBUS, which no Python code can catch (the process dies). So every get() first checks
-    (one fstat per file, ~1 us) that each file still reaches past its last expert byte, and raises
-    ClutorIOError otherwise instead of handing out views into pages that are gone. The check cannot
+    (one fstat per file, cheap beside a layer's compute) that each file still reaches past its last
+    expert byte, and raises ClutorIOError otherwise instead of handing out views into pages that are
+    gone. The check cannot
     cover a truncation during the very compute that uses the views; io="auto"/"threads" (pread into
     memory the process owns) have no such window.
     """

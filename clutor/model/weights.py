@@ -74,14 +74,15 @@ class DenseWeights:
         return sum(seen.values())
 
 
-def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseWeights:
-    """Validate every tensor's shape and type, then read the dense ones. Experts are only checked.
+def _tables(arch) -> list[dict]:
+    """The architecture's tensor tables: the global one, then one per layer."""
+    return [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(arch.cfg.n_layers)]
 
-    Validation of the whole tensor table happens before the first read, so a bad file fails fast
-    without having allocated anything large."""
-    cfg = arch.cfg
-    tables = [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(cfg.n_layers)]
-    for table in tables:
+
+def check_tensors(f, arch) -> None:
+    """Every tensor the architecture reads is in the file (unless optional) with the expected shape
+    and a supported type; then the architecture's own checks. Nothing is read."""
+    for table in _tables(arch):
         for t in table.values():
             if t.name not in f.tensors and not t.required:
                 continue
@@ -92,42 +93,47 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
                 raise ModelFileError(f.path, f"tensor {t.name} type", "a supported type", type_name(info.qtype))
     arch.check_file(f)
 
-    def read(name: str):
-        raw = f.read(name)
-        if progress:
-            progress(raw.nbytes)
-        return raw
+
+def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseWeights:
+    """Validate every tensor's shape and type, then read the resident ones. Experts are only checked.
+
+    Validation of the whole tensor table happens before the first read, so a bad file fails fast
+    without having allocated anything large."""
+    check_tensors(f, arch)
 
     def load(t):
         if t.name not in f.tensors:
             return None
         info = f.tensors[t.name]
+        raw = f.read(t.name)
+        if progress:
+            progress(raw.nbytes)
         if t.kind == "weight":
-            return Weight(t.name, read(t.name), info.qtype, tuple(info.shape))
-        return np.ascontiguousarray(dequantize(read(t.name), info.qtype, tuple(info.shape)), dtype=np.float32)
+            return Weight(t.name, raw, info.qtype, tuple(info.shape))
+        return np.ascontiguousarray(dequantize(raw, info.qtype, tuple(info.shape)), dtype=np.float32)
 
-    glob = {k: load(t) for k, t in tables[0].items()}
+    glob, *layer_tables = _tables(arch)
+    glob = {k: load(t) for k, t in glob.items()}
     layers = []
-    for table in tables[1:]:
-        lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.kind != "expert"})
-        exps = [t for t in table.values() if t.kind == "expert" and t.name.endswith("_exps.weight")]
-        if exps:
-            types = [f.tensors[t.name].qtype for t in exps]
-            lw.experts = ExpertTypes(types[0], types[0], types[1]) if len(types) == 2 else ExpertTypes(*types)
+    for table in layer_tables:
+        lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.resident})
+        lw.experts = _expert_types(f, table)
         arch.prepare(lw)
         layers.append(lw)
     return DenseWeights(tok_embd=glob["tok_embd"], output_norm=glob["output_norm"],
                         output=glob["tok_embd"] if glob.get("output") is None else glob["output"], layers=layers)
 
 
+def _expert_types(f, table: dict) -> ExpertTypes | None:
+    """The routed expert matrices' types in this layer (gate and up share one when fused), or None."""
+    types = [f.tensors[t.name].qtype for t in table.values() if not t.resident and t.name.endswith("_exps.weight")]
+    if not types:
+        return None
+    return ExpertTypes(types[0], types[0], types[1]) if len(types) == 2 else ExpertTypes(*types)
+
+
 def resident_bytes(f, arch) -> int:
     """Bytes of the tensors load_dense reads (what stays in memory; MTP layers a file may carry and
     routed experts are not among them)."""
-    names = {t.name for table in [arch.global_tensors()] + [arch.layer_tensors(l) for l in range(arch.cfg.n_layers)]
-             for t in table.values() if t.kind != "expert"}
+    names = {t.name for table in _tables(arch) for t in table.values() if t.resident}
     return sum(f.tensors[n].nbytes for n in names if n in f.tensors)
-
-
-def dense_tensor_names(f) -> list[str]:
-    """Every tensor that is not a routed expert (what `clutor info` counts as dense)."""
-    return [n for n in f.tensors if not n.endswith("_exps.weight")]

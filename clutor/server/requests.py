@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ClutorError
+from ..model.sampling import SamplingParams
 from .errors import APIError, bad_request
 
 __all__ = ["Defaults", "GenRequest", "parse_chat", "parse_completion", "check_model"]
@@ -25,11 +26,11 @@ class Defaults:
     """What a request that omits a sampling field gets (llama.cpp server's defaults unless the operator
     says otherwise on the command line)."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temperature: float = SamplingParams.temperature
+    top_k: int = SamplingParams.top_k
+    top_p: float = SamplingParams.top_p
+    min_p: float = SamplingParams.min_p
+    repeat_penalty: float = SamplingParams.repeat_penalty
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
 
 

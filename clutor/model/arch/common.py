@@ -118,6 +118,12 @@ class T:
     kind: str = "weight"
     required: bool = True
 
+    @property
+    def resident(self) -> bool:
+        """Read into memory at open: every tensor but the routed experts, which the expert store streams.
+        The one place that decides what is dense."""
+        return self.kind != "expert"
+
 
 class Arch:
     """One architecture: its hyper-parameters (``cfg`` and its own attributes) and its computation.

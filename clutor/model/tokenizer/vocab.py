@@ -23,6 +23,7 @@ end (``decode``) or when a UTF-8 character is complete (``StreamDecoder``).
 from __future__ import annotations
 
 import codecs
+import operator
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -97,7 +98,7 @@ class Tokenizer:
 
         raw_tokens = metadata.get("tokenizer.ggml.tokens")
         if isinstance(raw_tokens, (list, tuple)) and len(raw_tokens) > MAX_VOCAB:
-            # the tables built below cost ~650 bytes and ~5 us per token: refuse before building them
+            # the tables built below cost memory and time for every token: refuse before building them
             raise ModelFileError(path, "tokenizer.ggml.tokens", f"at most {MAX_VOCAB} tokens", len(raw_tokens))
         tokens = _strings(metadata, "tokenizer.ggml.tokens", path)
         n = len(tokens)
@@ -211,22 +212,12 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return len(self._tokens)
 
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    @property
-    def eot_id(self) -> int | None:
-        """``tokenizer.ggml.eot_token_id`` as the file gives it (end-of-turn texts are in ``stop_ids``)."""
-        return self._eot_id
-
-    @property
-    def unk_id(self) -> int | None:
-        return self._unk_id
+    # The special ids as the file gives them (None where it has none); read-only.
+    bos_id = property(operator.attrgetter("_bos_id"))
+    eos_id = property(operator.attrgetter("_eos_id"))
+    eot_id = property(operator.attrgetter("_eot_id"),
+                      doc="``tokenizer.ggml.eot_token_id`` as the file gives it (end-of-turn texts are in ``stop_ids``).")
+    unk_id = property(operator.attrgetter("_unk_id"))
 
     def token_text(self, token_id: int) -> str:
         """The token's string as stored in the vocabulary (e.g. "Ġhello", "▁hello", "<0x0A>")."""

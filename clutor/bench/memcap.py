@@ -1,7 +1,8 @@
 """Run a command under a cgroup memory cap (cgroup v1 or v2), to prove memory bounds and to benchmark
 "model larger than RAM" on a machine that has plenty.
 
-Needs root (or a delegated cgroup). Everything here is for tests and benchmarks, never the model path.
+Needs root (or a delegated cgroup). For ``clutor bench --cap``, ``clutor bench-serve --cap`` and the tests,
+never the model path.
 """
 from __future__ import annotations
 
