@@ -451,6 +451,11 @@ class ExpertStore:
             self._pf[layer] = old
         self._pump()
 
+    immediate = False  # experts may have to be read first: the model awaits get_ready()
+
+    def views_now(self, layer: int, experts: Sequence[int]):
+        raise ClutorError("the expert store reads experts from disk: await get() or get_ready() instead")
+
     @property
     def wants_hints(self) -> bool:
         """Whether hint() can change anything (the policy uses predictions); else callers may skip them."""

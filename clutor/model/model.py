@@ -249,6 +249,10 @@ class Model:
         step = self._plan(batch, need)
         phase = "decode" if len(step.ids) == len(step.segments) else "prefill"
         with self.profile.step(phase, len(step.ids)):
+            if self._experts.immediate:
+                # Experts mapped from the file never wait for a read: the whole step is one trip to
+                # the compute thread instead of two per layer.
+                return await compute(self._forward_now, step, all_logits, head)
             x = h = ys = None
             for l in range(self.config.n_layers):
                 # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
@@ -258,6 +262,21 @@ class Model:
             for seg in step.segments:  # the positions are filled only once every layer has written them
                 seg.seq.kv.n = seg.p0 + len(seg.ids)
             return await compute(self._head, x, h, ys, step, all_logits, head)
+
+    def _forward_now(self, step: "_Step", all_logits: bool, head: Callable | None):
+        """forward_batch's layer loop in one call on the compute thread, for an immediate source."""
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            x, h, sel, w, _ = self._layer_start(l, x, h, ys, step)
+            if sel is None:
+                ys = []
+                continue
+            wanted = _by_votes(sel)
+            out = self._experts_out(l, h, sel, w, self._experts.views_now(self._moe_index[l], wanted))
+            ys = [out[e] for e in wanted]
+        for seg in step.segments:
+            seg.seq.kv.n = seg.p0 + len(seg.ids)
+        return self._head(x, h, ys, step, all_logits, head)
 
     def _plan(self, batch, need) -> "_Step":
         cfg = self.config

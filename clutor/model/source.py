@@ -29,12 +29,14 @@ class ExpertSource(Protocol):
     capacity: int
     slot_bytes: int
     wants_hints: bool  # hint() can change something: worth predicting the next layer's experts for
+    immediate: bool    # experts never wait for a read: views_now() hands them out synchronously
 
     def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
     def hint(self, layer: int, experts: Sequence[int]) -> None: ...
+    def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]: ...
     async def aclose(self) -> None: ...
 
 
@@ -55,6 +57,7 @@ class InMemoryExperts:
     """
 
     capacity = 0  # every expert is always there: nothing to pin
+    immediate = True
 
     def __init__(self, layout: ExpertLayout):
         self.layout = layout
@@ -100,6 +103,10 @@ class InMemoryExperts:
         return self._maps[slab.path][slab.offset : slab.offset + slab.nbytes]
 
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+        return ExpertBatch(self.views_now(layer, experts))
+
+    def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]:
+        """The experts' views, from any thread (nothing here touches the event loop)."""
         if not self._fds:
             raise ClosedError("expert source used after aclose()")
         for path in {t.path for t in self.layout.layers[layer]}:
@@ -108,7 +115,7 @@ class InMemoryExperts:
         for e in experts:
             g, u, d, *b = (self._slab(s) for s in self.layout.slabs(layer, int(e)))
             views.append(ExpertView(layer, int(e), g, u, d, tuple(b)))
-        return ExpertBatch(views)
+        return views
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
