@@ -34,6 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from .._util import open_regular
 from ..errors import ClosedError, ClutorIOError, ModelFileError, UnsupportedError
 from ..io.layout import ExpertLayout, ExpertTensor
+from .weight_types import SUPPORTED, type_name
 
 __all__ = ["TensorInfo", "GGUFFile", "tensor_nbytes", "SUPPORTED_TYPES", "split_part_path"]
 
@@ -54,14 +55,8 @@ _MAX_DIMS = 4                   # GGML_MAX_DIMS
 _MAX_SPLIT = 99999              # the file name carries the part number in 5 digits
 _CHUNK = 1 << 20                # header read-ahead
 
-_T = GGMLQuantizationType
-SUPPORTED_TYPES: frozenset[int] = frozenset(
-    int(t)
-    for t in (
-        _T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
-        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.IQ4_XS, _T.MXFP4,
-    )
-)
+# The weight types Clutor reads (weight_types.TYPES is the one table of them).
+SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in SUPPORTED)
 
 _VT = GGUFValueType
 # value type -> (struct format, numpy dtype) for fixed-size scalars
@@ -84,13 +79,6 @@ _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gg
 _MISSING = object()
 
 
-def _type_name(qtype: int) -> str:
-    try:
-        return GGMLQuantizationType(qtype).name
-    except ValueError:
-        return f"unknown type {qtype}"
-
-
 def split_part_path(path: str, part: int, count: int) -> str:
     """llama.cpp's split naming: ``PREFIX-00001-of-00003.gguf`` is part 1 (1-based) of 3."""
     d, base = os.path.split(path)
@@ -104,14 +92,14 @@ def tensor_nbytes(qtype: int, shape, *, path: str = "<tensor>", name: str = "ten
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     except (ValueError, KeyError):
-        raise UnsupportedError(path, f"tensor {name} type", "a known ggml type", _type_name(qtype)) from None
+        raise UnsupportedError(path, f"tensor {name} type", "a known ggml type", type_name(qtype)) from None
     shape = tuple(int(n) for n in shape)
     if not shape or any(n <= 0 for n in shape):
         raise ModelFileError(path, f"tensor {name} shape", "positive dimensions", shape)
     if shape[-1] % block:
         raise ModelFileError(
             path, f"tensor {name} row length",
-            f"a multiple of the {_type_name(qtype)} block size {block}", shape[-1],
+            f"a multiple of the {type_name(qtype)} block size {block}", shape[-1],
         )
     return math.prod(shape[:-1]) * (shape[-1] // block) * type_size
 
@@ -127,7 +115,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return _type_name(self.qtype)
+        return type_name(self.qtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +338,7 @@ def _read_tensor_infos(r: _Reader, path: str, n_tensors: int,
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedError(
                 path, f"tensor {name} type",
-                "one of " + ", ".join(sorted(_type_name(t) for t in SUPPORTED_TYPES)), _type_name(qtype),
+                "one of " + ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES)), type_name(qtype),
             )
         # Python ints do not overflow; the size check against the file bounds the product.
         shape = tuple(reversed(ne))
@@ -552,7 +540,7 @@ class GGUFFile:
             if len(shape) != len(t.shape) or any(e is not None and e != g for e, g in zip(shape, t.shape)):
                 raise ModelFileError(t.path, f"tensor {name} shape", str(shape), str(t.shape))
         if types is not None and t.qtype not in {int(x) for x in types}:
-            names = ", ".join(_type_name(int(x)) for x in types)
+            names = ", ".join(type_name(int(x)) for x in types)
             raise UnsupportedError(t.path, f"tensor {name} type", f"one of {names}", t.type_name)
         return t
 
@@ -599,7 +587,7 @@ class GGUFFile:
                 t = self.tensor(name)
                 if kind == "bias" and (len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0):
                     raise ModelFileError(t.path, f"tensor {name}", f"F32 of shape ({n_experts}, rows)",
-                                         f"{_type_name(t.qtype)} {tuple(t.shape)}")
+                                         f"{type_name(t.qtype)} {tuple(t.shape)}")
                 if kind == "weight" and (len(t.shape) != 3 or t.shape[0] != n_experts):
                     raise ModelFileError(t.path, f"tensor {name} shape", f"({n_experts}, rows, cols)", str(t.shape))
                 if t.nbytes % n_experts:

@@ -1,4 +1,4 @@
-"""GGML weight types: block layouts, dequantisation, and the one matmul entry point.
+"""Dequantisation and the one matmul entry point for every weight type (the types: weight_types.py).
 
 A weight is kept as the raw bytes found in the file (or in an expert-cache slot). ``matmul`` runs a
 fast kernel from clutor.model.kernels when one exists for the type, and otherwise dequantises with
@@ -11,42 +11,19 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-from gguf import quants as _ref
 
 from .kernel_settings import DEFAULT, KernelSettings
 from .profile import kernel_done
+from .weight_types import QT, SUPPORTED, row_bytes, type_name, weight_type
 
 __all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight", "apply_all"]
 
-SUPPORTED = frozenset({
-    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4,
-})
-
-
-def type_name(qtype: int) -> str:
-    try:
-        return QT(qtype).name
-    except ValueError:
-        return f"type {qtype}"
-
-
-def row_bytes(qtype: int, n_cols: int) -> int:
-    block, nbytes = GGML_QUANT_SIZES[QT(qtype)]
-    assert n_cols % block == 0, (type_name(qtype), n_cols)
-    return n_cols // block * nbytes
-
 
 def dequantize(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
-    """raw uint8 bytes -> float32 array of `shape` (numpy order, blocks along the last axis)."""
-    qtype = QT(qtype)
-    if qtype == QT.F32:
-        return raw.view(np.float32).reshape(shape)
-    if qtype == QT.F16:
-        return raw.view(np.float16).reshape(shape).astype(np.float32)
-    rows = raw.reshape(-1, row_bytes(qtype, shape[-1]))
-    return _ref.dequantize(rows, qtype).reshape(shape).astype(np.float32, copy=False)
+    """raw uint8 bytes -> float32 array of `shape` (numpy order, blocks along the last axis), with the
+    type's dequantiser (weight_types.TYPES: gguf-py's reference, or a view for F32)."""
+    rows = raw.reshape(-1, row_bytes(qtype, shape[-1]))  # [R, row_bytes]
+    return weight_type(qtype).dequantize(rows).reshape(shape)
 
 
 def dequantize_rows(raw: np.ndarray, qtype: int, n_cols: int, rows: np.ndarray) -> np.ndarray:

@@ -55,18 +55,14 @@ import numpy as np
 
 from ...errors import ClutorError
 from ..kernel_settings import DEFAULT, KernelSettings
+from ..weight_types import QT, TYPES, type_name
 
 __all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize", "mode", "info", "KernelInfo"]
 
-# GGML type ids -> (elements per block, bytes per block). F32 goes straight to BLAS.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K, IQ4_NL, BF16, MXFP4 = 12, 13, 14, 20, 30, 39
-_BLOCKS: dict[int, tuple[int, int]] = {
-    F32: (1, 4), F16: (32, 64), BF16: (32, 64),
-    Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), IQ4_NL: (32, 18), MXFP4: (32, 17),
-    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-}
-_Q8_BLOCK = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, IQ4_NL: 32, MXFP4: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+# The types are weight_types.TYPES; the ids this module names itself.
+F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba would type an IntEnum apart
+# int8 path: weight type -> activation elements per scale (32, or 256 for K-quants)
+_Q8_BLOCK = {int(q): t.q8_block for q, t in TYPES.items() if t.q8_block}
 
 # Token counts from which dequantise-then-BLAS is used (tools/bench_kernels.py --sweep-t, 2 cores).
 # On a quiet machine BLAS wins from T ~ 16 (f32 mode) and T ~ 32 (Q8_0) to ~96 (Q4_K) with int8
@@ -100,12 +96,13 @@ _cache_checked = False
 
 def _guard_cache() -> None:
     """numba's on-disk cache only watches each function's own file; the drivers are compiled from
-    IR written in sibling modules (and for the ISA _ir targets). Before the first launch of this
-    process, drop the drivers' cached code when any of that changed since it was compiled. Only
-    Clutor's own cache files are touched, in the directory numba really uses for them."""
+    IR written in sibling modules and the type table (weight_types.py), for the ISA _ir targets.
+    Before the first launch of this process, drop the drivers' cached code when any of that changed
+    since it was compiled. Only Clutor's own cache files are touched, in the directory numba really
+    uses for them."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha1(_ir.BACKEND.encode())
-    for p in sorted(here.glob("*.py")):
+    for p in sorted(here.glob("*.py")) + [here.parent / "weight_types.py"]:
         digest.update(p.name.encode() + p.read_bytes())
     try:
         cache_dir = Path(_drv.matmul_jobs_f32._cache._cache_path)  # numba's locator (NUMBA_CACHE_DIR aware)
@@ -128,7 +125,10 @@ def _max_numba_threads() -> int:
     return int(numba.config.NUMBA_NUM_THREADS)
 
 
-# F16 on x86 without F16C: vector half conversion would need a runtime library numba does not link.
+# What a kernel reads at a time, (elements, bytes): drivers.FORMATS' blocks (F16/BF16 rows in 32-element
+# groups), F32 one float (BLAS). F16 on x86 without F16C has no kernel: vector half conversion would
+# need a runtime library numba does not link.
+_BLOCKS: dict[int, tuple[int, int]] = {F32: (1, 4), **{q: (f.elems, f.nbytes) for q, f in _drv.FORMATS.items()}}
 _SUPPORTED = frozenset(q for q in _BLOCKS if not (q == F16 and _ir.X86_WITHOUT_F16C))
 
 
@@ -152,11 +152,9 @@ def _n_threads(settings: KernelSettings) -> int:
 
 
 def info(settings: KernelSettings = DEFAULT) -> KernelInfo:
-    names = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
-             Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", MXFP4: "MXFP4", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
     m = mode(settings)
     return KernelInfo(_ir.BACKEND, m, _n_threads(settings), _blas_from(settings, m == "q8"),
-                      tuple(names[q] for q in _BLOCKS if has_kernel(q)))
+                      tuple(type_name(q) for q in _BLOCKS if has_kernel(q)))
 
 
 def _apply_threads(n: int) -> None:
@@ -217,28 +215,20 @@ def _act_buffers(n_tok: int, n_cols: int, block: int) -> tuple[np.ndarray, ...]:
 def _row_bytes(qtype: int, n_cols: int) -> int:
     elems, nbytes = _BLOCKS[qtype]
     if n_cols <= 0 or n_cols % elems:
-        raise ClutorError(f"kernels: a {_name(qtype)} row must hold a positive multiple of {elems} "
+        raise ClutorError(f"kernels: a {type_name(qtype)} row must hold a positive multiple of {elems} "
                           f"elements, got {n_cols}")
     return n_cols // elems * nbytes
-
-
-def _name(qtype: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
-        return GGMLQuantizationType(qtype).name
-    except (ImportError, ValueError):
-        return f"type {qtype}"
 
 
 def _check(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
     """-> bytes per row, after checking the weight matches (type, shape)."""
     if qtype not in _SUPPORTED:
-        raise ClutorError(f"kernels: no kernel for {_name(qtype)}; check has_kernel() first")
+        raise ClutorError(f"kernels: no kernel for {type_name(qtype)}; check has_kernel() first")
     rb = _row_bytes(qtype, n_cols)
     if w.dtype != np.uint8 or w.ndim != 1 or not w.flags.c_contiguous:
         raise ClutorError(f"kernels: weight must be C-contiguous 1-D uint8, got {w.dtype} {w.shape}")
     if w.size != n_rows * rb:
-        raise ClutorError(f"kernels: {_name(qtype)} weight ({n_rows}, {n_cols}) needs {n_rows * rb} bytes, "
+        raise ClutorError(f"kernels: {type_name(qtype)} weight ({n_rows}, {n_cols}) needs {n_rows * rb} bytes, "
                           f"got {w.size}")
     return rb
 
