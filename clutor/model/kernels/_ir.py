@@ -72,17 +72,17 @@ V32f = ir.VectorType(f32, 32)
 # ---------------------------------------------------------------------------------------------
 # Small IR helpers
 
-def fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
-    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+def declare(bld: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    return cgutils.get_or_insert_function(bld.module, ir.FunctionType(ret, args), name)
 
 
-def data(context, b: ir.IRBuilder, aty, aval, elt: ir.Type = i8) -> ir.Value:
+def data_ptr(context, bld: ir.IRBuilder, aty, aval, elt: ir.Type = i8) -> ir.Value:
     """Pointer (to `elt`) at the first element of a numba array, or an integer address (the
     batched drivers get each weight's address, checked and kept alive by the Python caller)."""
     if isinstance(aty, types.Integer):
-        return b.inttoptr(aval, elt.as_pointer())
-    ptr = cgutils.create_struct_proxy(aty)(context, b, value=aval).data
-    return b.bitcast(ptr, elt.as_pointer())
+        return bld.inttoptr(aval, elt.as_pointer())
+    ptr = cgutils.create_struct_proxy(aty)(context, bld, value=aval).data
+    return bld.bitcast(ptr, elt.as_pointer())
 
 
 def c64(v: int) -> ir.Constant:
@@ -93,146 +93,146 @@ def vconst(ty: ir.VectorType, v) -> ir.Constant:
     return ir.Constant(ty, [v] * ty.count if not isinstance(v, (list, tuple)) else list(v))
 
 
-def at(b: ir.IRBuilder, base: ir.Value, off: ir.Value, k: int = 0) -> ir.Value:
+def at(bld: ir.IRBuilder, base: ir.Value, off: ir.Value, k: int = 0) -> ir.Value:
     """base + off + k (in base's element units)."""
-    return b.gep(base, [off if k == 0 else b.add(off, c64(k))])
+    return bld.gep(base, [off if k == 0 else bld.add(off, c64(k))])
 
 
-def load(b: ir.IRBuilder, p: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
-    return b.load(b.bitcast(p, ty.as_pointer()), align=align)
+def load(bld: ir.IRBuilder, p: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
+    return bld.load(bld.bitcast(p, ty.as_pointer()), align=align)
 
 
-def store(b: ir.IRBuilder, v: ir.Value, p: ir.Value, align: int = 4) -> None:
-    b.store(v, b.bitcast(p, v.type.as_pointer()), align=align)
+def store(bld: ir.IRBuilder, v: ir.Value, p: ir.Value, align: int = 4) -> None:
+    bld.store(v, bld.bitcast(p, v.type.as_pointer()), align=align)
 
 
-def half(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+def half(bld: ir.IRBuilder, p: ir.Value) -> ir.Value:
     """IEEE half at byte address p -> float."""
     if HAVE_F16C or not _IS_X86:
-        return b.fpext(load(b, p, ir.HalfType()), f32)
-    return _half_soft(b, p)
+        return bld.fpext(load(bld, p, ir.HalfType()), f32)
+    return _half_soft(bld, p)
 
 
-def _half_soft(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+def _half_soft(bld: ir.IRBuilder, p: ir.Value) -> ir.Value:
     """Bit-level half -> float for x86 CPUs without F16C (LLVM would emit a libcall numba lacks)."""
-    h = b.zext(load(b, p, i16), i32)
+    h = bld.zext(load(bld, p, i16), i32)
     k = lambda v: ir.Constant(i32, v)  # noqa: E731
-    sign = b.shl(b.and_(h, k(0x8000)), k(16))
-    exp = b.and_(b.lshr(h, k(10)), k(0x1F))
-    man = b.and_(h, k(0x3FF))
-    normal = b.or_(b.shl(b.add(exp, k(112)), k(23)), b.shl(man, k(13)))
-    infnan = b.or_(k(0x7F800000), b.shl(man, k(13)))
-    sub = b.bitcast(b.fmul(b.uitofp(man, f32), ir.Constant(f32, 2.0 ** -24)), i32)  # exact
-    mag = b.select(b.icmp_unsigned("==", exp, k(0)), sub,
-                   b.select(b.icmp_unsigned("==", exp, k(31)), infnan, normal))
-    return b.bitcast(b.or_(mag, sign), f32)
+    sign = bld.shl(bld.and_(h, k(0x8000)), k(16))
+    exp = bld.and_(bld.lshr(h, k(10)), k(0x1F))
+    man = bld.and_(h, k(0x3FF))
+    normal = bld.or_(bld.shl(bld.add(exp, k(112)), k(23)), bld.shl(man, k(13)))
+    infnan = bld.or_(k(0x7F800000), bld.shl(man, k(13)))
+    sub = bld.bitcast(bld.fmul(bld.uitofp(man, f32), ir.Constant(f32, 2.0 ** -24)), i32)  # exact
+    mag = bld.select(bld.icmp_unsigned("==", exp, k(0)), sub,
+                   bld.select(bld.icmp_unsigned("==", exp, k(31)), infnan, normal))
+    return bld.bitcast(bld.or_(mag, sign), f32)
 
 
-def splat(b: ir.IRBuilder, v: ir.Value, vty: ir.VectorType) -> ir.Value:
-    one = b.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(i32, 0))
-    return b.shuffle_vector(one, ir.Constant(vty, ir.Undefined), vconst(ir.VectorType(i32, vty.count), 0))
+def splat(bld: ir.IRBuilder, v: ir.Value, vty: ir.VectorType) -> ir.Value:
+    one = bld.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(i32, 0))
+    return bld.shuffle_vector(one, ir.Constant(vty, ir.Undefined), vconst(ir.VectorType(i32, vty.count), 0))
 
 
-def band(b: ir.IRBuilder, v: ir.Value, m: int) -> ir.Value:
-    return b.and_(v, vconst(v.type, m))
+def band(bld: ir.IRBuilder, v: ir.Value, m: int) -> ir.Value:
+    return bld.and_(v, vconst(v.type, m))
 
 
-def lshr(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
-    return v if n == 0 else b.lshr(v, vconst(v.type, n))
+def lshr(bld: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    return v if n == 0 else bld.lshr(v, vconst(v.type, n))
 
 
-def shl(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
-    return v if n == 0 else b.shl(v, vconst(v.type, n))
+def shl(bld: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    return v if n == 0 else bld.shl(v, vconst(v.type, n))
 
 
-def concat(b: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
+def concat(bld: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
     n = lo.type.count
-    return b.shuffle_vector(lo, hi, vconst(ir.VectorType(i32, 2 * n), list(range(2 * n))))
+    return bld.shuffle_vector(lo, hi, vconst(ir.VectorType(i32, 2 * n), list(range(2 * n))))
 
 
-def nibbles16(b: ir.IRBuilder, p: ir.Value) -> ir.Value:
+def nibbles16(bld: ir.IRBuilder, p: ir.Value) -> ir.Value:
     """16 bytes at p -> <32 x u8>: low nibbles are elements 0..15, high nibbles 16..31."""
-    v = load(b, p, V16i8)
-    return concat(b, band(b, v, 0x0F), lshr(b, v, 4))
+    v = load(bld, p, V16i8)
+    return concat(bld, band(bld, v, 0x0F), lshr(bld, v, 4))
 
 
-def bits32(b: ir.IRBuilder, p: ir.Value, value: int) -> ir.Value:
+def bits32(bld: ir.IRBuilder, p: ir.Value, value: int) -> ir.Value:
     """4 bytes at p = 32 flags (element j's is bit j) -> <32 x i8>: `value` where set, else 0."""
-    word = splat(b, load(b, p, i32), V8i32)
-    sel = b.shuffle_vector(b.bitcast(word, V32i8), ir.Constant(V32i8, ir.Undefined),
+    word = splat(bld, load(bld, p, i32), V8i32)
+    sel = bld.shuffle_vector(bld.bitcast(word, V32i8), ir.Constant(V32i8, ir.Undefined),
                            vconst(ir.VectorType(i32, 32), [j // 8 for j in range(32)]))
-    hit = b.icmp_unsigned("!=", b.and_(sel, vconst(V32i8, [1 << (j % 8) for j in range(32)])),
+    hit = bld.icmp_unsigned("!=", bld.and_(sel, vconst(V32i8, [1 << (j % 8) for j in range(32)])),
                           ir.Constant(V32i8, None))
-    return b.select(hit, vconst(V32i8, value), ir.Constant(V32i8, None))
+    return bld.select(hit, vconst(V32i8, value), ir.Constant(V32i8, None))
 
 
-def lookup16(b: ir.IRBuilder, table: tuple[int, ...], idx: ir.Value) -> ir.Value:
+def lookup16(bld: ir.IRBuilder, table: tuple[int, ...], idx: ir.Value) -> ir.Value:
     """<32 x i8> indices in 0..15 -> table values (signed bytes)."""
     tv = [v & 0xFF for v in table]
     if HAVE_INT8_SIMD:
-        f = fn(b, "llvm.x86.avx2.pshuf.b", V32i8, [V32i8, V32i8])
-        return b.call(f, [vconst(V32i8, tv * 2), idx])
+        f = declare(bld, "llvm.x86.avx2.pshuf.b", V32i8, [V32i8, V32i8])
+        return bld.call(f, [vconst(V32i8, tv * 2), idx])
     const = vconst(V16i8, tv)
     out = ir.Constant(V32i8, ir.Undefined)
     for j in range(32):
-        e = b.extract_element(idx, ir.Constant(i32, j))
-        out = b.insert_element(out, b.extract_element(const, e), ir.Constant(i32, j))
+        e = bld.extract_element(idx, ir.Constant(i32, j))
+        out = bld.insert_element(out, bld.extract_element(const, e), ir.Constant(i32, j))
     return out
 
 
-def to_f32(b: ir.IRBuilder, q: ir.Value, signed: bool) -> ir.Value:
+def to_f32(bld: ir.IRBuilder, q: ir.Value, signed: bool) -> ir.Value:
     vty = ir.VectorType(f32, q.type.count)
-    return b.sitofp(q, vty) if signed else b.uitofp(q, vty)
+    return bld.sitofp(q, vty) if signed else bld.uitofp(q, vty)
 
 
-def fma(b: ir.IRBuilder, a: ir.Value, c: ir.Value, acc: ir.Value) -> ir.Value:
+def fma(bld: ir.IRBuilder, a: ir.Value, c: ir.Value, acc: ir.Value) -> ir.Value:
     n = a.type.count
-    f = fn(b, f"llvm.fma.v{n}f32", a.type, [a.type, a.type, a.type])
-    return b.call(f, [a, c, acc])
+    f = declare(bld, f"llvm.fma.v{n}f32", a.type, [a.type, a.type, a.type])
+    return bld.call(f, [a, c, acc])
 
 
-def hsum_f(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+def hsum_f(bld: ir.IRBuilder, v: ir.Value) -> ir.Value:
     n = v.type.count
-    f = fn(b, f"llvm.vector.reduce.fadd.v{n}f32", f32, [f32, v.type])
-    return b.call(f, [ir.Constant(f32, 0.0), v], fastmath=("reassoc", "nsz"))
+    f = declare(bld, f"llvm.vector.reduce.fadd.v{n}f32", f32, [f32, v.type])
+    return bld.call(f, [ir.Constant(f32, 0.0), v], fastmath=("reassoc", "nsz"))
 
 
-def hsum_i(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    f = fn(b, f"llvm.vector.reduce.add.v{v.type.count}i32", i32, [v.type])
-    return b.call(f, [v])
+def hsum_i(bld: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    f = declare(bld, f"llvm.vector.reduce.add.v{v.type.count}i32", i32, [v.type])
+    return bld.call(f, [v])
 
 
-def prefetch(b: ir.IRBuilder, p: ir.Value) -> None:
-    f = fn(b, "llvm.prefetch.p0", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
-    b.call(f, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+def prefetch(bld: ir.IRBuilder, p: ir.Value) -> None:
+    f = declare(bld, "llvm.prefetch.p0", ir.VoidType(), [i8.as_pointer(), i32, i32, i32])
+    bld.call(f, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 # -- x86 int8 dot products (only emitted when HAVE_INT8_SIMD) -----------------------------------
 
-def maddubs(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+def maddubs(bld: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
     """<32 x u8> * <32 x s8> -> <16 x i16> sums of adjacent pairs (saturating; callers keep every
     pair below 2**15: u <= 128 with |s| <= 127)."""
-    return b.call(fn(b, "llvm.x86.avx2.pmadd.ub.sw", V16i16, [V32i8, V32i8]), [u, s])
+    return bld.call(declare(bld, "llvm.x86.avx2.pmadd.ub.sw", V16i16, [V32i8, V32i8]), [u, s])
 
 
-def madd(b: ir.IRBuilder, p: ir.Value, q: ir.Value) -> ir.Value:
+def madd(bld: ir.IRBuilder, p: ir.Value, q: ir.Value) -> ir.Value:
     """<16 x i16> * <16 x i16> -> <8 x i32> sums of adjacent pairs."""
-    return b.call(fn(b, "llvm.x86.avx2.pmadd.wd", V8i32, [V16i16, V16i16]), [p, q])
+    return bld.call(declare(bld, "llvm.x86.avx2.pmadd.wd", V8i32, [V16i16, V16i16]), [p, q])
 
 
-def dot_u8s8(b: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
+def dot_u8s8(bld: ir.IRBuilder, u: ir.Value, s: ir.Value) -> ir.Value:
     """<32 x u8> . <32 x s8> -> <8 x i32> (each lane the sum of 4 products)."""
     if HAVE_VNNI:
-        f = fn(b, "llvm.x86.avx512.vpdpbusd.256", V8i32, [V8i32, V8i32, V8i32])
-        return b.call(f, [ir.Constant(V8i32, None), b.bitcast(u, V8i32), b.bitcast(s, V8i32)])
-    return madd(b, maddubs(b, u, s), vconst(V16i16, 1))
+        f = declare(bld, "llvm.x86.avx512.vpdpbusd.256", V8i32, [V8i32, V8i32, V8i32])
+        return bld.call(f, [ir.Constant(V8i32, None), bld.bitcast(u, V8i32), bld.bitcast(s, V8i32)])
+    return madd(bld, maddubs(bld, u, s), vconst(V16i16, 1))
 
 
-def dot_s8s8(b: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
+def dot_s8s8(bld: ir.IRBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
     """signed . signed: move w's sign onto x so the unsigned-by-signed instruction applies."""
-    aw = b.call(fn(b, "llvm.abs.v32i8", V32i8, [V32i8, i1]), [w, ir.Constant(i1, 0)])
-    sx = b.select(b.icmp_signed("<", w, ir.Constant(V32i8, None)), b.neg(x), x)
-    return dot_u8s8(b, aw, sx)
+    aw = bld.call(declare(bld, "llvm.abs.v32i8", V32i8, [V32i8, i1]), [w, ir.Constant(i1, 0)])
+    sx = bld.select(bld.icmp_signed("<", w, ir.Constant(V32i8, None)), bld.neg(x), x)
+    return dot_u8s8(bld, aw, sx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,8 +243,8 @@ def load_f16(typingctx, arr, off):
     """IEEE half at byte offset `off` of a uint8 array, as float32."""
     sig = types.float32(arr, off)
 
-    def codegen(context, b, signature, args):
-        return half(b, at(b, data(context, b, signature.args[0], args[0]), args[1]))
+    def codegen(context, bld, signature, args):
+        return half(bld, at(bld, data_ptr(context, bld, signature.args[0], args[0]), args[1]))
 
     return sig, codegen
 
@@ -255,7 +255,7 @@ def load_f16(typingctx, arr, off):
 @dataclass(frozen=True)
 class IEnv:
     """What an int8 block function needs: pointers and the element index of its first element."""
-    wp: ir.Value   # i8* weights
+    wptr: ir.Value   # i8* weights
     xq: ir.Value   # i8* int8 activations
     xd: ir.Value   # f32* activation scales, one per `Format.elems` elements
     xs32: ir.Value  # i32* sums of xq per 32
@@ -267,10 +267,10 @@ class IEnv:
 class Format:
     """How one weight type's blocks turn into numbers.
 
-    fvals(b, wp, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
+    fvals(bld, wptr, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
         dequantises it, 32 elements per vector.
-    iprep(b, wp, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
-    itok(b, state, env) -> ([(ivec <8 x i32>, scale f32), ...], corr f32 | None): ... with one
+    iprep(bld, wptr, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
+    itok(bld, state, env) -> ([(ivec <8 x i32>, scale f32), ...], corr f32 | None): ... with one
         token's activations: sum(hsum(ivec) * scale) + corr. The horizontal sums happen once per
         row, not per block. None when the type has no int8 kernel.
     """
@@ -283,42 +283,42 @@ class Format:
     itok: Callable | None = None
 
 
-def _blocks_loop(b: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value], None],
-                 wp: ir.Value, bases: list[ir.Value], unroll: int | None = None) -> None:
+def _blocks_loop(bld: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value], None],
+                 wptr: ir.Value, bases: list[ir.Value], unroll: int | None = None) -> None:
     """body(block_index) for every block: unrolled steps of `unroll` (default fmt.unroll) blocks,
     each prefetching PREFETCH_BYTES ahead in every row stream starting at `bases`, then the tail."""
-    u = fmt.unroll if unroll is None else unroll
-    nsteps = b.sdiv(nblocks, c64(u)) if u > 1 else nblocks
-    with cgutils.for_range(b, nsteps) as loop:
-        first = b.mul(loop.index, c64(u)) if u > 1 else loop.index
+    step = fmt.unroll if unroll is None else unroll
+    nsteps = bld.sdiv(nblocks, c64(step)) if step > 1 else nblocks
+    with cgutils.for_range(bld, nsteps) as loop:
+        first = bld.mul(loop.index, c64(step)) if step > 1 else loop.index
         for base in bases:
-            start = b.add(base, b.mul(first, c64(fmt.nbytes)))
-            for k in range(0, u * fmt.nbytes, 64):
-                prefetch(b, at(b, wp, start, PREFETCH_BYTES + k))
-        for k in range(u):
-            body(b.add(first, c64(k)) if k else first)
-    if u > 1:
-        with cgutils.for_range(b, nblocks, start=b.mul(nsteps, c64(u))) as loop:
+            start = bld.add(base, bld.mul(first, c64(fmt.nbytes)))
+            for k in range(0, step * fmt.nbytes, 64):  # one prefetch per 64-byte cache line
+                prefetch(bld, at(bld, wptr, start, PREFETCH_BYTES + k))
+        for k in range(step):
+            body(bld.add(first, c64(k)) if k else first)
+    if step > 1:
+        with cgutils.for_range(bld, nblocks, start=bld.mul(nsteps, c64(step))) as loop:
             body(loop.index)
 
 
-def _result(context, b: ir.IRBuilder, values: list[ir.Value], rtype):
-    return values[0] if len(values) == 1 else context.make_tuple(b, rtype, values)
+def _result(context, bld: ir.IRBuilder, values: list[ir.Value], rtype):
+    return values[0] if len(values) == 1 else context.make_tuple(bld, rtype, values)
 
 
-def _switch(b: ir.IRBuilder, qv: ir.Value, formats: dict[int, Format], case: Callable[[Format], None]) -> None:
+def _switch(bld: ir.IRBuilder, qv: ir.Value, formats: dict[int, Format], case: Callable[[Format], None]) -> None:
     """Emit case(fmt) for each weight type, selected by the runtime type id qv; an id that is not
     a key of `formats` does nothing (callers check types before any kernel runs). One switch per
     call, each case its own tight loop."""
-    end = b.append_basic_block("qt.end")
-    switch = b.switch(qv, end)
+    end = bld.append_basic_block("qt.end")
+    switch = bld.switch(qv, end)
     for code, fmt in formats.items():
-        block = b.append_basic_block(f"qt.{fmt.name}")
+        block = bld.append_basic_block(f"qt.{fmt.name}")
         switch.add_case(ir.Constant(qv.type, code), block)
-        b.position_at_end(block)
+        bld.position_at_end(block)
         case(fmt)
-        b.branch(end)
-    b.position_at_end(end)
+        bld.branch(end)
+    bld.position_at_end(end)
 
 
 def deq_intrinsic(formats: dict[int, Format]):
@@ -329,21 +329,21 @@ def deq_intrinsic(formats: dict[int, Format]):
     def deq(typingctx, qt, w, base, n_cols, buf, boff):
         sig = types.void(qt, w, base, n_cols, buf, boff)
 
-        def codegen(context, b, signature, args):
-            qv, wa, bs, nc, ba, bo = args
-            wp = data(context, b, signature.args[1], wa)
-            bp = b.gep(data(context, b, signature.args[4], ba, f32), [bo])
+        def codegen(context, bld, signature, args):
+            qtype, w_arg, row_base, n_elems, buf_arg, buf_off = args
+            wptr = data_ptr(context, bld, signature.args[1], w_arg)
+            out_ptr = bld.gep(data_ptr(context, bld, signature.args[4], buf_arg, f32), [buf_off])
 
             def case(fmt: Format) -> None:
                 def body(blk):
-                    off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
-                    e0 = b.mul(blk, c64(fmt.elems))
-                    for k, v in enumerate(fmt.fvals(b, wp, off)):
-                        store(b, v, at(b, bp, e0, 32 * k))
+                    off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
+                    e0 = bld.mul(blk, c64(fmt.elems))
+                    for k, v in enumerate(fmt.fvals(bld, wptr, off)):
+                        store(bld, v, at(bld, out_ptr, e0, 32 * k))
 
-                _blocks_loop(b, fmt, b.sdiv(nc, c64(fmt.elems)), body, wp, [bs])
+                _blocks_loop(bld, fmt, bld.sdiv(n_elems, c64(fmt.elems)), body, wptr, [row_base])
 
-            _switch(b, qv, formats, case)
+            _switch(bld, qtype, formats, case)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -362,38 +362,39 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
     def idot(typingctx, qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride):
         sig = rtype(qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride)
 
-        def codegen(context, b, signature, args):
-            qv, wa, bs, nc, qa, da, s32a, s16a, xe0, xst = args
-            sa = signature.args
-            wp = data(context, b, sa[1], wa)
-            xq = data(context, b, sa[4], qa)
-            xd = data(context, b, sa[5], da, f32)
-            xs32 = data(context, b, sa[6], s32a, i32)
-            xs16 = data(context, b, sa[7], s16a, i16)
-            starts = [b.add(xe0, b.mul(xst, c64(t))) for t in range(ntok)]
-            accs = [cgutils.alloca_once_value(b, ir.Constant(V8f, None)) for _ in range(ntok)]
-            corrs = [cgutils.alloca_once_value(b, ir.Constant(f32, 0.0)) for _ in range(ntok)]
+        def codegen(context, bld, signature, args):
+            qtype, w_arg, row_base, n_elems, xq_arg, xd_arg, xs32_arg, xs16_arg, x_elem0, x_stride = args
+            arg_types = signature.args
+            wptr = data_ptr(context, bld, arg_types[1], w_arg)
+            xq = data_ptr(context, bld, arg_types[4], xq_arg)
+            xd = data_ptr(context, bld, arg_types[5], xd_arg, f32)
+            xs32 = data_ptr(context, bld, arg_types[6], xs32_arg, i32)
+            xs16 = data_ptr(context, bld, arg_types[7], xs16_arg, i16)
+            starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
+            accs = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
+            corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
 
             def case(fmt: Format) -> None:
                 def body(blk):
-                    off = b.add(bs, b.mul(blk, c64(fmt.nbytes)))
-                    state = fmt.iprep(b, wp, off)
+                    off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
+                    state = fmt.iprep(bld, wptr, off)
                     for x_start, acc, corr in zip(starts, accs, corrs):
-                        env = IEnv(wp, xq, xd, xs32, xs16, b.add(x_start, b.mul(blk, c64(fmt.elems))))
-                        parts, c = fmt.itok(b, state, env)
-                        a = b.load(acc)
+                        env = IEnv(wptr, xq, xd, xs32, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
+                        parts, block_corr = fmt.itok(bld, state, env)
+                        total = bld.load(acc)
                         for ivec, scale in parts:
-                            a = fma(b, b.sitofp(ivec, V8f), splat(b, scale, V8f), a)
-                        b.store(a, acc)
-                        if c is not None:
-                            b.store(b.fadd(b.load(corr), c), corr)
+                            total = fma(bld, bld.sitofp(ivec, V8f), splat(bld, scale, V8f), total)
+                        bld.store(total, acc)
+                        if block_corr is not None:
+                            bld.store(bld.fadd(bld.load(corr), block_corr), corr)
 
                 # the token loop already multiplies the code per block; keep compile time sane
-                _blocks_loop(b, fmt, b.sdiv(nc, c64(fmt.elems)), body, wp, [bs], max(1, fmt.unroll // ntok))
+                nblocks = bld.sdiv(n_elems, c64(fmt.elems))
+                _blocks_loop(bld, fmt, nblocks, body, wptr, [row_base], max(1, fmt.unroll // ntok))
 
-            _switch(b, qv, {q: f for q, f in formats.items() if f.iprep is not None}, case)
-            vals = [b.fadd(hsum_f(b, b.load(acc)), b.load(corr)) for acc, corr in zip(accs, corrs)]
-            return _result(context, b, vals, rtype)
+            _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
+            vals = [bld.fadd(hsum_f(bld, bld.load(acc)), bld.load(corr)) for acc, corr in zip(accs, corrs)]
+            return _result(context, bld, vals, rtype)
 
         return sig, codegen
 
@@ -415,10 +416,10 @@ TILE_ROWS = 2
 ACC_VEC = V8f  # 16-float (zmm) accumulators: not measured reliably yet (shared machine)
 
 
-def _pieces(b: ir.IRBuilder, v: ir.Value, n: int) -> list[ir.Value]:
+def _pieces(bld: ir.IRBuilder, v: ir.Value, n: int) -> list[ir.Value]:
     """<32 x float> -> <n x float> pieces (free after LLVM splits the vector into registers)."""
     idx = ir.VectorType(i32, n)
-    return [b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), vconst(idx, list(range(n * i, n * i + n))))
+    return [bld.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), vconst(idx, list(range(n * i, n * i + n))))
             for i in range(v.type.count // n)]
 
 
@@ -440,27 +441,32 @@ def tile_intrinsic(formats: dict[int, Format], ntok: int):
     def tile(typingctx, qt, w, base, rb, nrows, n_cols, x, xoff, xstride, out, ooff, ostride):
         sig = types.void(qt, w, base, rb, nrows, n_cols, x, xoff, xstride, out, ooff, ostride)
 
-        def codegen(context, b, signature, args):
-            qv, wa, bs, rbv, nr, nc, xa, xo, xs, oa, oo, ost = args
-            sa = signature.args
-            wp = data(context, b, sa[1], wa)
-            xp0 = data(context, b, sa[6], xa, f32)
-            op = data(context, b, sa[9], oa, f32)
-            last = b.sub(nr, c64(1))
-            bases = [bs] + [b.add(bs, b.mul(b.select(b.icmp_signed("<", c64(k), nr), c64(k), last), rbv))
-                            for k in range(1, n_rows)]
-            xps = [b.gep(xp0, [b.add(xo, b.mul(xs, c64(t)))]) for t in range(ntok)]
-            accs = [[cgutils.alloca_once_value(b, ir.Constant(acc_ty, None)) for _ in range(ntok)]
-                    for _ in range(n_rows)]
-            def case(fmt: Format) -> None:
-                _tile_case(b, fmt, ntok, wp, bases, b.sdiv(nc, c64(fmt.elems)), xps, accs)
-                for k in range(n_rows):
-                    with b.if_then(b.icmp_signed("<", c64(k), nr)):
-                        for t in range(ntok):
-                            o = b.add(oo, b.add(b.mul(ost, c64(t)), c64(k)))
-                            b.store(hsum_f(b, b.load(accs[k][t])), b.gep(op, [o]))
+        def codegen(context, bld, signature, args):
+            (qtype, w_arg, row_base, row_bytes, rows_here, n_elems, x_arg, x_off, x_stride,
+             out_arg, out_off, out_stride) = args
+            arg_types = signature.args
+            wptr = data_ptr(context, bld, arg_types[1], w_arg)
+            x_ptr = data_ptr(context, bld, arg_types[6], x_arg, f32)
+            out_ptr = data_ptr(context, bld, arg_types[9], out_arg, f32)
+            last = bld.sub(rows_here, c64(1))
+            # row k's first byte; a row past rows_here re-reads the last valid row (never stored)
+            row_bases = [row_base] + [
+                bld.add(row_base, bld.mul(bld.select(bld.icmp_signed("<", c64(k), rows_here), c64(k), last), row_bytes))
+                for k in range(1, n_rows)]
+            token_ptrs = [bld.gep(x_ptr, [bld.add(x_off, bld.mul(x_stride, c64(t)))]) for t in range(ntok)]
+            accs = [[cgutils.alloca_once_value(bld, ir.Constant(acc_ty, None)) for _ in range(ntok)]
+                    for _ in range(n_rows)]  # [row][token]
 
-            _switch(b, qv, formats, case)
+            def case(fmt: Format) -> None:
+                nblocks = bld.sdiv(n_elems, c64(fmt.elems))
+                _tile_case(bld, fmt, ntok, wptr, row_bases, nblocks, token_ptrs, accs)
+                for k in range(n_rows):
+                    with bld.if_then(bld.icmp_signed("<", c64(k), rows_here)):
+                        for t in range(ntok):
+                            o = bld.add(out_off, bld.add(bld.mul(out_stride, c64(t)), c64(k)))
+                            bld.store(hsum_f(bld, bld.load(accs[k][t])), bld.gep(out_ptr, [o]))
+
+            _switch(bld, qtype, formats, case)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -468,41 +474,43 @@ def tile_intrinsic(formats: dict[int, Format], ntok: int):
     return tile
 
 
-def _tile_case(b: ir.IRBuilder, fmt: Format, ntok: int, wp: ir.Value, bases: list[ir.Value],
-               nblocks: ir.Value, xps: list[ir.Value], accs) -> None:
+def _tile_case(bld: ir.IRBuilder, fmt: Format, ntok: int, wptr: ir.Value, row_bases: list[ir.Value],
+               nblocks: ir.Value, token_ptrs: list[ir.Value], accs) -> None:
     """The block loop of one weight type: zero the accumulators, then for each block unpack every
-    row's block once and multiply it with every token."""
+    row's block once and multiply it with every token (accs[row][token]: pointers to acc vectors)."""
     acc_ty = accs[0][0].type.pointee
     for row in accs:
         for acc in row:
-            b.store(ir.Constant(acc_ty, None), acc)
-    u = max(1, fmt.unroll // (ntok * len(bases)))  # blocks per step: long enough for prefetching
+            bld.store(ir.Constant(acc_ty, None), acc)
+    unroll = max(1, fmt.unroll // (ntok * len(row_bases)))  # blocks per step: long enough for prefetching
     split = acc_ty.count < 32
 
     def block(blk):
-        e0 = b.mul(blk, c64(fmt.elems))
-        boff = b.mul(blk, c64(fmt.nbytes))
-        rows = [[pc for v in fmt.fvals(b, wp, b.add(base, boff)) for pc in (_pieces(b, v, acc_ty.count) if split else [v])]
-                for base in bases]
-        for t, xp in enumerate(xps):
-            xv = [load(b, at(b, xp, e0, acc_ty.count * i), acc_ty, 4) for i in range(len(rows[0]))]
-            for k, pcs in enumerate(rows):
-                a = b.load(accs[k][t])
-                for pc, xi in zip(pcs, xv):
-                    a = fma(b, pc, xi, a)
-                b.store(a, accs[k][t])
+        e0 = bld.mul(blk, c64(fmt.elems))
+        block_off = bld.mul(blk, c64(fmt.nbytes))
+        # [row][piece]: the block's values in accumulator-sized vectors
+        rows = [[piece for v in fmt.fvals(bld, wptr, bld.add(base, block_off))
+                 for piece in (_pieces(bld, v, acc_ty.count) if split else [v])]
+                for base in row_bases]
+        for t, tok_ptr in enumerate(token_ptrs):
+            x_vecs = [load(bld, at(bld, tok_ptr, e0, acc_ty.count * i), acc_ty, 4) for i in range(len(rows[0]))]
+            for k, pieces in enumerate(rows):
+                total = bld.load(accs[k][t])
+                for piece, x_vec in zip(pieces, x_vecs):
+                    total = fma(bld, piece, x_vec, total)
+                bld.store(total, accs[k][t])
 
-    _blocks_loop(b, fmt, nblocks, block, wp, bases, u)
+    _blocks_loop(bld, fmt, nblocks, block, wptr, row_bases, unroll)
 
 
-def xscale(b: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
+def xscale(bld: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
     """The activation scale of the block starting at env.xe (one scale per `elems`)."""
-    return b.load(b.gep(env.xd, [b.sdiv(env.xe, c64(elems))]))
+    return bld.load(bld.gep(env.xd, [bld.sdiv(env.xe, c64(elems))]))
 
 
-def xsum(b: ir.IRBuilder, env: IEnv, group: int, k: int = 0) -> ir.Value:
+def xsum(bld: ir.IRBuilder, env: IEnv, group: int, k: int = 0) -> ir.Value:
     """Sum of xq over the k-th `group` (16 or 32) elements from env.xe, as int32."""
-    idx = b.add(b.sdiv(env.xe, c64(group)), c64(k))
+    idx = bld.add(bld.sdiv(env.xe, c64(group)), c64(k))
     if group == 32:
-        return b.load(b.gep(env.xs32, [idx]))
-    return b.sext(b.load(b.gep(env.xs16, [idx])), i32)
+        return bld.load(bld.gep(env.xs32, [idx]))
+    return bld.sext(bld.load(bld.gep(env.xs16, [idx])), i32)

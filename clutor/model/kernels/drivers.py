@@ -16,116 +16,121 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from . import _ir as R
+from ..weight_types import TYPES
+from . import _ir
 from . import floats, kquants, legacy
 from .activations import quantize_activations
 
 __all__ = ["FORMATS", "ROWS_PER_TASK", "dequantize_rows", "matmul_jobs_f32", "matmul_jobs_q8"]
 
-# GGML type id (gguf.GGMLQuantizationType) -> block description.
-FORMATS = {1: floats.FORMATS["F16"], 30: floats.FORMATS["BF16"], 8: legacy.FORMATS["Q8_0"],
-           2: legacy.FORMATS["Q4_0"], 3: legacy.FORMATS["Q4_1"], 6: legacy.FORMATS["Q5_0"],
-           7: legacy.FORMATS["Q5_1"], 20: legacy.FORMATS["IQ4_NL"], 12: kquants.FORMATS["Q4_K"],
-           13: kquants.FORMATS["Q5_K"], 14: kquants.FORMATS["Q6_K"], 39: legacy.FORMATS["MXFP4"]}
+# GGML type id -> block description, for every type weight_types.TYPES gives a kernel module.
+_FAMILIES = {"floats": floats.FORMATS, "legacy": legacy.FORMATS, "kquants": kquants.FORMATS}
+FORMATS = {int(q): _FAMILIES[t.kernel][t.name] for q, t in TYPES.items() if t.kernel in _FAMILIES}
 
 ROWS_PER_TASK = 16
 
 _par = dict(parallel=True, nogil=True, fastmath=True, cache=True, boundscheck=False, error_model="numpy")
 _one = dict(nogil=True, fastmath=True, cache=True, boundscheck=False, error_model="numpy")
 
-_deq = R.deq_intrinsic(FORMATS)
-assert R.TILE_TOKENS == (8, 4, 2, 1) and R.TILE_ROWS == 2
-_tile8, _tile4, _tile2, _tile1 = (R.tile_intrinsic(FORMATS, n) for n in R.TILE_TOKENS)
+_deq = _ir.deq_intrinsic(FORMATS)
+assert _ir.TILE_TOKENS == (8, 4, 2, 1) and _ir.TILE_ROWS == 2
+_tile8, _tile4, _tile2, _tile1 = (_ir.tile_intrinsic(FORMATS, n) for n in _ir.TILE_TOKENS)
 
 
 @njit(**_par)
-def dequantize_rows(w, qt, rb, r0, r1, n_cols, out):
+def dequantize_rows(w, qtype, row_bytes, r0, r1, n_cols, out):
     """Rows r0..r1 of the weight -> out f32 [r1 - r0, n_cols] (C-contiguous)."""
     flat = out.reshape(-1)  # [(r1 - r0) * n_cols]
     n_tasks = (r1 - r0 + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(n_tasks):
-        a = r0 + task * ROWS_PER_TASK
-        for r in range(a, min(r1, a + ROWS_PER_TASK)):
-            _deq(qt, w, r * rb, n_cols, flat, (r - r0) * n_cols)
+        first = r0 + task * ROWS_PER_TASK
+        for r in range(first, min(r1, first + ROWS_PER_TASK)):
+            _deq(qtype, w, r * row_bytes, n_cols, flat, (r - r0) * n_cols)
 
 
 @njit(**_one)
-def _tile_rows(w, qt, rb, r0, r1, n_cols, x, t0, n_tok, out, oc0):
-    """out[t0 + t, oc0 + r] = W[r] . x[t0 + t] for r in r0..r1, t < n_tok (float activations).
+def _tile_rows(w, qtype, row_bytes, r0, r1, n_cols, x, t0, n_tok, out, col0):
+    """out[t0 + t, col0 + r] = W[r] . x[t0 + t] for r in r0..r1, t < n_tok (float activations).
 
     w is the weight's address; x [*, n_cols] and out [*, *] C-contiguous float32. Two rows at a
     time; tokens go eight, four, two, then one at a time, each tile unpacking its rows' blocks once."""
-    ost = out.shape[1]
+    ost = out.shape[1]  # out's row stride (elements)
     for r in range(r0, r1, 2):
-        nr = min(2, r1 - r)
+        rows_here = min(2, r1 - r)
+        base = r * row_bytes
         t = 0
         while t + 8 <= n_tok:
-            _tile8(qt, w, r * rb, rb, nr, n_cols, x, (t0 + t) * n_cols, n_cols, out, (t0 + t) * ost + oc0 + r, ost)
+            _tile8(qtype, w, base, row_bytes, rows_here, n_cols, x, (t0 + t) * n_cols, n_cols,
+                   out, (t0 + t) * ost + col0 + r, ost)
             t += 8
         if t + 4 <= n_tok:
-            _tile4(qt, w, r * rb, rb, nr, n_cols, x, (t0 + t) * n_cols, n_cols, out, (t0 + t) * ost + oc0 + r, ost)
+            _tile4(qtype, w, base, row_bytes, rows_here, n_cols, x, (t0 + t) * n_cols, n_cols,
+                   out, (t0 + t) * ost + col0 + r, ost)
             t += 4
         if t + 2 <= n_tok:
-            _tile2(qt, w, r * rb, rb, nr, n_cols, x, (t0 + t) * n_cols, n_cols, out, (t0 + t) * ost + oc0 + r, ost)
+            _tile2(qtype, w, base, row_bytes, rows_here, n_cols, x, (t0 + t) * n_cols, n_cols,
+                   out, (t0 + t) * ost + col0 + r, ost)
             t += 2
         if t < n_tok:
-            _tile1(qt, w, r * rb, rb, nr, n_cols, x, (t0 + t) * n_cols, n_cols, out, (t0 + t) * ost + oc0 + r, ost)
+            _tile1(qtype, w, base, row_bytes, rows_here, n_cols, x, (t0 + t) * n_cols, n_cols,
+                   out, (t0 + t) * ost + col0 + r, ost)
 
 
 @njit(**_par)
-def matmul_jobs_f32(ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, oc0s):
+def matmul_jobs_f32(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, t0s, n_toks, out, col0s):
     """One or several products in one parallel launch (waking the worker threads once).
 
-    Job j: out[t0s[j] : t0s[j] + nts[j], oc0s[j] : oc0s[j] + nrs[j]] = x[t0s[j] : t0s[j] + nts[j]] @ W_j.T
-    with W_j at address ws[j] (type qts[j], rbs[j] bytes per row, nrs[j] rows of n_cols). Tasks are
-    ordered chunk-major (chunk 0 of every job, then chunk 1, ...) so that the static split of the
-    task range between threads gives each thread a share of every job, however uneven the jobs."""
-    n_jobs = ws.shape[0]
-    per_job = (nrs.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    Job j: out[t0s[j] : t0s[j] + n_toks[j], col0s[j] : col0s[j] + n_rows[j]] = x[t0s[j] : t0s[j] + n_toks[j]] @ W_j.T
+    with W_j at address w_addrs[j] (type qtypes[j], row_bytes[j] bytes per row, n_rows[j] rows of n_cols).
+    Tasks are ordered chunk-major (chunk 0 of every job, then chunk 1, ...) so that the static split of
+    the task range between threads gives each thread a share of every job, however uneven the jobs."""
+    n_jobs = w_addrs.shape[0]
+    per_job = (n_rows.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(n_jobs * per_job):
-        c = task // n_jobs
-        j = task - c * n_jobs
-        a = c * ROWS_PER_TASK
-        if a < nrs[j]:
-            _tile_rows(ws[j], qts[j], rbs[j], a, min(nrs[j], a + ROWS_PER_TASK), n_cols, x, t0s[j], nts[j],
-                       out, oc0s[j])
+        chunk = task // n_jobs
+        j = task - chunk * n_jobs
+        first = chunk * ROWS_PER_TASK
+        if first < n_rows[j]:
+            _tile_rows(w_addrs[j], qtypes[j], row_bytes[j], first, min(n_rows[j], first + ROWS_PER_TASK), n_cols, x,
+                       t0s[j], n_toks[j], out, col0s[j])
 
 
-if R.HAVE_INT8_SIMD:
-    _idot4 = R.idot_intrinsic(FORMATS, 4)
-    _idot1 = R.idot_intrinsic(FORMATS, 1)
+if _ir.HAVE_INT8_SIMD:
+    _idot4 = _ir.idot_intrinsic(FORMATS, 4)
+    _idot1 = _ir.idot_intrinsic(FORMATS, 1)
 
     @njit(**_one)
-    def _idot_rows(w, qt, rb, r0, r1, n_cols, xq, xd, xs32, xs16, t0, n_tok, out, oc0):
-        """out[t0 + t, oc0 + r] = W[r] . xq[t0 + t] for r in r0..r1, t < n_tok (int8 activations,
+    def _idot_rows(w, qtype, row_bytes, r0, r1, n_cols, xq, xd, xs32, xs16, t0, n_tok, out, col0):
+        """out[t0 + t, col0 + r] = W[r] . xq[t0 + t] for r in r0..r1, t < n_tok (int8 activations,
         quantised by the caller); w is the weight's address. Tokens four at a time, then one."""
         for r in range(r0, r1):
             t = t0
             while t + 4 <= t0 + n_tok:
-                v = _idot4(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
-                out[t, oc0 + r] = v[0]
-                out[t + 1, oc0 + r] = v[1]
-                out[t + 2, oc0 + r] = v[2]
-                out[t + 3, oc0 + r] = v[3]
+                v = _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                out[t, col0 + r] = v[0]
+                out[t + 1, col0 + r] = v[1]
+                out[t + 2, col0 + r] = v[2]
+                out[t + 3, col0 + r] = v[3]
                 t += 4
             while t < t0 + n_tok:
-                out[t, oc0 + r] = _idot1(qt, w, r * rb, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                out[t, col0 + r] = _idot1(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
                 t += 1
 
     @njit(**_par)
-    def matmul_jobs_q8(ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs32, xs16, t0s, nts, out, oc0s):
+    def matmul_jobs_q8(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, block, xq, xd, xs32, xs16, t0s, n_toks, out,
+                       col0s):
         """matmul_jobs_f32's contract with x rounded to int8 blocks of `block` elements first
-        (activations.py; xq [T, K], xd, xs32, xs16 are caller-owned scratch), in the same launch:
-        every job's type must take activation blocks of that size."""
+        (activations.py; xq [T, K], xd [T, K/block], xs32 [T, K/32], xs16 [T, K/16] are caller-owned
+        scratch), in the same launch: every job's type must take activation blocks of that size."""
         quantize_activations(x, block, xq, xd, xs32, xs16)
-        n_jobs = ws.shape[0]
-        per_job = (nrs.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        n_jobs = w_addrs.shape[0]
+        per_job = (n_rows.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
         for task in prange(n_jobs * per_job):
-            c = task // n_jobs
-            j = task - c * n_jobs
-            a = c * ROWS_PER_TASK
-            if a < nrs[j]:
-                _idot_rows(ws[j], qts[j], rbs[j], a, min(nrs[j], a + ROWS_PER_TASK), n_cols, xq, xd, xs32, xs16,
-                           t0s[j], nts[j], out, oc0s[j])
+            chunk = task // n_jobs
+            j = task - chunk * n_jobs
+            first = chunk * ROWS_PER_TASK
+            if first < n_rows[j]:
+                _idot_rows(w_addrs[j], qtypes[j], row_bytes[j], first, min(n_rows[j], first + ROWS_PER_TASK), n_cols,
+                           xq, xd, xs32, xs16, t0s[j], n_toks[j], out, col0s[j])
 else:
     matmul_jobs_q8 = None

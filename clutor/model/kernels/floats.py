@@ -4,19 +4,19 @@ F32 weights never come here: the dispatcher hands them straight to BLAS.
 """
 from __future__ import annotations
 
-from . import _ir as R
+from . import _ir
 from ._ir import Format, ir
 
 __all__ = ["FORMATS"]
 
 
-def _f16(b, wp, off):
-    return [b.fpext(R.load(b, R.at(b, wp, off), ir.VectorType(ir.HalfType(), 32)), R.V32f)]
+def _f16(bld, wptr, off):
+    return [bld.fpext(_ir.load(bld, _ir.at(bld, wptr, off), ir.VectorType(ir.HalfType(), 32)), _ir.V32f)]
 
 
-def _bf16(b, wp, off):
-    bits = b.zext(R.load(b, R.at(b, wp, off), R.V32i16), R.V32i32)
-    return [b.bitcast(R.shl(b, bits, 16), R.V32f)]
+def _bf16(bld, wptr, off):
+    bits = bld.zext(_ir.load(bld, _ir.at(bld, wptr, off), _ir.V32i16), _ir.V32i32)
+    return [bld.bitcast(_ir.shl(bld, bits, 16), _ir.V32f)]
 
 
 FORMATS = {
