@@ -124,6 +124,28 @@ def write_gguf(
     return written
 
 
+def copy_gguf(src: Path, dst: Path, split_max_tensors: int = 0,
+              retype: dict[str, tuple[int, np.ndarray]] | None = None) -> None:
+    """Rewrite src with GGUFWriter: every key and tensor as it is, except the tensors named in
+    `retype` (name -> (qtype, raw bytes uint8 [..., row_bytes])); split in parts of
+    split_max_tensors tensors when given (llama.cpp's NAME-0000k-of-0000N.gguf)."""
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
+    for name, fld in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = fld.types[0]
+        w.add_key_value(name, fld.contents(), vtype, sub_type=fld.types[-1] if vtype == VT.ARRAY else None)
+    for t in r.tensors:
+        qt, data = (retype or {}).get(t.name, (QT(t.tensor_type), np.asarray(t.data)))
+        w.add_tensor(t.name, data, raw_dtype=None if qt in (QT.F32, QT.F16) else QT(qt))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def encode_tensor(arr: np.ndarray, qtype: int) -> np.ndarray:
     if qtype == QT.F32:
         return arr.astype(np.float32)

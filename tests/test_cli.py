@@ -24,11 +24,36 @@ def test_info(capsys):
     assert main(["info", str(fixture_path("qwen2moe", "Q4_K_M"))]) == 0
     out = capsys.readouterr().out
     assert "qwen2moe" in out and "shared expert" in out and "Q4_K" in out
+    assert "kernels         F32, Q4_K, Q5_K, Q6_K, Q8_0\n" in out  # every type of the file has a kernel
     assert main(["info", "--json", str(fixture_path("olmoe", "Q8_0"))]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["config"]["arch"] == "olmoe"
     assert d["expert_bytes_per_token_worst"] == d["expert_bytes_one"] * d["config"]["n_expert_used"] * d["config"]["n_layers"]
     assert d["dense_bytes"] + d["expert_bytes_total"] <= sum(v["bytes"] for v in d["tensor_types"].values())
+
+
+def test_info_names_the_types_without_a_kernel(capsys, tmp_path):
+    """A type Clutor has no kernel for (Q3_K) works but is dequantised on every product: `clutor
+    info` says so, and lists the types that do have one."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+    from gguf_util import copy_gguf
+
+    block, nbytes = GGML_QUANT_SIZES[QT.Q3_K]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(256, 256 // block * nbytes), dtype=np.uint8)  # [rows, row_bytes]
+    raw[:, 108:110] = np.array([0.01], np.float16).view(np.uint8)  # the f16 super-block scale
+    path = tmp_path / "q3k.gguf"
+    copy_gguf(fixture_path("qwen2moe", "Q4_K_M"), path,
+              retype={f"blk.{i}.attn_output.weight": (QT.Q3_K, raw) for i in range(2)})
+    assert main(["info", str(path)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("kernels "))
+    assert line.split(None, 1)[1] == ("F32, Q4_K, Q6_K, Q8_0; no kernel for Q3_K: dequantised on every product (slow)")
+    assert main(["info", "--json", str(path)]) == 0
+    types = json.loads(capsys.readouterr().out)["tensor_types"]
+    assert {k: v["kernel"] for k, v in types.items()} == {"F32": True, "Q3_K": False, "Q4_K": True, "Q6_K": True,
+                                                           "Q8_0": True}
 
 
 def test_generate_streams_text_and_stats(capsys):

@@ -12,27 +12,13 @@ import pytest
 import clutor
 from clutor.model.gguf import GGUFFile
 from conftest import fixture_path, run
+from gguf_util import copy_gguf
 
 
 def split_copy(src: Path, dst_dir: Path, n_parts: int) -> Path:
     """Rewrite src as n_parts split files with GGUFWriter(split_max_tensors=...); returns part 1."""
-    r = gguf.GGUFReader(src)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(dst_dir / "m.gguf", arch, split_max_tensors=math.ceil(len(r.tensors) / n_parts))
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        w.add_key_value(name, field.contents(), vtype,
-                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        qt = gguf.GGMLQuantizationType(t.tensor_type)
-        plain = qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if plain else qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    n_tensors = len(gguf.GGUFReader(src).tensors)
+    copy_gguf(src, dst_dir / "m.gguf", split_max_tensors=math.ceil(n_tensors / n_parts))
     return dst_dir / f"m-00001-of-{n_parts:05d}.gguf"
 
 

@@ -20,7 +20,8 @@ def describe(path: str) -> dict:
     from ..model.arch import read_arch
     from ..model.gguf import GGUFFile
     from ..model.options import min_budget
-    from ..model.quants import type_name
+    from ..model import kernels  # whether a kernel runs is decided on this machine (F16 needs F16C)
+    from ..model.weight_types import type_name
     from ..model.weights import resident_bytes
 
     with GGUFFile.open(path) as f:
@@ -29,9 +30,11 @@ def describe(path: str) -> dict:
         layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
         types = Counter()
         type_bytes = Counter()
+        kernel: dict[str, bool] = {}  # False: dequantised on every product (slow)
         for t in f.tensors.values():
             types[type_name(t.qtype)] += 1
             type_bytes[type_name(t.qtype)] += t.nbytes
+            kernel[type_name(t.qtype)] = kernels.has_kernel(t.qtype)
         dense = resident_bytes(f, arch)
         per_layer = [layout.expert_bytes(l) for l in range(layout.n_layers)]
         return {
@@ -39,7 +42,7 @@ def describe(path: str) -> dict:
             "files": list(f.paths),
             "config": asdict(cfg),
             "arch": arch.describe(),
-            "tensor_types": {k: {"tensors": types[k], "bytes": type_bytes[k]} for k in sorted(types)},
+            "tensor_types": {k: {"tensors": types[k], "bytes": type_bytes[k], "kernel": kernel[k]} for k in sorted(types)},
             "dense_bytes": dense,
             "expert_bytes_total": layout.total_bytes,
             "expert_bytes_one": max(per_layer),
@@ -75,6 +78,8 @@ def run(args) -> int:
         print(json.dumps(d, indent=2))
         return 0
     c, a = d["config"], d["arch"]
+    with_kernel = [k for k, v in d["tensor_types"].items() if v["kernel"]]
+    without = [k for k, v in d["tensor_types"].items() if not v["kernel"]]
     lines = [
         f"file            {d['path']}" + (f" (+{len(d['files']) - 1} parts)" if len(d["files"]) > 1 else ""),
         f"architecture    {c['arch']}",
@@ -92,6 +97,8 @@ def run(args) -> int:
         + (", gate+up fused in one tensor" if a.get("fused_gate_up") else "")
         + (f"; {a['mtp_layers_skipped']} MTP layers skipped" if a.get("mtp_layers_skipped") else ""),
         "weight types    " + ", ".join(f"{k} x{v['tensors']} ({_fmt(v['bytes'])})" for k, v in d["tensor_types"].items()),
+        "kernels         " + (", ".join(with_kernel) or "none")
+        + (f"; no kernel for {', '.join(without)}: dequantised on every product (slow)" if without else ""),
         f"dense bytes     {_fmt(d['dense_bytes'])} (resident)",
         f"expert bytes    {_fmt(d['expert_bytes_total'])} in all, {_fmt(d['expert_bytes_one'])} per expert",
         f"read per token  {_fmt(d['expert_bytes_per_token_worst'])} at worst (every routed expert a miss)",
