@@ -232,6 +232,13 @@ def test_unsupported_and_bad_arguments() -> None:
         kernels.matmul(raw, int(QT.Q8_0), 3, 256, x.astype(np.float64))
     with pytest.raises(ClutorError, match="out must be"):
         kernels.matmul(raw, int(QT.Q8_0), 3, 256, x, out=np.empty((1, 4), np.float32))
+    with pytest.raises(ClutorError, match="out must be"):  # dequantize writes n_rows x n_cols floats
+        kernels.dequantize(raw, int(QT.Q8_0), 3, 256, out=np.empty((3, 128), np.float32))
+    unaligned = np.frombuffer(bytearray(x.nbytes + 1), np.uint8)[1:].view(np.float32).reshape(x.shape)
+    with pytest.raises(ClutorError, match="aligned"):  # the tiles' vector loads assume 4-byte alignment
+        kernels.matmul(raw, int(QT.Q8_0), 3, 256, unaligned)
+    with pytest.raises(ClutorError, match="aligned"):
+        kernels.matmul_jobs([kernels.Job(raw, int(QT.Q8_0), 3, 0, 1)], 256, unaligned, np.empty((1, 3), np.float32))
     with pytest.raises(ClutorError, match="activations.*q8"):
         KS("int4")
     with pytest.raises(ClutorError, match="threads"):
@@ -263,3 +270,26 @@ def test_importing_clutor_leaves_the_process_environment_alone(tmp_path) -> None
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
     assert [p for p in (tmp_path / "numba").rglob("*") if not p.is_dir()] == [], "files written on import"
+
+
+@pytest.mark.parametrize("op, name, asm, want", [
+    ("tile1", "Q4_K", False, "qt.Q4_K"),      # that type's case of the switch, labelled by _ir._switch
+    ("deq", "MXFP4", False, "qt.MXFP4"),
+    ("idot4", "Q8_0", True, "vpdpbusd|vpmaddubsw"),  # the int8 dot instructions
+])
+def test_dump_prints_one_kernel_for_one_type(op, name, asm, want, capsys) -> None:
+    """python -m clutor.model.kernels.dump: a newcomer's view of the code one kernel generates."""
+    import re
+
+    from clutor.model.kernels import dump
+
+    if op.startswith("idot") and not kernels._ir.HAVE_INT8_SIMD:
+        pytest.skip("no int8 kernels on this backend")
+    assert dump.main([op, "--type", name] + (["--asm"] if asm else [])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"; {op} for {name}, backend {kernels._ir.BACKEND}") and re.search(want, out), out[:500]
+    assert ("define " in out) != asm and out.count("define ") <= 1  # one function ...
+    assert set(re.findall(r"\bqt\.([A-Z0-9_]+)", out)) <= {name}  # ... holding one type's code
+    with pytest.raises(SystemExit):
+        dump.main(["tile1", "--type", "Q2_K"])  # no kernel: a usage error naming the kernel types
+    assert "Q2_K has no kernel" in capsys.readouterr().err

@@ -3,8 +3,8 @@
     y = matmul(w, qtype, n_rows, n_cols, x)      # x f32 [T, n_cols] -> y f32 [T, n_rows] == x @ W.T
 
 w is the raw bytes of a 2-D weight (numpy shape (n_rows, n_cols), blocks along n_cols) exactly as in
-the file or an expert-cache slot. Types: F32 (BLAS), F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K. Strategies, chosen per call:
+the file or an expert-cache slot. Types: those clutor.model.weight_types.TYPES gives a kernel
+(``info().types`` lists them on this machine). Strategies, chosen per call:
 
 Every function takes ``settings`` (clutor.model.kernel_settings.KernelSettings: activations, threads,
 BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
@@ -41,6 +41,10 @@ BLAS's threads and any other process for the cores); a library user chooses for 
 
 Compilation: every kernel is compiled once and cached on disk (numba cache=True); ``warmup()``
 loads or compiles all of them (once per machine, then from the cache) so that no token pays.
+
+New to this code? README.md in this package is the design note (what an intrinsic is here, each
+block type's layout, how a tile sits in registers, how to add a type);
+``python -m clutor.model.kernels.dump tile1 --type Q4_K [--asm]`` prints what one kernel generates.
 """
 from __future__ import annotations
 
@@ -220,6 +224,21 @@ def _row_bytes(qtype: int, n_cols: int) -> int:
     return n_cols // elems * nbytes
 
 
+# The generated code has no bounds checks (_ir.py): every offset it uses derives from shapes checked
+# here, in Python, before any launch. What it relies on, and where that is checked:
+# - the type has a kernel on this machine (else its type switch does nothing and out keeps garbage): _check
+# - w C-contiguous 1-D uint8 of exactly n_rows * row_bytes bytes, so every row read lies inside it: _check
+# - n_cols a positive multiple of the kernel's block (loops run n_cols / block blocks; the int8 scratch
+#   holds n_cols / block scales and n_cols / 16 and / 32 sums per token): _row_bytes
+# - x C-contiguous, aligned float32 [T, n_cols] (each token's row is read whole, 4-byte aligned vector
+#   loads); out C-contiguous, aligned float32 [T, n_rows] (matmul) or [S, M] with S = x's rows
+#   (matmul_jobs): matmul, matmul_jobs; a read-only x is copied (numba would compile another variant)
+# - each job's rows t0 .. t0 + n_tok inside x and out, columns col .. col + n_rows inside out: matmul_jobs
+# - dequantize's out C-contiguous, aligned float32 [n_rows, n_cols]: dequantize
+# - the int8 scratch (xq, xd, xs32, xs16) shaped for x and the activation block: _run_jobs_q8
+# - a job's weight alive while the driver uses its address: the caller's Job holds the array for the call
+
+
 def _check(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
     """-> bytes per row, after checking the weight matches (type, shape)."""
     if qtype not in _SUPPORTED:
@@ -240,6 +259,9 @@ def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndar
     rb = _check(w, qtype, n_rows, n_cols)
     if out is None:
         out = np.empty((n_rows, n_cols), np.float32)
+    if out.dtype != np.float32 or out.shape != (n_rows, n_cols) or not (out.flags.c_contiguous and out.flags.aligned):
+        raise ClutorError(f"kernels: out must be C-contiguous, aligned float32 [{n_rows}, {n_cols}], "
+                          f"got {out.dtype} {out.shape}")
     if qtype == F32:
         out[...] = w.view(np.float32).reshape(n_rows, n_cols)
         return out
@@ -259,8 +281,8 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     rb = _check(w, qtype, n_rows, n_cols)
     squeeze = x.ndim == 1
     x2 = x.reshape(1, -1) if squeeze else x
-    if x2.dtype != np.float32 or x2.ndim != 2 or x2.shape[1] != n_cols or not x2.flags.c_contiguous:
-        raise ClutorError(f"kernels: x must be C-contiguous float32 [T, {n_cols}], got {x.dtype} {x.shape}")
+    if x2.dtype != np.float32 or x2.ndim != 2 or x2.shape[1] != n_cols or not (x2.flags.c_contiguous and x2.flags.aligned):
+        raise ClutorError(f"kernels: x must be C-contiguous, aligned float32 [T, {n_cols}], got {x.dtype} {x.shape}")
     if not x2.flags.writeable:  # a read-only x would make numba compile a second variant
         xc = _scratch("xcopy", x2.size, np.float32).reshape(x2.shape)
         xc[...] = x2
@@ -269,8 +291,9 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     if out is None:
         out = np.empty((n_rows,) if squeeze else (n_tok, n_rows), np.float32)
     out2 = out.reshape(1, -1) if out.ndim == 1 else out
-    if out2.dtype != np.float32 or out2.shape != (n_tok, n_rows) or not out2.flags.c_contiguous:
-        raise ClutorError(f"kernels: out must be C-contiguous float32 [{n_tok}, {n_rows}], got {out.dtype} {out.shape}")
+    if out2.dtype != np.float32 or out2.shape != (n_tok, n_rows) or not (out2.flags.c_contiguous and out2.flags.aligned):
+        raise ClutorError(f"kernels: out must be C-contiguous, aligned float32 [{n_tok}, {n_rows}], "
+                          f"got {out.dtype} {out.shape}")
     if n_tok == 0:
         return out
 
@@ -308,10 +331,12 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
     Each (row, token) result equals what matmul() gives for that job alone. All jobs below the BLAS
     threshold run in ONE parallel launch (one per activation block size in q8 mode): waking the worker threads costs ~0.1 ms per
     launch on a 2-core VM, as much as a 2 MB expert's product itself. Returns out."""
-    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not x.flags.c_contiguous:
-        raise ClutorError(f"kernels: x must be C-contiguous float32 [S, {n_cols}], got {x.dtype} {x.shape}")
-    if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous or out.shape[0] != x.shape[0]:
-        raise ClutorError(f"kernels: out must be C-contiguous float32 [{x.shape[0]}, M], got {out.dtype} {out.shape}")
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not (x.flags.c_contiguous and x.flags.aligned):
+        raise ClutorError(f"kernels: x must be C-contiguous, aligned float32 [S, {n_cols}], got {x.dtype} {x.shape}")
+    if (out.dtype != np.float32 or out.ndim != 2 or not (out.flags.c_contiguous and out.flags.aligned)
+            or out.shape[0] != x.shape[0]):
+        raise ClutorError(f"kernels: out must be C-contiguous, aligned float32 [{x.shape[0]}, M], "
+                          f"got {out.dtype} {out.shape}")
     if not x.flags.writeable:  # a read-only x would make numba compile a second variant
         xc = _scratch("xcopy", x.size, np.float32).reshape(x.shape)
         xc[...] = x
@@ -359,6 +384,9 @@ def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]
     x is rounded once for all of them, in the same launch."""
     ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
     xq, xd, xs32, xs16 = _act_buffers(x.shape[0], n_cols, block)
+    # quantize_activations and the int8 kernels index these without bounds checks
+    assert n_cols % block == 0 and n_cols % 32 == 0 and xq.shape == x.shape, (block, n_cols, xq.shape, x.shape)
+    assert xd.shape[1] * block == xs32.shape[1] * 32 == xs16.shape[1] * 16 == n_cols
     _launch(_drv.matmul_jobs_q8, ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs32, xs16, t0s, nts, out, cols)
 
 

@@ -21,7 +21,8 @@ intrinsics whose first argument is the runtime type id (one switch per call, one
 
 Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
 lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD``.
-No bounds checks: callers derive every offset from validated shapes.
+No bounds checks: callers derive every offset from validated shapes (the list: __init__.py, above
+``_check``). A newcomer's guide to this file: README.md in this package.
 """
 from __future__ import annotations
 
