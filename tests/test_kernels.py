@@ -6,8 +6,12 @@ element by at most max|x_b| / 254, so |error_r| <= ||W_r|| * ||x - x_hat||).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import zlib
+from pathlib import Path
 from functools import lru_cache
 
 import numpy as np
@@ -26,6 +30,7 @@ TOKENS = (1, 2, 3, 7, 16, 33)
 ROWS = (1, 3, 17, 255)
 F32_RTOL = 1e-5  # of ||W_r|| * ||x_t||: float32 rounding of a 2048-long dot is far below this
 Q8_BLOCK = {**{t: 32 for t in TYPES_32}, **{t: 256 for t in TYPES_256}}
+_FORCED_BACKEND = {"avx2": "x86-avx2", "portable": "portable"}  # CLUTOR_KERNELS_ISA -> kernels.info().backend
 
 
 def _cases():
@@ -248,6 +253,9 @@ def test_unsupported_and_bad_arguments() -> None:
 def test_warmup_and_info() -> None:
     kernels.warmup()
     info = kernels.info()
+    forced = os.environ.get("CLUTOR_KERNELS_ISA")  # set by test_kernels_under_lesser_isas
+    if forced:
+        assert info.backend == _FORCED_BACKEND[forced], (forced, info.backend)
     assert info.threads == KS().n_threads >= 1 and kernels.info(KS(threads=1)).threads == 1
     assert info.activation_mode == kernels.mode() and kernels.info(KS("f32")).activation_mode == "f32"
     assert kernels.info(KS("q8")).activation_mode == ("q8" if kernels._ir.HAVE_INT8_SIMD else "f32")
@@ -293,3 +301,27 @@ def test_dump_prints_one_kernel_for_one_type(op, name, asm, want, capsys) -> Non
     with pytest.raises(SystemExit):
         dump.main(["tile1", "--type", "Q2_K"])  # no kernel: a usage error naming the kernel types
     assert "Q2_K has no kernel" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", sorted(_FORCED_BACKEND))
+def test_kernels_under_lesser_isas(isa: str, tmp_path) -> None:
+    """A test run only checks the code generated for its own CPU: run this file's kernel tests again,
+    in a subprocess, with the code an AVX2-only CPU (no VNNI) or a CPU without the x86 int8 path gets.
+    The subprocess caches its kernels under tmp_path, so the normal cache is left alone (the cache
+    guard keys on the backend and would otherwise recompile it)."""
+    ir = kernels._ir
+    if isa == "avx2" and not (ir._features.get("avx2") and ir.HAVE_F16C):
+        pytest.skip("this CPU cannot run AVX2 code")
+    if ir.BACKEND == _FORCED_BACKEND[isa]:
+        pytest.skip(f"{isa} is this CPU's own backend: the normal run covers it")
+    env = {**os.environ, "CLUTOR_KERNELS_ISA": isa, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    # the kernels themselves: not the process-level tests, the dump command or this test again
+    skip = "lesser_isas or importing_clutor or dump or concurrent_callers"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-rA", "-p", "no:cacheprovider", __file__,
+                        "-k", f"not ({skip})"], capture_output=True, text=True, env=env, timeout=540,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    passed = [line for line in p.stdout.splitlines() if line.startswith("PASSED ")]
+    assert any(line.endswith("::test_warmup_and_info") for line in passed), p.stdout[-3000:]  # checks the backend
+    assert sum("::test_matmul_matches_reference[" in line for line in passed) == len(list(_cases()))
