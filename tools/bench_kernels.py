@@ -36,6 +36,9 @@ SHAPES = {  # name -> (n_rows, n_cols) in numpy order
     "expert_down": (2048, 1024),
     "dense": (2048, 2048),
     "output": (50304, 2048),
+    "q3_q": (4096, 2048),           # Qwen3-30B-A3B's attention q (32 heads x 128)
+    "q3_expert_gate_up": (768, 2048),
+    "q3_expert_down": (2048, 768),
 }
 # byte offsets of the f16 scales inside a block, set to small finite values in random blocks
 _F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),

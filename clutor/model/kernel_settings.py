@@ -31,7 +31,7 @@ class KernelSettings:
     faster of the two where the machine has int8 SIMD (clutor.model.kernels: ``mode``).
     threads: threads one product is split over (None: the CPUs this process may use).
     blas_min_tokens: token count from which a product is dequantised and handed to BLAS (None: the
-    measured default of the mode)."""
+    measured default, clutor.model.kernels._BLAS_MIN_T)."""
 
     activations: str = "auto"
     threads: int | None = None
