@@ -74,15 +74,30 @@ class Rope:
         self.mscale = np.float32(mscale)  # magnitude applied to cos and sin (YaRN's, where an arch keeps it)
         inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
         self.inv = yarn.frequencies(inv, n_rot, base) if yarn is not None else inv
+        self._memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (p0, T) -> (cos, sin)
+        self._memo_floats = 0
 
     def angles(self, p0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin float32 [T, n_rot/2] for positions p0..p0+T-1."""
+        """cos, sin float32 [T, n_rot/2] (read-only) for positions p0..p0+T-1.
+
+        A step asks for the same positions twice per layer (q and k) in every layer: the last few
+        answers are kept, bounded in entries and in floats (a prefill chunk's are the big ones)."""
         if not 0 <= p0 <= p0 + T <= self.n_ctx:
             raise ValueError(f"RoPE positions {p0}..{p0 + T - 1} outside the context of {self.n_ctx}")
+        hit = self._memo.get((p0, T))
+        if hit is not None:
+            return hit
         ang = np.arange(p0, p0 + T, dtype=np.float64)[:, None] * self.inv[None, :]  # [T, n_rot/2]
         cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         if self.mscale != 1:
             cos, sin = cos * self.mscale, sin * self.mscale
+        cos.flags.writeable = sin.flags.writeable = False
+        if len(self._memo) >= 64 or self._memo_floats + cos.size > 1 << 19:  # at most 4 MiB of cos + sin
+            self._memo.clear()
+            self._memo_floats = 0
+        if cos.size <= 1 << 19:
+            self._memo[(p0, T)] = (cos, sin)
+            self._memo_floats += cos.size
         return cos, sin
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
