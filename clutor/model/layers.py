@@ -204,10 +204,10 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float, 
     V = cache.v[layer, :, :n]  # [Hkv, N, hdv]
     qg = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3).reshape(Hkv, G * T, hd)  # head i -> kv head i // G
     s = (qg @ K.transpose(0, 2, 1)) * np.float32(scale)  # [Hkv, G*T, N]
-    if T > 1:
-        s = s.reshape(Hkv, G, T, n)
+    if T > 1:  # a query at position p0 + t sees keys 0 .. p0 + t: -inf added past that
         future = np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]  # [T, N]
-        s[:, :, future] = -np.inf
+        s = s.reshape(Hkv, G, T, n)
+        s += np.where(future, np.float32(-np.inf), np.float32(0.0))  # [T, N] broadcast, in place
         s = s.reshape(Hkv, G * T, n)
     p = softmax(s)
     o = p @ V  # [Hkv, G*T, hdv]

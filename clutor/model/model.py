@@ -338,10 +338,19 @@ class Model:
         with self.profile.span("experts"):
             cfg, et = self.config, self._w.layers[l].experts
             D, F = cfg.n_embd, cfg.n_ff_exp
-            picks = [np.nonzero(sel == v.expert) for v in views]  # (rows, top-k slots) per expert
-            counts = [len(rows) for rows, _ in picks]
+            # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
+            # a comparison of all of them per expert: flat index i = row * K + slot.
+            K = sel.shape[1]
+            flat = sel.ravel()  # [R*K]
+            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
+            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
+            lo = np.searchsorted(flat[order], ids, "left")
+            hi = np.searchsorted(flat[order], ids, "right")
+            counts = (hi - lo).tolist()
             starts = np.cumsum([0] + counts)[:-1].tolist()
-            xg = h[np.concatenate([rows for rows, _ in picks])]  # [S, D], S = rows summed over experts
+            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
+            rows = picked // K  # [S], S = rows summed over experts
+            xg = h[rows]  # [S, D]
             gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
             matmul_jobs([job for v, t0, n in zip(views, starts, counts)
                          for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
@@ -358,8 +367,8 @@ class Model:
             if biased:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)
-            y *= np.concatenate([w[rows, slots] for rows, slots in picks])[:, None]
-            return {v.expert: (rows, y[t0 : t0 + n]) for v, (rows, _), t0, n in zip(views, picks, starts, counts)}
+            y *= w.reshape(-1)[picked][:, None]
+            return {v.expert: (rows[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
         """x + the routed experts' outputs (summed in the order the experts were asked for, so the
