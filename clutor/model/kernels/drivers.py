@@ -76,20 +76,31 @@ def _tile_rows(w, qtype, row_bytes, r0, r1, n_cols, x, t0, n_tok, out, col0):
                    out, (t0 + t) * ost + col0 + r, ost)
 
 
+@njit(**_one)
+def _n_tasks(n_rows):
+    """Tasks of a jobs launch: ROWS_PER_TASK-row chunks of the longest job, for every job."""
+    return n_rows.shape[0] * ((n_rows.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK)
+
+
+@njit(**_one)
+def _job_chunk(task, n_jobs):
+    """Task -> (job, its first row). Tasks are ordered chunk-major (chunk 0 of every job, then chunk
+    1, ...) so that the static split of the task range between threads gives each thread a share of
+    every job, however uneven the jobs."""
+    chunk = task // n_jobs
+    return task - chunk * n_jobs, chunk * ROWS_PER_TASK
+
+
 @njit(**_par)
 def matmul_jobs_f32(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, t0s, n_toks, out, col0s):
     """One or several products in one parallel launch (waking the worker threads once).
 
     Job j: out[t0s[j] : t0s[j] + n_toks[j], col0s[j] : col0s[j] + n_rows[j]] = x[t0s[j] : t0s[j] + n_toks[j]] @ W_j.T
-    with W_j at address w_addrs[j] (type qtypes[j], row_bytes[j] bytes per row, n_rows[j] rows of n_cols).
-    Tasks are ordered chunk-major (chunk 0 of every job, then chunk 1, ...) so that the static split of
-    the task range between threads gives each thread a share of every job, however uneven the jobs."""
+    with W_j at address w_addrs[j] (type qtypes[j], row_bytes[j] bytes per row, n_rows[j] rows of n_cols),
+    its rows split into tasks as _job_chunk says."""
     n_jobs = w_addrs.shape[0]
-    per_job = (n_rows.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(n_jobs * per_job):
-        chunk = task // n_jobs
-        j = task - chunk * n_jobs
-        first = chunk * ROWS_PER_TASK
+    for task in prange(_n_tasks(n_rows)):
+        j, first = _job_chunk(task, n_jobs)
         if first < n_rows[j]:
             _tile_rows(w_addrs[j], qtypes[j], row_bytes[j], first, min(n_rows[j], first + ROWS_PER_TASK), n_cols, x,
                        t0s[j], n_toks[j], out, col0s[j])
@@ -124,11 +135,8 @@ if _ir.HAVE_INT8_SIMD:
         scratch), in the same launch: every job's type must take activation blocks of that size."""
         quantize_activations(x, block, xq, xd, xs32, xs16)
         n_jobs = w_addrs.shape[0]
-        per_job = (n_rows.max() + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-        for task in prange(n_jobs * per_job):
-            chunk = task // n_jobs
-            j = task - chunk * n_jobs
-            first = chunk * ROWS_PER_TASK
+        for task in prange(_n_tasks(n_rows)):
+            j, first = _job_chunk(task, n_jobs)
             if first < n_rows[j]:
                 _idot_rows(w_addrs[j], qtypes[j], row_bytes[j], first, min(n_rows[j], first + ROWS_PER_TASK), n_cols,
                            xq, xd, xs32, xs16, t0s[j], n_toks[j], out, col0s[j])
