@@ -25,6 +25,22 @@ from ._ir import Format, IEnv, ir
 __all__ = ["FORMATS"]
 
 
+
+def _group_dots(bld, env: IEnv, qs, lanes):
+    """sum over the eight 32-element groups of a superblock of (unsigned quants q_g . x_g), each
+    group's pair sums weighted by its int16 scale lanes: <8 x i32>. Every q < 64 and |x| <= 127, so
+    vpmaddubsw's int16 pair sums never saturate."""
+    acc = ir.Constant(_ir.V8i32, None)
+    for g, q in enumerate(qs):
+        xv = _ir.load(bld, bld.gep(env.xq, [bld.add(env.xe, _ir.c64(32 * g))]), _ir.V32i8)
+        acc = bld.add(acc, _ir.madd(bld, _ir.maddubs(bld, q, xv), lanes[g]))
+    return acc
+
+
+def _x_sums16(bld, env: IEnv):
+    """The superblock's sixteen 16-element sums of int8 activations: <16 x i16>."""
+    return _ir.load(bld, bld.gep(env.xs16, [bld.sdiv(env.xe, _ir.c64(16))]), _ir.V16i16, 2)
+
 def _scales_mins(bld, wptr, off):
     """The 12 packed bytes at off+4 -> <16 x i16> [sc_0..sc_7, m_0..m_7], done on 32-bit words.
 
@@ -88,14 +104,9 @@ def _k4_format(name: str, five: bool) -> Format:
 
     def itok(bld, state, env: IEnv):
         d, dmin, scales, mins, qs = state
-        acc = ir.Constant(_ir.V8i32, None)
-        for j, q in enumerate(qs):
-            xv = _ir.load(bld, bld.gep(env.xq, [bld.add(env.xe, _ir.c64(32 * j))]), _ir.V32i8)
-            p = _ir.maddubs(bld, q, xv)  # q <= 31, |x| <= 127: pairs fit in int16
-            acc = bld.add(acc, _ir.madd(bld, p, scales[j]))
+        acc = _group_dots(bld, env, qs, scales)  # q <= 31
         # mins: sum_j m_j * (xs16[2j] + xs16[2j+1]) in one vpmaddwd
-        xs = _ir.load(bld, bld.gep(env.xs16, [bld.sdiv(env.xe, _ir.c64(16))]), _ir.V16i16, 2)
-        mvec = _ir.madd(bld, xs, mins)
+        mvec = _ir.madd(bld, _x_sums16(bld, env), mins)
         dx = _ir.xscale(bld, env, 256)
         return [(acc, bld.fmul(d, dx)), (mvec, bld.fneg(bld.fmul(dmin, dx)))], None
 
@@ -138,14 +149,9 @@ def _q6_iprep(bld, wptr, off):
 
 def _q6_itok(bld, state, env: IEnv):
     d, scales, lanes, qs = state
-    acc = ir.Constant(_ir.V8i32, None)
-    for i, q in enumerate(qs):
-        xv = _ir.load(bld, bld.gep(env.xq, [bld.add(env.xe, _ir.c64(32 * i))]), _ir.V32i8)
-        p = _ir.maddubs(bld, q, xv)  # q <= 63, |x| <= 127: pairs fit in int16
-        acc = bld.add(acc, _ir.madd(bld, p, lanes[i]))
+    acc = _group_dots(bld, env, qs, lanes)  # q <= 63
     # the -32 offset: 32 * sum_i sc_i * sum(x over group i)
-    xs = _ir.load(bld, bld.gep(env.xs16, [bld.sdiv(env.xe, _ir.c64(16))]), _ir.V16i16, 2)
-    acc = bld.sub(acc, _ir.shl(bld, _ir.madd(bld, scales, xs), 5))
+    acc = bld.sub(acc, _ir.shl(bld, _ir.madd(bld, scales, _x_sums16(bld, env)), 5))
     return [(acc, bld.fmul(d, _ir.xscale(bld, env, 256)))], None
 
 
