@@ -71,16 +71,20 @@ async def _streamed(path, prompt, **opts):
         return full, np.stack(steps), model.io_stats()
 
 
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("io", ["threads", "uring"])
 @pytest.mark.parametrize("arch", NEW_ARCHS)
-def test_streamed_equals_memory_bit_for_bit(arch, io):
+def test_streamed_equals_memory_bit_for_bit(arch, io, activations):
+    """Bit for bit in every activation mode: io="memory" runs a step in one compute call, the read
+    backends layer by layer as experts arrive, and the products must not care."""
     path = fixture_path(arch, "Q4_K_M")
     prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
     k, slot = _slot(path)
-    full, steps, _ = run(_streamed(path, prompt, io="memory"))
+    full, steps, _ = run(_streamed(path, prompt, io="memory", activations=activations))
     for cache, prefetch in ((k * slot, False), ((k + 2) * slot, True)):
         try:
-            got, got_steps, st = run(_streamed(path, prompt, io=io, expert_cache=cache, prefetch=prefetch))
+            got, got_steps, st = run(_streamed(path, prompt, io=io, expert_cache=cache, prefetch=prefetch,
+                                               activations=activations))
         except clutor.ClutorError as e:
             if io == "uring":
                 pytest.skip(f"io_uring unavailable here: {e}")
