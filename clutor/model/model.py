@@ -66,6 +66,11 @@ class _Step:
     pos: np.ndarray  # [R] each row's position in its own sequence
     need: list[bool]  # per segment: compute its logits
 
+    def commit(self) -> None:
+        """The step's positions count as filled: only once every layer has written them."""
+        for seg in self.segments:
+            seg.seq.kv.n = seg.p0 + len(seg.ids)
+
 
 class Model:
     """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
@@ -259,8 +264,7 @@ class Model:
                 # the previous layer's expert sum (or the embedding), then this layer's attention and router.
                 x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
                 ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
-            for seg in step.segments:  # the positions are filled only once every layer has written them
-                seg.seq.kv.n = seg.p0 + len(seg.ids)
+            step.commit()
             return await compute(self._head, x, h, ys, step, all_logits, head)
 
     def _forward_now(self, step: "_Step", all_logits: bool, head: Callable | None):
@@ -274,8 +278,7 @@ class Model:
             wanted = _by_votes(sel)
             out = self._experts_out(l, h, sel, w, self._experts.views_now(self._moe_index[l], wanted))
             ys = [out[e] for e in wanted]
-        for seg in step.segments:
-            seg.seq.kv.n = seg.p0 + len(seg.ids)
+        step.commit()
         return self._head(x, h, ys, step, all_logits, head)
 
     def _plan(self, batch, need) -> "_Step":
@@ -344,8 +347,9 @@ class Model:
             flat = sel.ravel()  # [R*K]
             order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
             ids = np.fromiter((v.expert for v in views), np.int64, len(views))
-            lo = np.searchsorted(flat[order], ids, "left")
-            hi = np.searchsorted(flat[order], ids, "right")
+            grouped = flat[order]  # [R*K] expert ids, ascending
+            lo = np.searchsorted(grouped, ids, "left")
+            hi = np.searchsorted(grouped, ids, "right")
             counts = (hi - lo).tolist()
             starts = np.cumsum([0] + counts)[:-1].tolist()
             picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]

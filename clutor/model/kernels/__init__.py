@@ -371,11 +371,17 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
     return out
 
 
+def _job_columns(jobs: list[tuple[int, int, int, int, int, int, int]]) -> np.ndarray:
+    """Checked jobs as the drivers take them: int64 [7, n_jobs] (address, type, row bytes, rows, t0,
+    n_tok, col)."""
+    return np.array(list(zip(*jobs)), dtype=np.int64)
+
+
 def _run_jobs(jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int, x: np.ndarray,
               out: np.ndarray) -> None:
     """The float tile driver on checked jobs (address, type, row bytes, rows, t0, n_tok, col); the
     caller keeps the weights alive and has set the thread count."""
-    ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
+    ws, qts, rbs, nrs, t0s, nts, cols = _job_columns(jobs)
     _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
 
 
@@ -383,7 +389,7 @@ def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]
                  out: np.ndarray) -> None:
     """The int8 driver on checked jobs whose types all take activation blocks of `block` elements:
     x is rounded once for all of them, in the same launch."""
-    ws, qts, rbs, nrs, t0s, nts, cols = np.array(list(zip(*jobs)), dtype=np.int64)  # 7 x [n_jobs]
+    ws, qts, rbs, nrs, t0s, nts, cols = _job_columns(jobs)
     xq, xd, xs32, xs16 = _act_buffers(x.shape[0], n_cols, block)
     # quantize_activations and the int8 kernels index these without bounds checks
     assert n_cols % block == 0 and n_cols % 32 == 0 and xq.shape == x.shape, (block, n_cols, xq.shape, x.shape)
