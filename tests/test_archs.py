@@ -1,5 +1,6 @@
-"""Mixtral, GLM-4.5 and DeepSeek (MLA) fixtures against llama.cpp's recorded logits and greedy tokens
-(tests/golden, made by tools/record_reference.py), and streamed against in-memory bit for bit."""
+"""Mixtral, GLM-4.5, DeepSeek (MLA) and gpt-oss fixtures: prefill against incremental decode, streamed
+against in-memory bit for bit, each architecture's KV layout. (Their logits and greedy tokens against
+llama.cpp's recordings run with the others' in tests/test_model.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,33 +10,7 @@ import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
-from conftest import assert_matches_golden, ACTIVATIONS, NEW_ARCHS, NEW_FIXTURES, STEP_TOL, fixture_path, golden, run
-
-
-async def _logits(path, ids, **opts):
-    async with clutor.Model.open(path, **opts) as model:
-        return await model.logits(ids)
-
-
-@pytest.mark.parametrize("arch, qtype", NEW_FIXTURES)
-def test_logits_match_llama_cpp(arch, qtype):
-    g = golden(arch, qtype)
-    ref = g["logits"].astype(np.float32)  # [T, V]
-    got = run(_logits(fixture_path(arch, qtype), g["prompt_ids"].tolist()))
-    assert_matches_golden(got, ref, qtype)
-
-
-@pytest.mark.parametrize("arch", NEW_ARCHS)
-def test_greedy_matches_llama_cpp(arch):
-    g = golden(arch, "F16")
-    want = g["greedy_ids"].tolist()
-
-    async def gen():
-        async with clutor.Model.open(fixture_path(arch, "F16")) as model:
-            return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=len(want),
-                                                         temperature=0, ignore_eos=True) if o.token is not None]
-
-    assert run(gen()) == want
+from conftest import ACTIVATIONS, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)

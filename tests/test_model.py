@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import clutor
-from conftest import assert_matches_golden, ACTIVATIONS, ARCHS, STEP_TOL, TYPES, fixture_path, golden, run
+from conftest import (assert_matches_golden, ACTIVATIONS, ARCHS, NEW_ARCHS, NEW_FIXTURES, STEP_TOL, TYPES, fixture_path,
+                      golden, run)
 
 
 async def _logits(path, ids):
@@ -14,8 +15,8 @@ async def _logits(path, ids):
         return await model.logits(ids)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("qtype", TYPES)
+# every fixture: the first architectures in every type, the later ones (tests/test_archs.py) in theirs
+@pytest.mark.parametrize("arch, qtype", [(a, q) for a in ARCHS for q in TYPES] + NEW_FIXTURES)
 def test_logits_match_llama_cpp(arch, qtype):
     g = golden(arch, qtype)
     ref = g["logits"].astype(np.float32)  # [T, V]
@@ -23,7 +24,7 @@ def test_logits_match_llama_cpp(arch, qtype):
     assert_matches_golden(got, ref, qtype)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + NEW_ARCHS)
 def test_greedy_matches_llama_cpp(arch):
     g = golden(arch, "F16")
     want = g["greedy_ids"].tolist()
