@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import ClutorError
 
@@ -45,8 +46,9 @@ class KernelSettings:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ClutorError(f"{name}: expected an integer >= 1 or None, got {v!r}")
 
-    @property
+    @cached_property
     def n_threads(self) -> int:
+        """Asked once per settings, not per product (a syscall on the kernels' hot path)."""
         return self.threads if self.threads is not None else _cpus()
 
 
