@@ -26,7 +26,7 @@ from clutor.model.kernel_settings import KernelSettings as KS
 TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
 TYPES_256 = ("Q4_K", "Q5_K", "Q6_K")
 TYPES_FLOAT = ("F16", "BF16", "F32")
-TOKENS = (1, 2, 3, 7, 16, 33)
+TOKENS = (1, 2, 3, 5, 6, 7, 16, 33)  # q8 remainders: two, two + one, one, the overlapped four
 ROWS = (1, 3, 17, 255)
 F32_RTOL = 1e-5  # of ||W_r|| * ||x_t||: float32 rounding of a 2048-long dot is far below this
 Q8_BLOCK = {**{t: 32 for t in TYPES_32}, **{t: 256 for t in TYPES_256}}
@@ -138,6 +138,12 @@ def test_token_tiles_equal_single_tokens(name: str) -> None:
             pairs = np.concatenate([kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 2], settings=ks)
                                     for t in range(0, 14, 2)])
             np.testing.assert_array_equal(together[:14], pairs, err_msg=name)
+        elif kernels.mode(ks) == "q8" and name in Q8_BLOCK:
+            # four-token calls: 0-3, 4-7, 8-11, then 11-14 again over the remainder of three (token 11
+            # is computed twice and must store the same bits); each equals its four tokens alone
+            for t in (0, 4, 8, 11):
+                four = kernels.matmul(raw, int(QT[name]), 17, 512, x[t : t + 4], settings=ks)
+                np.testing.assert_array_equal(together[t : t + 4], four, err_msg=f"{name} tokens {t}-{t + 3}")
 
 
 @pytest.mark.parametrize("mode", ["f32", "q8"])

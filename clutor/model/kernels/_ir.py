@@ -261,7 +261,10 @@ class IEnv:
     xd: ir.Value   # f32* activation scales, one per `Format.elems` elements
     xs32: ir.Value  # i32* sums of xq per 32
     xs16: ir.Value  # i16* sums of xq per 16
-    xe: ir.Value   # i64 element index (into xq) of the block's first element
+    xe: ir.Value   # i64 element index (into xq) of the block's first element: x0 + blk * block elements
+    x0: ir.Value   # i64 element index of the token's first element (loop-invariant)
+    blk: ir.Value  # i64 block index within the row
+    elems: int     # elements per weight block
 
 
 @dataclass(frozen=True)
@@ -271,9 +274,11 @@ class Format:
     fvals(bld, wptr, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
         dequantises it, 32 elements per vector.
     iprep(bld, wptr, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
-    itok(bld, state, env) -> ([(ivec <8 x i32>, scale f32), ...], corr f32 | None): ... with one
-        token's activations: sum(hsum(ivec) * scale) + corr. The horizontal sums happen once per
-        row, not per block. None when the type has no int8 kernel.
+    itok(bld, state, env) -> ([(ivec <8 x i32>, wscale f32, xscale f32), ...], corr f32 | None): ...
+        with one token's activations: sum(hsum(ivec) * xscale * wscale) + corr. The horizontal sums
+        happen once per row, not per block; the weight's scale is the same for every token of the
+        call, so it is splat once per block (the activation's is a broadcast load). None when the
+        type has no int8 kernel.
     """
     name: str
     elems: int      # elements per block (32 or 256); int8 activations use one scale per block
@@ -284,10 +289,11 @@ class Format:
     itok: Callable | None = None
 
 
-def _blocks_loop(bld: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value], None],
+def _blocks_loop(bld: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value, int], None],
                  wptr: ir.Value, bases: list[ir.Value], unroll: int | None = None) -> None:
-    """body(block_index) for every block: unrolled steps of `unroll` (default fmt.unroll) blocks,
-    each prefetching PREFETCH_BYTES ahead in every row stream starting at `bases`, then the tail."""
+    """body(block_index, k) for every block, k its place in the unrolled step (0 in the tail): steps
+    of `unroll` (default fmt.unroll) blocks, each prefetching PREFETCH_BYTES ahead in every row stream
+    starting at `bases`, then the tail."""
     step = fmt.unroll if unroll is None else unroll
     nsteps = bld.sdiv(nblocks, c64(step)) if step > 1 else nblocks
     with cgutils.for_range(bld, nsteps) as loop:
@@ -297,10 +303,10 @@ def _blocks_loop(bld: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callab
             for k in range(0, step * fmt.nbytes, 64):  # one prefetch per 64-byte cache line
                 prefetch(bld, at(bld, wptr, start, PREFETCH_BYTES + k))
         for k in range(step):
-            body(bld.add(first, c64(k)) if k else first)
+            body(bld.add(first, c64(k)) if k else first, k)
     if step > 1:
         with cgutils.for_range(bld, nblocks, start=bld.mul(nsteps, c64(step))) as loop:
-            body(loop.index)
+            body(loop.index, 0)
 
 
 def _result(context, bld: ir.IRBuilder, values: list[ir.Value], rtype):
@@ -336,7 +342,7 @@ def deq_intrinsic(formats: dict[int, Format]):
             out_ptr = bld.gep(data_ptr(context, bld, signature.args[4], buf_arg, f32), [buf_off])
 
             def case(fmt: Format) -> None:
-                def body(blk):
+                def body(blk, _k):
                     off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                     e0 = bld.mul(blk, c64(fmt.elems))
                     for k, v in enumerate(fmt.fvals(bld, wptr, off)):
@@ -350,6 +356,11 @@ def deq_intrinsic(formats: dict[int, Format]):
         return sig, codegen
 
     return deq
+
+
+# Accumulator chains per token in the int8 row kernel, by tokens per call. One token's block is ~10
+# instructions, shorter than the FMA latency its single chain would wait on.
+IDOT_CHAINS = {1: 4, 2: 2}
 
 
 def idot_intrinsic(formats: dict[int, Format], ntok: int):
@@ -372,19 +383,26 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
             xs32 = data_ptr(context, bld, arg_types[6], xs32_arg, i32)
             xs16 = data_ptr(context, bld, arg_types[7], xs16_arg, i16)
             starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
-            accs = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
+            # [token][chain]: a few tokens leave the FMA latency exposed, so consecutive blocks
+            # alternate between independent accumulators (the tokens themselves are chains enough)
+            n_chains = IDOT_CHAINS.get(ntok, 1)
+            accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
+                    for _ in range(ntok)]
             corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
 
             def case(fmt: Format) -> None:
-                def body(blk):
+                def body(blk, k):
                     off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                     state = fmt.iprep(bld, wptr, off)
-                    for x_start, acc, corr in zip(starts, accs, corrs):
-                        env = IEnv(wptr, xq, xd, xs32, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
+                    for x_start, chains, corr in zip(starts, accs, corrs):
+                        env = IEnv(wptr, xq, xd, xs32, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))),
+                                   x_start, blk, fmt.elems)
                         parts, block_corr = fmt.itok(bld, state, env)
+                        acc = chains[k % n_chains]
                         total = bld.load(acc)
-                        for ivec, scale in parts:
-                            total = fma(bld, bld.sitofp(ivec, V8f), splat(bld, scale, V8f), total)
+                        for ivec, wscale, xs in parts:
+                            scaled = bld.fmul(bld.sitofp(ivec, V8f), splat(bld, xs, V8f))
+                            total = fma(bld, scaled, splat(bld, wscale, V8f), total)
                         bld.store(total, acc)
                         if block_corr is not None:
                             bld.store(bld.fadd(bld.load(corr), block_corr), corr)
@@ -394,7 +412,12 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
                 _blocks_loop(bld, fmt, nblocks, body, wptr, [row_base], max(1, fmt.unroll // ntok))
 
             _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
-            vals = [bld.fadd(hsum_f(bld, bld.load(acc)), bld.load(corr)) for acc, corr in zip(accs, corrs)]
+            vals = []
+            for chains, corr in zip(accs, corrs):
+                total = bld.load(chains[0])
+                for acc in chains[1:]:
+                    total = bld.fadd(total, bld.load(acc))
+                vals.append(bld.fadd(hsum_f(bld, total), bld.load(corr)))
             return _result(context, bld, vals, rtype)
 
         return sig, codegen
@@ -486,7 +509,7 @@ def _tile_case(bld: ir.IRBuilder, fmt: Format, ntok: int, wptr: ir.Value, row_ba
     unroll = max(1, fmt.unroll // (ntok * len(row_bases)))  # blocks per step: long enough for prefetching
     split = acc_ty.count < 32
 
-    def block(blk):
+    def block(blk, _k):
         e0 = bld.mul(blk, c64(fmt.elems))
         block_off = bld.mul(blk, c64(fmt.nbytes))
         # [row][piece]: the block's values in accumulator-sized vectors
@@ -504,14 +527,21 @@ def _tile_case(bld: ir.IRBuilder, fmt: Format, ntok: int, wptr: ir.Value, row_ba
     _blocks_loop(bld, fmt, nblocks, block, wptr, row_bases, unroll)
 
 
+def xgroup(bld: ir.IRBuilder, env: IEnv, group: int) -> ir.Value:
+    """Index of the `group`-element group (16, 32 or 256) that starts at env.xe. Computed as the token's
+    first group (loop-invariant, hoisted) plus the block's, so the loads it feeds take one addressing
+    mode: a division of env.xe itself costs 2-5 instructions per block and token in the int8 loops."""
+    return bld.udiv(env.xe, c64(group))
+
+
 def xscale(bld: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
     """The activation scale of the block starting at env.xe (one scale per `elems`)."""
-    return bld.load(bld.gep(env.xd, [bld.sdiv(env.xe, c64(elems))]))
+    return bld.load(bld.gep(env.xd, [xgroup(bld, env, elems)]))
 
 
 def xsum(bld: ir.IRBuilder, env: IEnv, group: int, k: int = 0) -> ir.Value:
     """Sum of xq over the k-th `group` (16 or 32) elements from env.xe, as int32."""
-    idx = bld.add(bld.sdiv(env.xe, c64(group)), c64(k))
+    idx = bld.add(xgroup(bld, env, group), c64(k))
     if group == 32:
         return bld.load(bld.gep(env.xs32, [idx]))
     return bld.sext(bld.load(bld.gep(env.xs16, [idx])), i32)

@@ -7,7 +7,7 @@ threads split tasks of ROWS_PER_TASK rows (prange).
 
 - float activations (the default): tiles of 2 rows x 8/4/2/1 tokens. matmul_jobs_f32 runs one or
   several products (a layer's experts, q/k/v) in one launch.
-- int8 activations: one row x four tokens, then one at a time; matmul_jobs_q8 runs one or several
+- int8 activations: one row x four tokens (then two, one); matmul_jobs_q8 runs one or several
   products in one launch, rounding x to int8 first.
 
 Shapes: w uint8 [n_rows * rb] (rb bytes per row) or its address, x f32 [T, K], out f32 [T, N].
@@ -108,24 +108,43 @@ def matmul_jobs_f32(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, t0s, n_toks, 
 
 if _ir.HAVE_INT8_SIMD:
     _idot4 = _ir.idot_intrinsic(FORMATS, 4)
+    _idot2 = _ir.idot_intrinsic(FORMATS, 2)
     _idot1 = _ir.idot_intrinsic(FORMATS, 1)
+
+    @njit(**_one)
+    def _store4(out, t, col, v):
+        out[t, col] = v[0]
+        out[t + 1, col] = v[1]
+        out[t + 2, col] = v[2]
+        out[t + 3, col] = v[3]
 
     @njit(**_one)
     def _idot_rows(w, qtype, row_bytes, r0, r1, n_cols, xq, xd, xs32, xs16, t0, n_tok, out, col0):
         """out[t0 + t, col0 + r] = W[r] . xq[t0 + t] for r in r0..r1, t < n_tok (int8 activations,
-        quantised by the caller); w is the weight's address. Tokens four at a time, then one."""
+        quantised by the caller); w is the weight's address.
+
+        Tokens four at a time; a remainder of a job of 4 or more tokens takes one more four-token
+        call over the last four (those already done are stored again with the same bits: a token's
+        sum does not depend on its place in the call), which costs less than one-token calls: the
+        rows are in L1 by then and a one-token call runs at a third of the four-token rate. Under
+        four tokens: two, then one."""
+        end = t0 + n_tok
         for r in range(r0, r1):
             t = t0
-            while t + 4 <= t0 + n_tok:
-                v = _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
-                out[t, col0 + r] = v[0]
-                out[t + 1, col0 + r] = v[1]
-                out[t + 2, col0 + r] = v[2]
-                out[t + 3, col0 + r] = v[3]
+            while t + 4 <= end:
+                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols))
                 t += 4
-            while t < t0 + n_tok:
+            if end - t == 3 and n_tok >= 4:
+                t = end - 4
+                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols))
+                continue
+            if t + 2 <= end:
+                v2 = _idot2(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                out[t, col0 + r] = v2[0]
+                out[t + 1, col0 + r] = v2[1]
+                t += 2
+            if t < end:
                 out[t, col0 + r] = _idot1(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
-                t += 1
 
     @njit(**_par)
     def matmul_jobs_q8(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, block, xq, xd, xs32, xs16, t0s, n_toks, out,

@@ -39,7 +39,7 @@ def _group_dots(bld, env: IEnv, qs, lanes):
 
 def _x_sums16(bld, env: IEnv):
     """The superblock's sixteen 16-element sums of int8 activations: <16 x i16>."""
-    return _ir.load(bld, bld.gep(env.xs16, [bld.sdiv(env.xe, _ir.c64(16))]), _ir.V16i16, 2)
+    return _ir.load(bld, bld.gep(env.xs16, [_ir.xgroup(bld, env, 16)]), _ir.V16i16, 2)
 
 def _scales_mins(bld, wptr, off):
     """The 12 packed bytes at off+4 -> <16 x i16> [sc_0..sc_7, m_0..m_7], done on 32-bit words.
@@ -108,7 +108,7 @@ def _k4_format(name: str, five: bool) -> Format:
         # mins: sum_j m_j * (xs16[2j] + xs16[2j+1]) in one vpmaddwd
         mvec = _ir.madd(bld, _x_sums16(bld, env), mins)
         dx = _ir.xscale(bld, env, 256)
-        return [(acc, bld.fmul(d, dx)), (mvec, bld.fneg(bld.fmul(dmin, dx)))], None
+        return [(acc, d, dx), (mvec, bld.fneg(dmin), dx)], None
 
     return Format(name, *_geometry(name), 1, fvals, iprep, itok)
 
@@ -152,7 +152,7 @@ def _q6_itok(bld, state, env: IEnv):
     acc = _group_dots(bld, env, qs, lanes)  # q <= 63
     # the -32 offset: 32 * sum_i sc_i * sum(x over group i)
     acc = bld.sub(acc, _ir.shl(bld, _ir.madd(bld, scales, _x_sums16(bld, env)), 5))
-    return [(acc, bld.fmul(d, _ir.xscale(bld, env, 256)))], None
+    return [(acc, d, _ir.xscale(bld, env, 256))], None
 
 
 def _geometry(name: str) -> tuple[int, int]:

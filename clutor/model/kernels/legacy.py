@@ -70,14 +70,13 @@ def _legacy(name: str, quants, bias: int = 0, has_min: bool = False, signed: boo
         if neg is not None:
             xv = bld.select(neg, bld.neg(xv), xv)
         dx = _ir.xscale(bld, env, 32)
-        scale = bld.fmul(d, dx)
         ivec = _ir.dot_u8s8(bld, q, xv)
         corr = None
         if has_min:
             corr = bld.fmul(bld.fmul(m, dx), bld.sitofp(_ir.xsum(bld, env, 32), _ir.f32))
         elif bias:
-            corr = bld.fmul(bld.fmul(scale, ir.Constant(_ir.f32, float(-bias))), bld.sitofp(_ir.xsum(bld, env, 32), _ir.f32))
-        return [(ivec, scale)], corr
+            corr = bld.fmul(bld.fmul(bld.fmul(d, dx), ir.Constant(_ir.f32, float(-bias))), bld.sitofp(_ir.xsum(bld, env, 32), _ir.f32))
+        return [(ivec, d, dx)], corr
 
     geometry = TYPES[QT[name]]  # 32 elements, bytes from gguf-py's GGML_QUANT_SIZES
     return Format(name, geometry.block, geometry.block_bytes, 8, fvals, iprep, itok)
