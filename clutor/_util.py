@@ -55,14 +55,21 @@ def open_regular(path: str, what: str) -> int:
 
 
 def sleeping_kernel_workers() -> None:
-    """Called by Model.open and by the clutor command before any kernel runs (never on import):
-    numba's OpenMP workers sleep between kernel launches instead of spinning. Spinning workers keep
-    the cores busy while BLAS's threads, the event loop and other processes wait for them; on a busy
-    machine a product then takes many times longer. It takes effect if it runs before the process's
-    first OpenMP launch, and an OMP_WAIT_POLICY the application set wins."""
+    """Called by Model.open and by the clutor command before any kernel runs (never on import): the
+    thread pools of numba and OpenBLAS sleep between calls instead of spinning. Spinning workers keep
+    the cores busy while the other pool, the event loop and other processes wait for them:
+    - numba's OpenMP workers (OMP_WAIT_POLICY=PASSIVE): on a busy machine a product took many times
+      longer. Takes effect before the process's first OpenMP launch.
+    - OpenBLAS's threads spin for 2^28 cycles (~0.1 s) after each multi-threaded call; a prefill's
+      attention products (numpy BLAS) then took a core from the expert kernels that followed, which
+      ran at one core's speed (OPENBLAS_THREAD_TIMEOUT=4, OpenBLAS's minimum: 16 cycles). OpenBLAS
+      reads it when it loads, i.e. at numpy's first import: the clutor command sets it first, an
+      application that embeds Clutor sets it itself (README, "Python API").
+    A value the application set wins."""
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def proc_bytes(path: str, key: str) -> int | None:

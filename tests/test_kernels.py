@@ -278,12 +278,26 @@ def test_importing_clutor_leaves_the_process_environment_alone(tmp_path) -> None
 
     code = ("import os, json; before = dict(os.environ); import clutor, clutor.model.kernels, clutor.model.model; "
             "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
     assert [p for p in (tmp_path / "numba").rglob("*") if not p.is_dir()] == [], "files written on import"
+
+
+def test_the_command_sets_the_thread_pools_to_sleep_before_numpy_loads() -> None:
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads (numpy's first import): the clutor command
+    sets it in main(), which works only if importing the command's module has not loaded numpy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, os; import clutor.cli; loaded = 'numpy' in sys.modules; "
+            "clutor.cli.sleeping_kernel_workers(); print(loaded, os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "4"], p.stdout
 
 
 @pytest.mark.parametrize("op, name, asm, want", [

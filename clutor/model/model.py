@@ -143,9 +143,11 @@ class Model:
             ``model.profile`` (clutor.model.profile; ``clutor bench --profile`` prints it).
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
 
-        The first open in a process sets OMP_WAIT_POLICY=PASSIVE unless the application has set it:
-        the kernels' OpenMP workers then sleep between launches instead of spinning against BLAS,
-        the event loop and other processes (clutor._util.sleeping_kernel_workers).
+        The first open in a process sets OMP_WAIT_POLICY=PASSIVE and OPENBLAS_THREAD_TIMEOUT=4
+        unless the application has set them: the kernels' OpenMP workers and OpenBLAS's threads then
+        sleep between calls instead of spinning against each other, the event loop and other
+        processes (clutor._util.sleeping_kernel_workers). OpenBLAS reads its variable when numpy is
+        first imported, so an application sets it before that to get the full prefill speed.
         """
         sleeping_kernel_workers()
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,

@@ -20,7 +20,7 @@ BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
   dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available. Tiles of
   2 rows x 8/4/2/1 tokens unpack each block once per tile and keep one accumulator per (row,
   token) in registers (_ir.tile_intrinsic).
-- T >= settings.blas_min_tokens (default 32): rows are dequantised in
+- T >= settings.blas_min_tokens (default 256 for int8 products, 32 for float ones): rows are dequantised in
   chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm.
 In q8 mode below that threshold, the row kernels take tokens four at a time, x rounded to int8 in the
 same launch.
@@ -68,12 +68,16 @@ F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba wou
 # int8 path: weight type -> activation elements per scale (32, or 256 for K-quants)
 _Q8_BLOCK = {int(q): t.q8_block for q, t in TYPES.items() if t.q8_block}
 
-# Token counts from which dequantise-then-BLAS is used (tools/bench_kernels.py --sweep-t, 2 cores).
-# The row kernels win below ~32 tokens in both modes; above, the int8 row kernels (one row x four
-# tokens) fall behind sgemm on the dense shapes, and a prefill's q/k/v/o products run at T = the
-# prompt chunk. (A higher q8 setting once guarded against numba's spinning OpenMP workers fighting
-# OpenBLAS's threads on a loaded machine; the workers now sleep between launches.)
-_BLAS_MIN_T = 32
+# Token counts from which dequantise-then-BLAS is used, per activation mode (2 cores, Zen 4, OLMoE's
+# 2048 x 2048 and 1024 x 2048 Q8_0, each engine in its own process, GFLOP/s):
+#   T          16    32    64   128   256   512
+#   int8      181   217   229   230   230   220   (AVX2 code: 201-212)
+#   BLAS      120   161   201   222   235   238   (dequantise + numpy's OpenBLAS sgemm)
+#   f32 tiles 132   ~145  (tools/bench_kernels.py)
+# and, worse than its own speed, OpenBLAS's threads spin for milliseconds after each sgemm: numba's
+# threads launched in that time (the experts after a prefill's q/k/v) ran at one core's speed (115
+# instead of ~200 GFLOP/s). So int8 keeps every product below 256 tokens, float tiles below 32.
+_BLAS_MIN_T = {"q8": 256, "f32": 32}
 # Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
 _CHUNK_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 128 << 10
@@ -148,8 +152,9 @@ def mode(settings: KernelSettings = DEFAULT) -> str:
     return "q8" if settings.activations in ("q8", "auto") and _ir.HAVE_INT8_SIMD else "f32"
 
 
-def _blas_from(settings: KernelSettings) -> int:
-    return settings.blas_min_tokens or _BLAS_MIN_T
+def _blas_from(settings: KernelSettings, int8: bool) -> int:
+    """Token count from which a product goes to BLAS, for the int8 or the float-tile path."""
+    return settings.blas_min_tokens or _BLAS_MIN_T["q8" if int8 else "f32"]
 
 
 def _n_threads(settings: KernelSettings) -> int:
@@ -158,7 +163,7 @@ def _n_threads(settings: KernelSettings) -> int:
 
 def info(settings: KernelSettings = DEFAULT) -> KernelInfo:
     m = mode(settings)
-    return KernelInfo(_ir.BACKEND, m, _n_threads(settings), _blas_from(settings),
+    return KernelInfo(_ir.BACKEND, m, _n_threads(settings), _blas_from(settings, m == "q8"),
                       tuple(type_name(q) for q in _BLOCKS if has_kernel(q)))
 
 
@@ -304,7 +309,7 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
     _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
     q8 = mode(settings) == "q8" and qtype in _Q8_BLOCK
-    if n_tok >= _blas_from(settings):
+    if n_tok >= _blas_from(settings, q8):
         _blas(w, qtype, rb, n_rows, n_cols, x2, out2)
     elif q8:
         _run_jobs_q8(_Q8_BLOCK[qtype], [(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
@@ -355,7 +360,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         if j.n_tok == 0:
             continue
         int8 = q8 and qtype in _Q8_BLOCK
-        if qtype == F32 or j.n_tok >= _blas_from(settings):
+        if qtype == F32 or j.n_tok >= _blas_from(settings, int8):
             y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
             continue
