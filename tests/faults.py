@@ -14,19 +14,19 @@ from typing import Callable, Sequence
 from clutor.errors import ClutorIOError
 from clutor.io.backend import Backend, ReadHandle, ReadRequest, ReadState
 
-__all__ = ["FaultyBackend", "FaultyHandle"]
+__all__ = ["FaultyBackend", "FaultyHandle", "WrappedHandle"]
 
 
-class FaultyHandle(ReadHandle):
-    """The caller's view of a wrapped read: state follows the inner read until the fault is applied."""
+class WrappedHandle(ReadHandle):
+    """The caller's view of a read a test backend wraps: its state follows the inner read until the
+    wrapper resolves ``done`` (one callback after the inner read's)."""
 
-    __slots__ = ("inner", "fault")
+    __slots__ = ("inner",)
 
-    def __init__(self, inner: ReadHandle, fault: str | None, loop: asyncio.AbstractEventLoop):
+    def __init__(self, inner: ReadHandle, loop: asyncio.AbstractEventLoop):
         # ReadHandle.__init__ would assign .state, which here is derived from the inner read.
         self.request = inner.request
         self.inner = inner
-        self.fault = fault
         self.done = loop.create_future()
 
     @property
@@ -42,6 +42,16 @@ class FaultyHandle(ReadHandle):
         if not self.done.done():
             self.done.cancel()
         return True
+
+
+class FaultyHandle(WrappedHandle):
+    """A wrapped read with the fault (or None) chosen for it at submit time."""
+
+    __slots__ = ("fault",)
+
+    def __init__(self, inner: ReadHandle, fault: str | None, loop: asyncio.AbstractEventLoop):
+        super().__init__(inner, loop)
+        self.fault = fault
 
 
 class FaultyBackend:

@@ -17,8 +17,8 @@ import pytest
 from conftest import run_on_loop
 
 from clutor.errors import BudgetError, ClosedError, ClutorIOError
-from clutor.io.backend import ReadHandle, ReadState
-from faults import FaultyBackend
+from clutor.io.backend import ReadHandle
+from faults import FaultyBackend, WrappedHandle
 from clutor.io.layout import ExpertLayout, ExpertTensor
 from clutor.io.open_backend import open_backend
 from clutor.io.store import PREFETCH_DEPTH, ExpertStore, StoreStats
@@ -96,27 +96,18 @@ def io(request) -> str:
 
 
 # -- probe backend wrapper -----------------------------------------------------------------------
-class ProbeHandle(ReadHandle):
-    __slots__ = ("inner", "probe")
+class ProbeHandle(WrappedHandle):
+    __slots__ = ("probe",)
 
     def __init__(self, inner: ReadHandle, probe: "Probe", loop):
-        self.request = inner.request
-        self.inner = inner
+        super().__init__(inner, loop)
         self.probe = probe
-        self.done = loop.create_future()
-
-    @property
-    def state(self) -> ReadState:  # type: ignore[override]
-        s = self.inner.state
-        return ReadState.INFLIGHT if s is ReadState.DONE and not self.done.done() else s
 
     def drop(self) -> bool:
-        if not self.inner.drop():
+        if not super().drop():
             return False
         self.probe.busy.discard(self.request.buf)  # never handed to the kernel: the buffer was never touched
         self.probe._open.discard(self)
-        if not self.done.done():
-            self.done.cancel()
         return True
 
 
