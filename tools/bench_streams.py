@@ -30,6 +30,8 @@ async def run(args) -> dict:
     opts = {"expert_cache": args.expert_cache, "policy": args.policy}
     if args.prefetch != "default":
         opts["prefetch"] = args.prefetch == "on"
+    if args.trace:
+        opts["trace"] = args.trace
     async with clutor.Model.open(args.model, **opts) as model:
         prompts = [bench_prompt(model.tokenizer, args.prompt_tokens, 100 + i) for i in range(args.streams)]
         async for _ in model.generate(bench_prompt(model.tokenizer, args.prompt_tokens, 1), max_tokens=1, temperature=0):
@@ -61,6 +63,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=1)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--trace", help="also write the run's routing trace here (replay it with clutor simulate)")
     p.add_argument("--expert-cache", default="25%")
     p.add_argument("--policy", default="lrfu")
     p.add_argument("--prefetch", choices=("on", "off", "default"), default="off")
