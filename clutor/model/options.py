@@ -21,7 +21,7 @@ class ModelOptions:
     n_ctx: int | None = None
     expert_cache: int | str | None = None  # bytes, "3GiB", "25%" of the expert bytes, None = default share of RAM
     prefetch: bool | None = None           # None = the measured default (see Model.open)
-    policy: str = DEFAULT_POLICY  # forecast: beat LRFU at every budget on real routing in the simulator
+    policy: str = DEFAULT_POLICY  # lrfu; forecast learns from routing (README: Cache policy on real routing)
     io: str = "auto"                       # auto | uring | threads | memory (mmap, no store, no budget)
     direct: bool = True                    # O_DIRECT (bypass the page cache) when the filesystem allows it
     trace: str | None = None               # JSONL routing trace written while running
