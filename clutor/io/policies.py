@@ -447,7 +447,7 @@ class Forecast(Policy):
         # per layer: (snapshot, [J, E, F] features) of its latest `steps` rounds, newest last; the
         # learning samples pending when the arrays grow are dropped (their shapes are stale)
         self._pending: list[list[tuple]] = [[] for _ in range(L)]
-        self._mixed: dict[int, np.ndarray] = {}  # layer -> [J, E] chances after its latest round, before any hint
+        self._predicted: dict[int, np.ndarray] = {}  # layer -> [J, E] chances after its latest round, before any hint
         self._partial = None
         self._T, self._N, self._unit, self._pop, self._rounds, self._g, self._res = T, N, unit, pop, rounds, g, res
         self._latest = latest
@@ -462,15 +462,17 @@ class Forecast(Policy):
         return l, e
 
     # -- the model ---------------------------------------------------------------------------------
-    def _snapshot(self, l: int, same: Sequence[int] | None = None) -> tuple[np.ndarray, ...]:
-        """The experts of the latest rounds of layers l-1, l (or ``same``) and l+1: what predicts l's next rounds."""
+    def _snapshot(self, l: int, same: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """What predicts layer l's next rounds: the experts of the latest rounds of layers l-1, l (or
+        ``same``) and l+1, as ([S] side: 0, 1, 2 for l-1, l, l+1; [S] expert)."""
         empty = np.zeros(0, np.intp)
-        below = self._latest[l - 1] if l > 0 else empty
-        above = self._latest[l + 1] if l + 1 < self._L else empty
-        return below, (self._latest[l] if same is None else np.asarray(same, np.intp)), above
+        parts = (self._latest[l - 1] if l > 0 else empty,
+                 self._latest[l] if same is None else np.asarray(same, np.intp),
+                 self._latest[l + 1] if l + 1 < self._L else empty)
+        return np.repeat(np.arange(3), [len(a) for a in parts]), np.concatenate(parts)
 
-    def _features(self, l: int, snap: tuple[np.ndarray, ...]) -> np.ndarray:
-        """[J, E, F] features of layer l's experts for each of its next J rounds, given ``snap``."""
+    def _features(self, l: int, snap: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """[J, E, F] features of layer l's experts for each of its next J rounds, given ``snap`` (see _snapshot)."""
         E, c = self._E, self.shrink
         q = (self._pop[:, l] + 1.0 / E) / (self._rounds[:, l, None] + 1.0)  # [4, E] shares, shrunk towards 1/E
         q = np.minimum(q, 1.0 - 1e-6)  # (1 only when a layer has a single expert)
@@ -480,25 +482,24 @@ class Forecast(Policy):
         x[:, :, 1] = lq[0]
         x[:, :, 2:5] = (lq[1:] - lq[0]).T
         x[:, :, 5:] = 0.0
-        x[:, snap[1], 7] = 1.0
-        sizes = [len(a) for a in snap]
-        if sum(sizes):
-            r = np.repeat(np.arange(3), sizes)  # [S] which layer of the snapshot
-            a = np.concatenate(snap)            # [S] its experts
+        r, a = snap
+        same = r == 1
+        x[:, a[same], 7] = 1.0
+        if len(a):
             # each row a -> b shrunk towards the popularity with `shrink` rounds' weight; T <= N, so rows lie in (0, 1)
             cu = c * self._unit[l]
             rows = (self._T[l][:, r, a] + cu * q[0]) / (self._N[l][:, r, a][..., None] + cu)  # [J, S, E]
             lift = np.log(rows) - np.log1p(-rows) - lq[0]
+            n_same = np.count_nonzero(same)
             side = np.zeros((len(a), 2))  # [S, 2] mean over the same layer's experts, over the neighbours'
-            side[r == 1, 0] = 1.0 / max(sizes[1], 1)
-            side[r != 1, 1] = 1.0 / max(sizes[0] + sizes[2], 1)
+            side[same, 0] = 1.0 / max(n_same, 1)
+            side[~same, 1] = 1.0 / max(len(a) - n_same, 1)
             x[:, :, 5:7] = np.einsum("jse,sk->jek", lift, side)
         return x
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
         """[J, E] chances from [J, E, F] features."""
-        z = np.einsum("jef,jf->je", x, self._w)
-        return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
+        return _sigmoid(np.einsum("jef,jf->je", x, self._w))
 
     def _chances(self, l: int, latest: Sequence[int]) -> np.ndarray:
         """[J, E] chance of use at each of layer l's next J rounds after a round of ``latest``."""
@@ -518,11 +519,11 @@ class Forecast(Policy):
 
     def _refresh(self, l: int, models: bool = True) -> None:
         """Layer l's scores, after a round (models=True) or a hint (the chances of its last round kept)."""
-        if models or l not in self._mixed:
+        if models or l not in self._predicted:
             pending = self._pending[l]
             x = pending[-1][1] if pending else self._features(l, self._snapshot(l))
-            self._mixed[l] = self._predict(x)
-        p = self._mixed[l]
+            self._predicted[l] = self._predict(x)
+        p = self._predicted[l]
         hinted = self._hinted.get(l)
         if hinted is not None:
             # Bayes: the model's odds times how much likelier the hint's verdict is for a used expert
@@ -554,14 +555,11 @@ class Forecast(Policy):
             self._unit[l] = 1.0
         unit = self._unit[l]
         for j in range(min(self.steps, len(pending))):
-            snap, x = pending[-1 - j]
+            (r, a), x = pending[-1 - j]  # (its snapshot: distinct experts per side, [J, E, F] features)
             xj = x[j]  # [E, F]
-            err = 1.0 / (1.0 + np.exp(-np.clip(xj @ self._w[j], -30.0, 30.0))) - used
-            grad = err @ xj
+            grad = (_sigmoid(xj @ self._w[j]) - used) @ xj
             self._sq[j] += grad * grad
             self._w[j] -= self.learning_rate * grad / np.sqrt(self._sq[j])
-            r = np.repeat(np.arange(3), [len(a) for a in snap])  # [S] which layer of the snapshot
-            a = np.concatenate(snap)                               # [S] its experts (distinct per layer)
             T[j][r[:, None], a[:, None], s[None, :]] += unit
             N[j][r, a] += unit
         d = self._pop_decay
@@ -643,9 +641,8 @@ class Forecast(Policy):
             yield divmod(int(i), self._E)
 
 
-def _logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-4, 1.0 - 1e-4)
-    return np.log(p / (1.0 - p))
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
 
 
 class LRU2(_ScoredPolicy):
