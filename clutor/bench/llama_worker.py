@@ -61,8 +61,7 @@ def _greedy(llm, llama_cpp, n_vocab: int) -> int:
 
 def run(path: str, options: dict) -> dict:
     opts = worker_options(DEFAULTS, options)
-    P, N = int(opts["prompt_tokens"]), int(opts["tokens"])
-    n_ctx = opts["n_ctx"] or P + N + 8
+    P, N, n_ctx = int(opts["prompt_tokens"]), int(opts["tokens"]), int(opts["n_ctx"])
     threads = opts["n_threads"] or os.cpu_count() or 1
     if not os.path.isfile(path):
         raise ClutorError(f"{path}: no such model file")

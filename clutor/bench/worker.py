@@ -171,8 +171,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
     n = int(opts["concurrency"])
     if n < 1:
         raise ClutorError(f"concurrency must be >= 1, got {n}")
-    kwargs = {**kwargs, "max_sequences": max(n, 1), "prefix_cache": 0,
-              "n_ctx": opts["prompt_tokens"] + opts["tokens"] + 8}
+    kwargs = {**kwargs, "max_sequences": n, "prefix_cache": 0}
     async with Model.open(path, **kwargs) as model:
         prompts = [bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 100 + i) for i in range(n)]
         if opts["warmup"]:
