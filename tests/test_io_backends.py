@@ -6,6 +6,7 @@ if the loop logged anything (an exception in a callback, a future exception neve
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import hashlib
 import os
@@ -88,7 +89,9 @@ def uring_unavailable() -> str | None:
                 return str(err)
             await b.aclose()
             return None
-        _URING_REASON.append(asyncio.run(probe()))
+        # in a thread of its own: callers may already be inside a running event loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            _URING_REASON.append(pool.submit(asyncio.run, probe()).result())
     return _URING_REASON[0]
 
 
@@ -635,3 +638,28 @@ def test_open_backend_choices_and_direct_fallback(data, monkeypatch):
             open_backend([path + ".missing"], bufs, io="threads")
 
     run(main)
+
+
+def test_liburing_that_dies_with_sigill_falls_back_to_threads(tmp_path, monkeypatch):
+    """A liburing wheel built for instructions this CPU lacks kills the process that uses it: the probe
+    (a child process) sees the signal, and io="auto" reads with the thread pool, saying why."""
+    path = str(tmp_path / "f.bin")
+    with open(path, "wb") as f:
+        f.write(b"x" * 8192)
+    monkeypatch.setattr(uring_mod, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    monkeypatch.setattr(uring_mod, "_probe_result", None)
+
+    async def main():
+        with Arena(1, 4096) as arena:
+            b = open_backend([path], [arena.buffer(0)], io="auto")
+            assert b.name == "threads" and "SIGILL" in b.fallback_reason
+            await b.aclose()
+            with pytest.raises(ClutorError, match="SIGILL"):
+                open_backend([path], [arena.buffer(0)], io="uring")
+
+    run(main)
+    # A probe that exits normally lets the ring be made in this process (an OSError there is classified
+    # as before); the result is kept for the process.
+    monkeypatch.setattr(uring_mod, "_PROBE", "pass")
+    monkeypatch.setattr(uring_mod, "_probe_result", None)
+    assert uring_mod._probe_liburing() == "" and uring_mod._probe_result == ""

@@ -46,11 +46,46 @@ class UringUnavailable(ClutorError):
     """io_uring cannot be used on this machine; ``open_backend(io="auto")`` falls back to threads."""
 
 
+# The liburing wheels on PyPI are built by Zig for a CPU with AVX-512: on one without it (AMD Zen 2/3,
+# most Intel desktops) creating a ring dies with SIGILL, which no Python code can catch. So before the
+# first use in a process the wrapper is exercised in a child process; if the child dies, io_uring is
+# unavailable here and io="auto" reads with the thread pool instead (the report says why).
+_PROBE = ("import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); "
+          "L.io_uring_queue_exit(r)")
+_probe_result: str | None = None  # "" = the wrapper works here; else why not (one probe per process)
+
+
+def _probe_liburing() -> str:
+    global _probe_result
+    if _probe_result is None:
+        import signal
+        import subprocess
+        import sys
+
+        try:
+            p = subprocess.run([sys.executable, "-c", _PROBE], stdin=subprocess.DEVNULL, capture_output=True,
+                               timeout=30, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+        except (OSError, subprocess.SubprocessError) as err:
+            _probe_result = f"io_uring unavailable: probing liburing failed ({err})"
+        else:
+            if p.returncode == -signal.SIGILL:
+                _probe_result = ("io_uring unavailable: the installed liburing wheel uses CPU instructions this "
+                                 "CPU lacks (it was built for AVX-512) and dies with SIGILL")
+            elif p.returncode < 0:
+                _probe_result = f"io_uring unavailable: liburing killed its probe with signal {-p.returncode}"
+            else:
+                _probe_result = ""  # an OSError (ENOSYS, EPERM, ...) is met again, and classified, in __init__
+    return _probe_result
+
+
 def _import_liburing() -> Any:
     try:
         import liburing
     except ImportError as err:  # no wheel for this platform / Python
         raise UringUnavailable(f"io_uring unavailable: cannot import liburing ({err})") from err
+    why = _probe_liburing()
+    if why:
+        raise UringUnavailable(why)
     return liburing
 
 
