@@ -149,7 +149,7 @@ def test_truncated_sequence_recomputes_only_the_new_tokens_exactly():
             second = first[:12] + rng.integers(0, V, 9).tolist()
             seq = model.new_sequence()
             await model.forward(seq, first)
-            seq.kv.n = 12
+            seq.truncate(12)
             reused = await model.forward(seq, second[12:], all_logits=True)
             fresh = (await model.logits(second))[12:]
             return reused, fresh
@@ -278,7 +278,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     request is served normally (nothing hangs, nothing is logged as unretrieved)."""
     async def go():
         async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory") as model:
-            real = model.forward_batch
+            real = model.runner.run  # every step of the engine goes through the runner
             calls = {"n": 0}
 
             async def flaky(*a, **k):
@@ -287,7 +287,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
                     raise RuntimeError("injected")
                 return await real(*a, **k)
 
-            monkeypatch.setattr(model, "forward_batch", flaky)
+            monkeypatch.setattr(model.runner, "run", flaky)
             results = await asyncio.gather(_tokens(model, "Hello there", 8, {"temperature": 0}),
                                            _tokens(model, "Good morning", 8, {"temperature": 0}),
                                            return_exceptions=True)

@@ -1,13 +1,16 @@
 """Token-by-token generation as streamed records; the steps themselves run in clutor.model.engine."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
+import numpy as np
 
 from .._util import proc_bytes
 from ..errors import ClutorError
+from .engine import Request
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
@@ -152,7 +155,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
+                   logprobs: int | None = None, logits_processor: Callable | None = None) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -162,30 +165,37 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
+    logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
+        thread before each sampling (a grammar's mask: set disallowed tokens to -inf); what it returns
+        is sampled from. An exception it raises ends this generation alone with that error.
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
     """
     tok = model.tokenizer
-    ids = tok.encode(prompt, special=special) if isinstance(prompt, str) else [int(i) for i in prompt]
-    if not ids:
-        raise ClutorError("the prompt is empty: give at least one token")
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(ids) > model.n_ctx:
-        raise ClutorError(f"the prompt is {len(ids)} tokens, {len(ids) - model.n_ctx} more than the context "
-                          f"(n_ctx {model.n_ctx}): shorten it or open the model with a larger n_ctx")
-    # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
-    max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
+    if isinstance(prompt, str):
+        # Tokenising (and rendering a chat template) is CPU-bound Python: off the event loop.
+        ids = await asyncio.to_thread(tok.encode, prompt, special=special)
+    elif callable(prompt):
+        ids = await asyncio.to_thread(prompt)
+    else:
+        ids = prompt
+    ids = model.engine.check(ids)  # this caller's error, before it can join a step
+    # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
+    max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     stream = tok.stream()
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
-    req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              None if logprobs is None else _with_logprobs(logprobs))
+    req = model.engine.submit(Request(
+        ids, sampler=sampler, max_new=max_new, stop_ids=frozenset() if ignore_eos else frozenset(tok.stop_ids),
+        sample=None if logprobs is None else _with_logprobs(logprobs),
+        logits_processor=None if logits_processor is None else _processor(logits_processor)))
     n_gen, reason = 0, "length"
     try:
         while True:
@@ -213,6 +223,18 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                             io=_io_report(io_before, model.io_stats(), t_end - t0),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
+
+
+def _processor(fn: Callable):
+    """The engine's logits_processor hook from the public one, which sees the ids so far."""
+
+    def process(req, row):
+        out = np.asarray(fn(req.history, row), dtype=np.float32)
+        if out.shape != row.shape:
+            raise ClutorError(f"logits_processor returned shape {out.shape}, expected {row.shape}")
+        return out
+
+    return process
 
 
 def _with_logprobs(n: int):

@@ -100,10 +100,24 @@ class Rope:
             self._memo_floats += cos.size
         return cos, sin
 
+    def angles_at(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 [R, n_rot/2] for arbitrary positions pos [R] (a batched step's rows);
+        the same values angles() gives for those positions."""
+        if len(pos) and not (0 <= int(pos.min()) and int(pos.max()) < self.n_ctx):
+            raise ValueError(f"RoPE positions {int(pos.min())}..{int(pos.max())} outside the context of {self.n_ctx}")
+        ang = pos.astype(np.float64)[:, None] * self.inv[None, :]  # [R, n_rot/2]
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        if self.mscale != 1:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos, sin
+
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
-        T, half = x.shape[0], self.half
-        cos, sin = self.angles(p0, T)
+        return self.rotate(x, *self.angles(p0, x.shape[0]))
+
+    def rotate(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [T, heads, hd] rotated by the angles of its rows (cos, sin [T, n_rot/2]) -> a copy."""
+        half = self.half
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
         out = np.empty_like(x)
         if self.style == "neox":

@@ -1,7 +1,9 @@
-"""Model: open a GGUF MoE file, compute logits, generate text.
+"""Model: the public facade. Open a GGUF MoE file; generate, chat, logits, embeddings.
 
-The layer loop awaits each layer's routed experts from an ExpertSource (in memory here; the
-disk-streaming ExpertStore elsewhere) and never knows which one it has.
+What runs underneath, one job per module: the engine (clutor.model.engine) schedules every request
+into batched steps; the runner (clutor.model.runner) executes a step through the layers, awaiting each
+layer's routed experts from an ExpertSource (mapped from the file, or streamed by the ExpertStore)
+without knowing which one it has.
 """
 from __future__ import annotations
 
@@ -14,20 +16,18 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 import numpy as np
 
 from .._util import AwaitableContext, sleeping_kernel_workers
-from ..io.policies import DEFAULT_POLICY
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import ClosedError, ClutorError, ModelFileError
 from .arch import Arch, read_arch
-from .layers import rmsnorm
 from .gguf import GGUFFile
 from . import kernels
-from .compute import compute
-from .engine import Engine
-from .kernels import Job
-from .quants import matmul_jobs
-from .options import ModelOptions, resolve_budget
+from .engine import Engine, Request
+from .options import DEFAULTS, ModelOptions, resolve_budget
+from .plan import StepPlan, Want
 from .profile import NO_PROFILE, Profile
+from .runner import Runner
 from .source import ExpertSource, InMemoryExperts
+from .state import SequenceState
 from .tokenizer import Tokenizer
 from .weights import DenseWeights, load_dense, resident_bytes
 
@@ -35,41 +35,6 @@ if TYPE_CHECKING:
     from .generate import GenerationChunk
 
 __all__ = ["Model", "SequenceState"]
-
-
-class SequenceState:
-    """One sequence's state: its KV cache (laid out as its architecture stores it) and how many
-    positions it holds."""
-
-    def __init__(self, arch: Arch, n_ctx: int):
-        self.kv = arch.new_kv(n_ctx)
-
-    @property
-    def n(self) -> int:
-        return self.kv.n
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """One sequence's share of a step: its new ids at positions p0.., rows r0.. of the step."""
-
-    seq: SequenceState
-    ids: np.ndarray  # [T_i] int64
-    p0: int
-    r0: int
-
-
-@dataclass(frozen=True)
-class _Step:
-    segments: list[_Segment]
-    ids: np.ndarray  # [R] the segments' ids back to back
-    pos: np.ndarray  # [R] each row's position in its own sequence
-    need: list[bool]  # per segment: compute its logits
-
-    def commit(self) -> None:
-        """The step's positions count as filled: only once every layer has written them."""
-        for seg in self.segments:
-            seg.seq.kv.n = seg.p0 + len(seg.ids)
 
 
 class Model:
@@ -82,41 +47,39 @@ class Model:
         self.path = path
         self.arch = arch
         self.config = cfg
-        self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert store's layer
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self._file = f
         self._w = dense
         self._experts = experts
-        self._rope = arch.make_rope(n_ctx)
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
-        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README,
-        # "prefetch"): in steps of several sequences, whose union of experts is predicted well and whose
-        # compute hides the reads; not for one alone, where its wrong guesses cost more reads than it
-        # saves. None = that rule; True/False = always/never.
-        self._prefetch = "off" if options.io == "memory" or options.prefetch is False else (
-            "always" if options.prefetch is True else "batched")
-        self._hints = experts.wants_hints
         self._trace = trace
-        # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
-        # served in chunks, leaving room for other sequences and for the next layer's prefetch.
-        room = experts.capacity
-        self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
         for w in dense.matrices():
             w.kernels = self.kernels
-        self.engine = Engine(self, max_sequences=options.max_sequences, step_tokens=options.step_tokens,
-                             prefix_bytes=options.prefix_cache_bytes)
+        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README,
+        # "prefetch"): in steps of several sequences, whose union of experts is predicted well and whose
+        # compute hides the reads; not for one alone, where its wrong guesses cost more reads than it
+        # saves. None = that rule; True/False = always/never.
+        prefetch = "off" if options.io == "memory" or options.prefetch is False else (
+            "always" if options.prefetch is True else "batched")
+        self.runner = Runner(arch, dense, experts, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
+                             profile=self.profile, trace=trace)
+        self.engine = Engine(self.runner, self.new_sequence, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
+                             bytes_per_token=cfg.kv_bytes_per_token, max_sequences=options.max_sequences,
+                             step_tokens=options.step_tokens, prefix_bytes=options.prefix_cache_bytes)
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike, *, n_ctx: int | None = None, expert_cache: int | str | None = None,
-             prefetch: bool | None = None, policy: str = DEFAULT_POLICY, io: str = "auto", direct: bool = True,
-             trace: str | os.PathLike | None = None, max_sequences: int = 16, step_tokens: int = 256,
-             prefix_cache: int | str = "256MiB", activations: str = "auto", threads: int | None = None,
+    def open(cls, path: str | os.PathLike, *, n_ctx: int | None = DEFAULTS.n_ctx,
+             expert_cache: int | str | None = DEFAULTS.expert_cache, prefetch: bool | None = DEFAULTS.prefetch,
+             policy: str = DEFAULTS.policy, io: str = DEFAULTS.io, direct: bool = DEFAULTS.direct,
+             trace: str | os.PathLike | None = None, max_sequences: int = DEFAULTS.max_sequences,
+             step_tokens: int = DEFAULTS.step_tokens, prefix_cache: int | str = DEFAULTS.prefix_cache,
+             activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
              profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
@@ -229,237 +192,62 @@ class Model:
             raise ClosedError(f"{self.path}: model is closed")
 
     # ---- forward ---------------------------------------------------------------------------
-    # The one data path. Every numerical step is a plain method run on the compute thread
-    # (``await compute(...)``); what stays on the event loop is only the expert I/O: reserving a
-    # layer's experts, submitting the misses and taking completions (``self._experts.get_ready``).
+    # Every forward goes through the runner (clutor.model.runner), the one layer loop: the engine's
+    # steps and the direct calls below alike.
     def new_sequence(self) -> SequenceState:
+        """A fresh sequence state for forward()/forward_batch()."""
         return SequenceState(self.arch, self.n_ctx)
 
     async def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]."""
+        """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]. Runs as a
+        request of the engine, batched with whatever else is running."""
         self._check_open()
-        return await self.forward(self.new_sequence(), ids, all_logits=True)
+        req = self.engine.submit(Request(list(ids), kind="logits"))
+        try:
+            return await req.result()
+        finally:
+            self.engine.release(req)
+
+    async def embed(self, ids: Sequence[int] | str, *, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The prompt's final normed hidden states (what the output projection reads), pooled over its
+        positions ("mean", or the "last" one), float32 [n_embd]; L2-normalised unless normalize=False."""
+        self._check_open()
+        if isinstance(ids, str):
+            ids = await asyncio.to_thread(self.tokenizer.encode, ids)
+        req = self.engine.submit(Request(list(ids), kind="embed", pooling=pooling))
+        try:
+            v = await req.result()
+        finally:
+            self.engine.release(req)
+        if normalize:
+            norm = float(np.linalg.norm(v))
+            v = v / norm if norm > 0 else v
+        return v
 
     async def forward(self, seq: SequenceState, ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
         """Append ids to seq (one batched pass); logits [T, V] if all_logits else [1, V] for the last."""
         return (await self.forward_batch([(seq, ids)], all_logits=all_logits))[0]
 
     async def forward_batch(self, batch: Sequence[tuple[SequenceState, Sequence[int]]], *,
-                            all_logits: bool = False, need: Sequence[bool] | None = None,
-                            head: Callable | None = None) -> list:
+                            all_logits: bool = False, need: Sequence[bool] | None = None) -> list:
         """One step over several sequences at once: each (seq, ids) appends its ids to its own KV
         cache at its own positions; the layers' dense products and each routed expert run once for
         all rows of the step. Returns per sequence logits [T_i, V] (all_logits) or [1, V], None
-        where ``need`` says a sequence's logits are not wanted (a prompt chunk that is not its last);
-        ``head(that list)``, if given, runs on the compute thread and its result is returned instead."""
+        where ``need`` says a sequence's logits are not wanted. The first error of a sequence is raised."""
         self._check_open()
-        step = self._plan(batch, need)
-        phase = "decode" if len(step.ids) == len(step.segments) else "prefill"
-        with self.profile.step(phase, len(step.ids)):
-            if self._experts.immediate:
-                # Experts mapped from the file never wait for a read: the whole step is one trip to
-                # the compute thread instead of two per layer.
-                return await compute(self._forward_now, step, all_logits, head)
-            x = h = ys = None
-            for l in range(self.config.n_layers):
-                # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
-                # the previous layer's expert sum (or the embedding), then this layer's attention and router.
-                x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D], R = rows of all sequences
-                ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
-            step.commit()
-            return await compute(self._head, x, h, ys, step, all_logits, head)
-
-    def _forward_now(self, step: "_Step", all_logits: bool, head: Callable | None):
-        """forward_batch's layer loop in one call on the compute thread, for an immediate source."""
-        x = h = ys = None
-        for l in range(self.config.n_layers):
-            x, h, sel, w, _ = self._layer_start(l, x, h, ys, step)
-            if sel is None:
-                ys = []
-                continue
-            wanted = _by_votes(sel)
-            out = self._experts_out(l, h, sel, w, self._experts.views_now(self._moe_index[l], wanted))
-            ys = [out[e] for e in wanted]
-        step.commit()
-        return self._head(x, h, ys, step, all_logits, head)
-
-    def _plan(self, batch, need) -> "_Step":
-        cfg = self.config
-        segments, r = [], 0
         need = [True] * len(batch) if need is None else list(need)
-        for seq, ids in batch:
-            ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T_i]
-            if len(ids) == 0:
-                raise ClutorError("forward needs at least one token")
-            if ids.min() < 0 or ids.max() >= cfg.n_vocab:
-                raise ClutorError(f"token ids must be in [0, {cfg.n_vocab}), got {int(ids.min())}..{int(ids.max())}")
-            if seq.n + len(ids) > seq.kv.n_ctx:
-                raise ClutorError(f"context full: {seq.n} + {len(ids)} tokens > n_ctx {seq.kv.n_ctx} "
+        items = []
+        for (seq, ids), ok in zip(batch, need):
+            ids = self.engine.check(ids)
+            if seq.n + len(ids) > seq.n_ctx:
+                raise ClutorError(f"context full: {seq.n} + {len(ids)} tokens > n_ctx {seq.n_ctx} "
                                   "(open the model with a larger n_ctx)")
-            if any(s.seq is seq for s in segments):
-                raise ClutorError("a sequence can appear only once in a step")
-            segments.append(_Segment(seq, ids, seq.n, r))
-            r += len(ids)
-        if not segments:
-            raise ClutorError("forward needs at least one sequence")
-        return _Step(segments, np.concatenate([s.ids for s in segments]),
-                     np.concatenate([s.p0 + np.arange(len(s.ids)) for s in segments]), need)
-
-    # -- compute thread ------------------------------------------------------------------------
-    def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: "_Step"):
-        """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
-        then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
-        experts [R, K], weights [R, K]; both None in a dense layer)."""
-        arch, lw, prof = self.arch, self._w.layers[l], self.profile
-        if l == 0:
-            with prof.span("embed"):
-                x = self._w.tok_embd.rows(step.ids)  # [R, D]
-        else:
-            with prof.span("shared + sum"):
-                x = self._moe_add(l - 1, x, h, ys)  # [R, D]
-        with prof.span("attention"):
-            x = x + arch.attention(lw, l, x, step, self._rope)
-        with prof.span("router"):
-            h = arch.ffn_input(lw, x)  # [R, D]
-            if lw.experts is None:
-                return x, h, None, None, None
-            sel, w = arch.route(lw, h)  # [R, K], [R, K]
-        nxt = None
-        if len(sel) == len(step.segments) and l + 1 in self._moe_index and self._predicting(len(sel)):
-            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
-            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
-            with prof.span("predict"):
-                nxt = self._predict(l + 1, x)
-        if self._trace is not None:
-            for r in range(len(sel)):
-                self._trace.write(int(step.pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
-        return x, h, sel, w, nxt
-
-    def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                     views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
-        [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
-        that gate and up for all of them are one kernel launch, and down another."""
-        with self.profile.span("experts"):
-            cfg, et = self.config, self._w.layers[l].experts
-            D, F = cfg.n_embd, cfg.n_ff_exp
-            # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
-            # a comparison of all of them per expert: flat index i = row * K + slot.
-            K = sel.shape[1]
-            flat = sel.ravel()  # [R*K]
-            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
-            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
-            grouped = flat[order]  # [R*K] expert ids, ascending
-            lo = np.searchsorted(grouped, ids, "left")
-            hi = np.searchsorted(grouped, ids, "right")
-            counts = (hi - lo).tolist()
-            starts = np.cumsum([0] + counts)[:-1].tolist()
-            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
-            rows = picked // K  # [S], S = rows summed over experts
-            xg = h[rows]  # [S, D]
-            gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
-            matmul_jobs([job for v, t0, n in zip(views, starts, counts)
-                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
-                        self.kernels)
-            biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
-            if biased:
-                for v, t0, n in zip(views, starts, counts):
-                    gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
-                    gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
-            a = self.arch.expert_act(gu, F)  # [S, F]
-            y = np.empty((len(xg), D), np.float32)  # [S, D]
-            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
-                        self.kernels)
-            if biased:
-                for v, t0, n in zip(views, starts, counts):
-                    y[t0 : t0 + n] += v.biases[2].view(np.float32)
-            y *= w.reshape(-1)[picked][:, None]
-            return {v.expert: (rows[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
-
-    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
-        """x + the routed experts' outputs (summed in the order the experts were asked for, so the
-        result never depends on which read finished first) + what the architecture adds (shared
-        experts, or a dense layer's FFN)."""
-        out = np.zeros_like(h)  # [R, D]
-        for rows, y in ys:
-            out[rows] += y
-        extra = self.arch.ffn_extra(self._w.layers[l], h)
-        if extra is not None:
-            out += extra
-        return x + out
-
-    def _head(self, x: np.ndarray, h: np.ndarray, ys: list, step: "_Step", all_logits: bool, head: Callable | None):
-        """The last layer's output, then the output projection of the rows wanted: all of a
-        segment's, or its last (the others' logits would cost a [V, D] product per row for nothing)."""
-        cfg = self.config
-        with self.profile.span("shared + sum"):
-            x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
-        with self.profile.span("output"):
-            out = self._output(x, step, all_logits)
-        if head is None:
-            return out
-        with self.profile.span("sampling"):
-            return head(out)
-
-    def _output(self, x: np.ndarray, step: "_Step", all_logits: bool) -> list[np.ndarray | None]:
-        cfg = self.config
-        spans = [(s.r0, len(s.ids)) if all_logits else (s.r0 + len(s.ids) - 1, 1) for s in step.segments]
-        wanted = [span for span, ok in zip(spans, step.need) if ok]
-        out: list[np.ndarray | None] = [None] * len(spans)
-        if wanted:
-            rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted])
-            logits = self._w.output(rmsnorm(x[rows], self._w.output_norm, cfg.eps))  # [rows, V]
-            at = 0
-            for i, ((_, n), ok) in enumerate(zip(spans, step.need)):
-                if ok:
-                    out[i], at = logits[at : at + n], at + n
-        return out
-
-    def _prefetching(self, n_seq: int) -> bool:
-        return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
-
-    def _predicting(self, n_seq: int) -> bool:
-        """The next layer's router on the current residual (one small product per layer and decode
-        step) only when something uses it: prefetch, or a cache policy that takes hints."""
-        return self._hints or self._prefetching(n_seq)
-
-    def _predict(self, l: int, x: np.ndarray) -> list[int]:
-        """Experts layer l will likely want: its router on the current residual, most-voted first."""
-        lw = self._w.layers[l]
-        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))
-        return _by_votes(sel)[: self._max_batch]
-
-    # -- event loop: expert I/O ------------------------------------------------------------------
-    async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: "_Step", nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Layer l's routed experts for every row of the step: each expert read once, computed on the
-        compute thread group by group as its bytes arrive, while the rest are still being read."""
-        wanted = _by_votes(sel)  # each expert once per layer per step
-        ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
-            self._experts.hint(self._moe_index[l + 1], nxt)
-        for i in range(0, len(wanted), self._max_batch):
-            chunk = wanted[i : i + self._max_batch]
-            groups = self._experts.get_ready(self._moe_index[l], chunk)
-            try:
-                first = True
-                t_wait = time.perf_counter()
-                async for views in groups:
-                    self.profile.add("wait for reads", time.perf_counter() - t_wait)
-                    if first and i == 0 and nxt is not None and self._prefetching(len(step.segments)):
-                        # This layer's experts are pinned and its misses submitted: queue the experts
-                        # layer l+1's router picks from the current hidden state, read while this
-                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
-                        self._experts.prefetch(self._moe_index[l + 1], nxt)
-                    first = False
-                    ys.update(await compute(self._experts_out, l, h, sel, w, views))
-                    t_wait = time.perf_counter()
-            finally:
-                await groups.aclose()
-            # Let another forward waiting for the slots just released reserve before this one does
-            # again (a forward whose next layer is all hits would otherwise never suspend).
-            await asyncio.sleep(0)
-        return [ys[e] for e in wanted]
+            items.append((seq, ids, (Want.ALL if all_logits else Want.LAST) if ok else Want.NOTHING))
+        outcomes = await self.runner.run(StepPlan.build(items))
+        for oc in outcomes:
+            if oc.error is not None:
+                raise oc.error
+        return [oc.value for oc in outcomes]
 
     def io_stats(self):
         """The expert store's counters (None when experts are mapped from the file)."""
@@ -481,7 +269,7 @@ class Model:
         from .chat import chat_ids
 
         self._check_open()
-        return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+        return self.generate(_Deferred(chat_ids, self.tokenizer, list(messages)), **options)
 
     def engine_stats(self):
         """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""
@@ -518,10 +306,11 @@ def _progress_of(progress, total: int) -> Callable[[int], None] | None:
     return step
 
 
-def _by_votes(sel: np.ndarray) -> list[int]:
-    """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
-    so a one-token step asks for its experts exactly in the order the router ranked them."""
-    flat = sel.reshape(-1)
-    ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
-    order = np.lexsort((first, -counts))  # by count descending, then first appearance
-    return ids[order].tolist()
+class _Deferred:
+    """A prompt still to be made (a chat template to render): generate() calls it off the event loop."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __call__(self):
+        return self.fn(*self.args)

@@ -11,7 +11,7 @@ from ..io.store import slot_bytes  # the store owns slot geometry; budgets are c
 from ..units import format_bytes, parse_bytes
 from .kernel_settings import KernelSettings
 
-__all__ = ["ModelOptions", "resolve_budget", "mem_available"]
+__all__ = ["ModelOptions", "DEFAULTS", "resolve_budget", "mem_available"]
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 
@@ -54,6 +54,9 @@ class ModelOptions:
             raise ClutorError(f"io must be one of {', '.join(IO_CHOICES)}, got {self.io!r}")
         if self.io != "memory" and self.policy not in POLICIES:
             raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+
+
+DEFAULTS = ModelOptions()  # the one place Model.open's, the command line's and the server's defaults come from
 
 
 def mem_available() -> int:

@@ -1,7 +1,7 @@
 """What every architecture shares: metadata reading with sanity bounds, the tensor table, and the
 `Arch` base class whose methods are the steps an architecture may compute differently.
 
-The model's layer loop (clutor.model.model) calls, for each layer, on the compute thread:
+The layer loop (clutor.model.runner) calls, for each layer, on the compute thread:
     arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual
     arch.ffn_input(lw, x)                  -> h [R, D], what the FFN (router, experts) reads
     arch.route(lw, h)                      -> (experts [R, K], weights [R, K])   (MoE layers only)
@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
-from ..layers import KVCache, Rope, attention, gate, rmsnorm, silu
+from ..layers import KVCache, Rope, gate, rmsnorm, silu
 from ..quants import apply_all
 
 __all__ = ["Arch", "T", "read_int", "read_float", "read_common"]
@@ -224,15 +224,11 @@ class Arch:
                 v.reshape(R, cfg.n_head_kv, cfg.head_dim_v))
 
     def attention(self, lw, l: int, x: np.ndarray, step, rope: Rope) -> np.ndarray:
-        """GQA self-attention of the residual x [R, D]: each sequence of the step over its own cache."""
-        cfg, R = self.cfg, x.shape[0]
+        """GQA self-attention of the residual x [R, D]: each sequence of the step over its own KV
+        (``step``: clutor.model.step.Step writes k, v into each sequence's state and attends)."""
+        cfg = self.cfg
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
-        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)  # [R, H*hdv]
-        for s in step.segments:  # each sequence attends over its own cache, at its own positions
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            qs, ks = rope(q[rows], s.p0), rope(k[rows], s.p0)
-            s.seq.kv.write(l, s.p0, ks, v[rows])
-            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim))
+        o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
         return lw.wo(o)
 
     def ffn_input(self, lw, x: np.ndarray) -> np.ndarray:

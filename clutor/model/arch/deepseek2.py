@@ -25,7 +25,7 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..layers import LatentKV, Rope, Yarn, attention, gate, rmsnorm
+from ..layers import LatentKV, Rope, Yarn, gate, rmsnorm
 from ..quants import apply_all
 from .common import _MISSING, Arch, T, read_bool, read_common, read_float, read_int
 
@@ -152,14 +152,11 @@ class DeepSeek2(Arch):
         c = rmsnorm(kv[:, :C], lw.kv_a_norm, cfg.eps)  # [R, C]
         # q_nope absorbed into latent space: per head, W_kb [C, nope] @ q_nope [nope]
         q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
-        o_lat = np.empty((R, H, C), np.float32)  # [R, H, C]: attention-weighted latents
-        for s in step.segments:
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            q_pe = rope(np.ascontiguousarray(q[rows, :, nope:]), s.p0)  # [T, H, r]
-            k_pe = rope(kv[rows, None, C:], s.p0)  # [T, 1, r]
-            s.seq.kv.write(l, s.p0, np.concatenate([c[rows, None, :], k_pe], axis=-1))
-            qs = np.concatenate([q_lat[rows], q_pe], axis=-1)  # [T, H, C + r]
-            o_lat[rows] = attention(qs, s.seq.kv, l, s.p0, self.kq_scale).reshape(-1, H, C)
+        q_pe = step.rope(rope, np.ascontiguousarray(q[..., nope:]))  # [R, H, r]
+        k_pe = step.rope(rope, kv[:, None, C:])  # [R, 1, r]
+        # the cache holds (latent, rope key) per position; the values are the latent (v=None)
+        o_lat = step.attend(l, np.concatenate([q_lat, q_pe], axis=-1), np.concatenate([c[:, None, :], k_pe], axis=-1),
+                            None, self.kq_scale).reshape(R, H, C)  # [R, H, C]: attention-weighted latents
         o = np.einsum("hvc,rhc->rhv", lw.wv_b, o_lat, optimize=True).astype(np.float32)  # [R, H, v]
         return lw.wo(o.reshape(R, -1))
 

@@ -1,0 +1,314 @@
+"""The runner: executes one StepPlan through every layer. The only layer loop there is.
+
+    outcomes = await runner.run(plan)   # one Outcome per segment, in the plan's order
+
+Every numerical step runs on the compute thread (clutor.model.compute); the event loop does only the
+expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
+ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
+the compute thread; a streaming source costs one trip per layer boundary, the rest of each layer
+computed group by group as its experts' bytes arrive.
+
+Per layer (the architecture's methods, clutor.model.arch.common):
+    x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
+    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, h)
+    x = x + sum over routed experts (each read once per step, for every row that chose it)
+          + arch.ffn_extra(lw, h)
+then the output rows each segment wants (logits, or the final hidden states), and its head (sampling)
+on the compute thread.
+
+Failure isolation: a read that fails fails the segments whose rows routed to that expert, and the
+rest of the step goes on without it (the expert is not asked for again in this step); an error in one
+segment's head fails that segment. Anything else fails the whole step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import ClutorError, ExpertReadError
+from . import kernels
+from .compute import compute
+from .kernels import Job
+from .layers import rmsnorm
+from .plan import Outcome, StepPlan, Want
+from .profile import NO_PROFILE, Profile
+from .quants import matmul_jobs
+from .step import Step
+
+if TYPE_CHECKING:
+    from ..io.trace import TraceWriter
+    from .arch import Arch
+    from .kernel_settings import KernelSettings
+    from .source import ExpertSource
+    from .weights import DenseWeights
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
+
+    def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", *, n_ctx: int,
+                 kernels_: "KernelSettings", prefetch: str, profile: Profile = NO_PROFILE,
+                 trace: "TraceWriter | None" = None):
+        cfg = arch.cfg
+        self.arch = arch
+        self.config = cfg
+        self.experts = experts
+        self.kernels = kernels_
+        self.profile = profile
+        self._w = weights
+        self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
+        self._rope = arch.make_rope(n_ctx)
+        self._trace = trace
+        # "off" | "always" | "batched": read layer l+1's predicted experts while layer l computes, in
+        # decode steps (see Model.open's prefetch option for why "batched" is the default).
+        self._prefetch = prefetch
+        self._hints = experts.wants_hints
+        # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
+        # served in chunks, leaving room for other sequences and for the next layer's prefetch.
+        room = experts.capacity
+        self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self._lock = asyncio.Lock()
+        self.steps = 0  # steps run
+        self.rows = 0   # rows computed over those steps
+
+    # -- the step ----------------------------------------------------------------------------------
+    async def run(self, plan: StepPlan) -> list[Outcome]:
+        """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
+        async with self._lock:
+            step = Step(plan, self._rope)
+            phase = "decode" if plan.decode else "prefill"
+            try:
+                with self.profile.step(phase, plan.rows):
+                    if self.experts.immediate:
+                        # Experts mapped from the file never wait for a read: the whole step is one
+                        # trip to the compute thread instead of two per layer.
+                        return await compute(self._run_now, step)
+                    return await self._run_streamed(step)
+            finally:
+                self.steps += 1
+                self.rows += plan.rows
+
+    def _run_now(self, step: Step) -> list[Outcome]:
+        """The layer loop in one call on the compute thread, for an immediate source."""
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            x, h, sel, w, _ = self._layer_start(l, x, h, ys, step)
+            if sel is None:
+                ys = []
+                continue
+            wanted = _by_votes(sel)
+            out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
+            ys = [out[e] for e in wanted]
+        return self._finish(x, h, ys, step)
+
+    async def _run_streamed(self, step: Step) -> list[Outcome]:
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
+            # the previous layer's expert sum (or the embedding), then this layer's attention and router.
+            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D]
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
+        return await compute(self._finish, x, h, ys, step)
+
+    # -- compute thread ------------------------------------------------------------------------------
+    def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
+        """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
+        then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
+        experts [R, K], weights [R, K]; both None in a dense layer, predicted next experts or None)."""
+        arch, lw, prof = self.arch, self._w.layers[l], self.profile
+        if l == 0:
+            step.prepare()
+            with prof.span("embed"):
+                x = self._w.tok_embd.rows(step.plan.ids)  # [R, D]
+        else:
+            with prof.span("shared + sum"):
+                x = self._moe_add(l - 1, x, h, ys)  # [R, D]
+        with prof.span("attention"):
+            x = x + arch.attention(lw, l, x, step, self._rope)
+        with prof.span("router"):
+            h = arch.ffn_input(lw, x)  # [R, D]
+            if lw.experts is None:
+                return x, h, None, None, None
+            sel, w = arch.route(lw, h)  # [R, K], [R, K]
+        nxt = None
+        if step.plan.decode and l + 1 in self._moe_index and self._predicting(len(sel)):
+            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
+            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+            with prof.span("predict"):
+                nxt = self._predict(l + 1, x)
+        if self._trace is not None:
+            pos = step.plan.pos
+            for r in range(len(sel)):
+                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
+        return x, h, sel, w, nxt
+
+    def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                     views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
+        [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
+        that gate and up for all of them are one kernel launch, and down another."""
+        with self.profile.span("experts"):
+            cfg, et = self.config, self._w.layers[l].experts
+            D, F = cfg.n_embd, cfg.n_ff_exp
+            # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
+            # a comparison of all of them per expert: flat index i = row * K + slot.
+            K = sel.shape[1]
+            flat = sel.ravel()  # [R*K]
+            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
+            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
+            grouped = flat[order]  # [R*K] expert ids, ascending
+            lo = np.searchsorted(grouped, ids, "left")
+            hi = np.searchsorted(grouped, ids, "right")
+            counts = (hi - lo).tolist()
+            starts = np.cumsum([0] + counts)[:-1].tolist()
+            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
+            rows = picked // K  # [S], S = rows summed over experts
+            xg = h[rows]  # [S, D]
+            gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+            matmul_jobs([job for v, t0, n in zip(views, starts, counts)
+                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
+                        self.kernels)
+            biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
+                    gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
+            a = self.arch.expert_act(gu, F)  # [S, F]
+            y = np.empty((len(xg), D), np.float32)  # [S, D]
+            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
+                        self.kernels)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    y[t0 : t0 + n] += v.biases[2].view(np.float32)
+            y *= w.reshape(-1)[picked][:, None]
+            return {v.expert: (rows[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
+
+    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
+        """x + the routed experts' outputs (summed in the order the experts were asked for, so the
+        result never depends on which read finished first) + what the architecture adds (shared
+        experts, or a dense layer's FFN)."""
+        out = np.zeros_like(h)  # [R, D]
+        for rows, y in ys:
+            out[rows] += y
+        extra = self.arch.ffn_extra(self._w.layers[l], h)
+        if extra is not None:
+            out += extra
+        return x + out
+
+    def _finish(self, x: np.ndarray, h: np.ndarray, ys: list, step: Step) -> list[Outcome]:
+        """The last layer's output, then what each segment wants: the output projection of the
+        rows wanted (all of a segment's, or its last: the others' logits would cost a [V, D] product
+        per row for nothing), or the final hidden states; then each segment's head."""
+        cfg, plan = self.config, step.plan
+        with self.profile.span("shared + sum"):
+            x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+        step.commit()
+        with self.profile.span("output"):
+            outs = self._outputs(x, plan)
+        results: list[Outcome] = []
+        with self.profile.span("sampling"):
+            for seg, out in zip(plan.segments, outs):
+                err = step.failed.get(id(seg))
+                if err is not None:
+                    results.append(Outcome(error=err))
+                elif seg.head is None:
+                    results.append(Outcome(out))
+                else:
+                    try:
+                        results.append(Outcome(seg.head(out)))
+                    except Exception as e:  # noqa: BLE001 - this segment's head failed: only this segment
+                        results.append(Outcome(error=e))
+        return results
+
+    def _outputs(self, x: np.ndarray, plan: StepPlan) -> list[np.ndarray | None]:
+        cfg, w = self.config, self._w
+        spans: list[tuple[int, int] | None] = []
+        hidden: list[tuple[int, int] | None] = []
+        for s in plan.segments:
+            spans.append((s.r0, s.n) if s.want is Want.ALL else (s.r0 + s.n - 1, 1) if s.want is Want.LAST else None)
+            hidden.append((s.r0, s.n) if s.want is Want.HIDDEN else None)
+        out: list[np.ndarray | None] = [None] * len(spans)
+        wanted = [sp for sp in spans if sp is not None]
+        if wanted:
+            rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted]) if len(wanted) > 1 else \
+                np.arange(wanted[0][0], wanted[0][0] + wanted[0][1])
+            logits = w.output(rmsnorm(x[rows], w.output_norm, cfg.eps))  # [rows, V]
+            at = 0
+            for i, sp in enumerate(spans):
+                if sp is not None:
+                    out[i], at = logits[at : at + sp[1]], at + sp[1]
+        for i, sp in enumerate(hidden):
+            if sp is not None:
+                out[i] = rmsnorm(x[sp[0] : sp[0] + sp[1]], w.output_norm, cfg.eps)  # [T, D]
+        return out
+
+    def _prefetching(self, n_seq: int) -> bool:
+        return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
+
+    def _predicting(self, n_seq: int) -> bool:
+        """The next layer's router on the current residual (one small product per layer and decode
+        step) only when something uses it: prefetch, or a cache policy that takes hints."""
+        return self._hints or self._prefetching(n_seq)
+
+    def _predict(self, l: int, x: np.ndarray) -> list[int]:
+        """Experts layer l will likely want: its router on the current residual, most-voted first."""
+        lw = self._w.layers[l]
+        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))
+        return _by_votes(sel)[: self._max_batch]
+
+    # -- event loop: expert I/O ------------------------------------------------------------------------
+    async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                              step: Step, nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Layer l's routed experts for every row of the step: each expert read once, computed on the
+        compute thread group by group as its bytes arrive, while the rest are still being read. An
+        expert whose read fails fails the segments routed to it; the others go on without it."""
+        wanted = _by_votes(sel)  # each expert once per layer per step
+        ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        layer = self._moe_index[l]
+        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
+            self.experts.hint(self._moe_index[l + 1], nxt)
+        todo = list(wanted)
+        first_get = True
+        while todo:
+            chunk, todo = todo[: self._max_batch], todo[self._max_batch :]
+            groups = self.experts.get_ready(layer, chunk)
+            try:
+                t_wait = time.perf_counter()
+                async for views in groups:
+                    self.profile.add("wait for reads", time.perf_counter() - t_wait)
+                    if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
+                        # This layer's experts are pinned and its misses submitted: queue the experts
+                        # layer l+1's router picks from the current hidden state, read while this
+                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
+                        self.experts.prefetch(self._moe_index[l + 1], nxt)
+                    first_get = False
+                    ys.update(await compute(self._experts_out, l, h, sel, w, views))
+                    t_wait = time.perf_counter()
+            except ExpertReadError as e:
+                if e.layer != layer or e.expert not in chunk:
+                    raise
+                # Fail the segments whose rows chose this expert; ask again for the rest of the chunk
+                # not computed yet (their reads may have been cut short by this one's failure).
+                step.fail_rows(np.nonzero((sel == e.expert).any(axis=1))[0], e)
+                todo = [x for x in chunk if x not in ys and x != e.expert] + todo
+            finally:
+                await groups.aclose()
+            first_get = False
+            # Let another forward waiting for the slots just released reserve before this one does
+            # again (a forward whose next layer is all hits would otherwise never suspend).
+            await asyncio.sleep(0)
+        return [ys[e] for e in wanted if e in ys]
+
+
+def _by_votes(sel: np.ndarray) -> list[int]:
+    """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
+    so a one-token step asks for its experts exactly in the order the router ranked them."""
+    flat = sel.reshape(-1)
+    ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
+    order = np.lexsort((first, -counts))  # by count descending, then first appearance
+    return ids[order].tolist()
