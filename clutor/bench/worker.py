@@ -37,12 +37,15 @@ DEFAULTS: dict = {
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
     "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
     "activations": "auto",   # kernels: auto | q8 | f32
+    "kv_cache": None,        # KV pool bytes (None: Model.open's default)
+    "kv_type": "f16",        # f32 | f16 | q8_0
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
-OPEN_KEYS = STORE_KEYS + ("profile", "activations")
-# Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
+OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type")
+# Values that ask for nothing beyond what a Model.open without that option does (experts from memory;
+# a checkout from before the KV pool kept float32 keys and values, with no budget).
 _NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
-            "profile": False, "activations": "auto"}
+            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32"}
 
 
 def to_jsonable(obj):

@@ -37,6 +37,12 @@ def describe(path: str) -> dict:
             kernel[type_name(t.qtype)] = kernels.has_kernel(t.qtype)
         dense = resident_bytes(f, arch)
         per_layer = [layout.expert_bytes(l) for l in range(layout.n_layers)]
+        from ..model.kv import PAGE, refusal, sizes
+        from ..model.options import KV_TYPES
+
+        specs = arch.layer_states()
+        kv_per_token = {t: sizes(specs, t)[0] // PAGE for t in KV_TYPES
+                        if not any(refusal(s, t) for s in specs if s.kind != "recurrent")}
         return {
             "path": path,
             "files": list(f.paths),
@@ -49,6 +55,8 @@ def describe(path: str) -> dict:
             "expert_bytes_per_token_worst": sum(b * cfg.n_expert_used for b in per_layer),
             "min_expert_cache": min_budget(layout, cfg.n_expert_used),
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
+            "kv_bytes_per_token": kv_per_token,  # by kv_type, every layer's keys and values for one position
+            "layer_states": [f"{s.kind}" + (f" {s.window}" if s.window else "") for s in specs],
         }
 
 
@@ -88,7 +96,10 @@ def run(args) -> int:
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
         f"attention       {a['attention']}, RoPE {a['rope']}"
         + (f", sliding window {a['sliding_window']}" if a["sliding_window"] else ""),
-        f"KV cache        {_fmt(a['kv_bytes_per_token'])} per token (float32)",
+        "KV cache        " + ", ".join(f"{_fmt(n)} per token as {t}" + (" (default)" if t == "f16" else "")
+                                   for t, n in d["kv_bytes_per_token"].items())
+        + (f"; {sum(1 for k in d['layer_states'] if k.startswith('window'))} sliding-window layers keep only their "
+           "window" if any(k.startswith("window") for k in d["layer_states"]) else ""),
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"context         {c['n_ctx_train']}",

@@ -17,12 +17,14 @@ import numpy as np
 
 from .._util import AwaitableContext, sleeping_kernel_workers
 from ..io.trace import TraceHeader, TraceWriter, check_output
-from ..errors import ClosedError, ClutorError, ModelFileError
+from ..errors import BudgetError, ClosedError, ClutorError, ModelFileError
+from ..units import format_bytes
 from .arch import Arch, read_arch
 from .gguf import GGUFFile
 from . import kernels
 from .engine import Engine, Request
-from .options import DEFAULTS, ModelOptions, resolve_budget
+from .kv import PAGE, KVPool, NoRoom, sizes as kv_sizes
+from .options import DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_kv_budget
 from .plan import StepPlan, Want
 from .profile import NO_PROFILE, Profile
 from .runner import Runner
@@ -41,8 +43,8 @@ class Model:
     """A MoE model ready to run. Create with ``await Model.open(path)`` or ``async with Model.open(path)``."""
 
     def __init__(self, path: str, f: GGUFFile, arch: Arch, dense: DenseWeights, tokenizer: Tokenizer,
-                 experts: ExpertSource, n_ctx: int, *, options: ModelOptions, cache_note: str,
-                 trace: TraceWriter | None = None):
+                 experts: ExpertSource, kv: KVPool, n_ctx: int, *, options: ModelOptions, cache_note: str,
+                 kv_note: str = "", trace: TraceWriter | None = None):
         cfg = arch.cfg
         self.path = path
         self.arch = arch
@@ -55,6 +57,8 @@ class Model:
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
+        self.kv = kv                  # every sequence's KV pages, under the kv_cache budget (clutor.model.kv)
+        self.kv_note = kv_note        # how that budget was chosen
         self._trace = trace
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
@@ -66,11 +70,10 @@ class Model:
         # saves. None = that rule; True/False = always/never.
         prefetch = "off" if options.io == "memory" or options.prefetch is False else (
             "always" if options.prefetch is True else "batched")
-        self.runner = Runner(arch, dense, experts, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
+        self.runner = Runner(arch, dense, experts, kv, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
                              profile=self.profile, trace=trace)
-        self.engine = Engine(self.runner, self.new_sequence, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
-                             bytes_per_token=cfg.kv_bytes_per_token, max_sequences=options.max_sequences,
-                             step_tokens=options.step_tokens, prefix_bytes=options.prefix_cache_bytes)
+        self.engine = Engine(self.runner, kv, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
+                             max_sequences=options.max_sequences, step_tokens=options.step_tokens)
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -79,6 +82,7 @@ class Model:
              policy: str = DEFAULTS.policy, io: str = DEFAULTS.io, direct: bool = DEFAULTS.direct,
              trace: str | os.PathLike | None = None, max_sequences: int = DEFAULTS.max_sequences,
              step_tokens: int = DEFAULTS.step_tokens, prefix_cache: int | str = DEFAULTS.prefix_cache,
+             kv_cache: int | str | None = DEFAULTS.kv_cache, kv_type: str = DEFAULTS.kv_type,
              activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
              profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
@@ -97,7 +101,16 @@ class Model:
         step_tokens: tokens one step computes at most over all sequences: long prompts are prefilled in
             chunks of what is left after every decoding sequence's token, so they never freeze the others.
         prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
-            starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off.
+            starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off. They
+            live in the KV pool and are given up first when live sequences need the room.
+        kv_cache: bytes for the KV pool, where every sequence's keys and values live in pages (live
+            ones, and those kept for prefix reuse): an int, "2GiB", or "10%" of the available memory;
+            None picks half of the memory available after the dense weights and the expert cache, capped
+            at what max_sequences full contexts can use. Requests are admitted, and grow, within it; when
+            it is full the most recent request is set aside and resumed later (recomputing what it lost),
+            and a request that could never fit is refused with the numbers.
+        kv_type: "f16" (default, as llama.cpp's), "f32", or "q8_0" (int8 with a float16 scale per 32
+            values, as llama.cpp's): what the pool stores keys and values as.
         activations: "auto" (default), "q8" (int8 activations with integer dot products, as llama.cpp
             computes; x86 AVX2) or "f32" (float activations, exact up to float rounding); see
             clutor.model.kernel_settings.
@@ -116,7 +129,8 @@ class Model:
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
                             direct=direct, trace=os.fspath(trace) if trace is not None else None,
                             max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache,
-                            activations=activations, threads=threads, profile=profile)
+                            kv_cache=kv_cache, kv_type=kv_type, activations=activations, threads=threads,
+                            profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
@@ -138,22 +152,30 @@ class Model:
                 if not 1 <= ctx <= cfg.n_ctx_train:
                     raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
                 budget = None
+                avail = mem_available()
+                dense_bytes = resident_bytes(f, arch)
                 if opts.io != "memory":
-                    dense_bytes = resident_bytes(f, arch)
-                    budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes)
-                dense = load_dense(f, arch, _progress_of(progress, resident_bytes(f, arch)))
+                    budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes, avail)
+                page, state = kv_sizes(arch.layer_states(), opts.kv_type)
+                one = state + -(-ctx // PAGE) * page  # one sequence at n_ctx
+                kv_budget = resolve_kv_budget(opts.kv_cache, one_context=one, all_contexts=opts.max_sequences * one,
+                                              free=avail - dense_bytes - (budget[0] if budget else 0), avail=avail)
+                dense = load_dense(f, arch, _progress_of(progress, dense_bytes))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup(opts.kernels)
             except BaseException:
                 f.close()
                 raise
-            return f, arch, tok, dense, layout, ctx, budget
+            return f, arch, tok, dense, layout, ctx, budget, kv_budget
 
-        f, arch, tok, dense, layout, ctx, budget = await asyncio.to_thread(load)
+        f, arch, tok, dense, layout, ctx, budget, kv_budget = await asyncio.to_thread(load)
         cfg = arch.cfg
         experts: ExpertSource | None = None
         trace: TraceWriter | None = None
+        pool: KVPool | None = None
         try:
+            pool = KVPool(arch.layer_states(), n_ctx=ctx, budget=kv_budget[0], kv_type=opts.kv_type,
+                          prefix_budget=opts.prefix_cache_bytes)
             if budget is None:
                 experts, why = InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
             else:
@@ -166,12 +188,14 @@ class Model:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
                 trace = TraceWriter(opts.trace, TraceHeader(len(cfg.moe_layers), cfg.n_expert, cfg.n_expert_used,
                                                             experts.slot_bytes), protect=f.paths)
-            return cls(path, f, arch, dense, tok, experts, ctx, options=opts, cache_note=why, trace=trace)
+            return cls(path, f, arch, dense, tok, experts, pool, ctx, options=opts, cache_note=why,
+                       kv_note=kv_budget[1], trace=trace)
         except BaseException:
             # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
-            # eventfd, arena) and the file's fds before re-raising.
+            # eventfd, arena), the KV pool and the file's fds before re-raising.
             await _close_all([trace.abort if trace is not None else None,
-                              experts.aclose if experts is not None else None, f.close])
+                              experts.aclose if experts is not None else None,
+                              pool.close if pool is not None else None, f.close])
             raise
 
     async def aclose(self) -> None:
@@ -184,7 +208,7 @@ class Model:
             self._closed = True
             # Each is closed even when another one's close raises (a trace on a full disk); the first
             # error is raised after all are closed.
-            await _close_all([self._experts.aclose, self._file.close,
+            await _close_all([self._experts.aclose, self.kv.close, self._file.close,
                               self._trace.close if self._trace is not None else None])
 
     def _check_open(self) -> None:
@@ -195,8 +219,18 @@ class Model:
     # Every forward goes through the runner (clutor.model.runner), the one layer loop: the engine's
     # steps and the direct calls below alike.
     def new_sequence(self) -> SequenceState:
-        """A fresh sequence state for forward()/forward_batch()."""
-        return SequenceState(self.arch, self.n_ctx)
+        """A fresh sequence for forward()/forward_batch(); its pages come from the model's KV pool and
+        go back with ``seq.release()`` (or when it is garbage-collected)."""
+        self._check_open()
+        try:
+            return self.kv.sequence()
+        except NoRoom as e:
+            raise self._no_room(e) from None
+
+    def _no_room(self, e: NoRoom) -> BudgetError:
+        return BudgetError(f"the KV pool is full ({format_bytes(e.need)} needed, {format_bytes(e.free)} free of "
+                           f"kv_cache {format_bytes(self.kv.budget)}): release sequences, or open the model "
+                           "with a larger kv_cache")
 
     async def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of a fresh sequence: float32 [len(ids), n_vocab]. Runs as a
@@ -243,7 +277,17 @@ class Model:
                 raise ClutorError(f"context full: {seq.n} + {len(ids)} tokens > n_ctx {seq.n_ctx} "
                                   "(open the model with a larger n_ctx)")
             items.append((seq, ids, (Want.ALL if all_logits else Want.LAST) if ok else Want.NOTHING))
-        outcomes = await self.runner.run(StepPlan.build(items))
+        copies: list = []
+        try:
+            for seq, ids, _ in items:
+                copies += self.kv.reserve(seq, seq.n + len(ids))
+        except NoRoom as e:
+            self.kv.done(copies)
+            raise self._no_room(e) from None
+        try:
+            outcomes = await self.runner.run(StepPlan.build(items, copies=copies))
+        finally:
+            self.kv.done(copies)
         for oc in outcomes:
             if oc.error is not None:
                 raise oc.error
@@ -272,7 +316,7 @@ class Model:
         return self.generate(_Deferred(chat_ids, self.tokenizer, list(messages)), **options)
 
     def engine_stats(self):
-        """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""
+        """Live and queued sequences, KV bytes held and kept for reuse, preemptions (clutor.model.engine.EngineStats)."""
         return self.engine.stats()
 
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ..io.trace import TraceWriter
     from .arch import Arch
     from .kernel_settings import KernelSettings
+    from .kv import KVPool
     from .source import ExpertSource
     from .weights import DenseWeights
 
@@ -51,13 +52,14 @@ __all__ = ["Runner"]
 class Runner:
     """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
 
-    def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", *, n_ctx: int,
+    def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
                  kernels_: "KernelSettings", prefetch: str, profile: Profile = NO_PROFILE,
                  trace: "TraceWriter | None" = None):
         cfg = arch.cfg
         self.arch = arch
         self.config = cfg
         self.experts = experts
+        self.kv = kv
         self.kernels = kernels_
         self.profile = profile
         self._w = weights
@@ -80,7 +82,7 @@ class Runner:
     async def run(self, plan: StepPlan) -> list[Outcome]:
         """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
         async with self._lock:
-            step = Step(plan, self._rope)
+            step = Step(plan, self.kv)
             phase = "decode" if plan.decode else "prefill"
             try:
                 with self.profile.step(phase, plan.rows):

@@ -2,13 +2,15 @@
 `Arch` base class whose methods are the steps an architecture may compute differently.
 
 The layer loop (clutor.model.runner) calls, for each layer, on the compute thread:
-    arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual
+    arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual (step: clutor.model.step.Step)
     arch.ffn_input(lw, x)                  -> h [R, D], what the FFN (router, experts) reads
     arch.route(lw, h)                      -> (experts [R, K], weights [R, K])   (MoE layers only)
     arch.expert_act(gu, F)                 -> [S, F] from gate | up [S, 2F]       (each routed expert)
     arch.ffn_extra(lw, h)                  -> [R, D] or None: shared expert(s) or a dense layer's FFN
-The base class implements the GQA attention with a float KV cache of keys and values, softmax top-k
-routing and SwiGLU experts; an architecture module overrides what it does differently.
+and ``arch.layer_states()`` says what each layer keeps per sequence (FullKV, WindowKV, LatentKV,
+Recurrent: clutor.model.state). The base class implements the GQA attention over every position's
+keys and values, softmax top-k routing and SwiGLU experts; an architecture module overrides what it
+does differently.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
-from ..layers import KVCache, Rope, gate, rmsnorm, silu
+from ..layers import Rope, gate, rmsnorm, silu
+from ..state import FullKV, LayerState
 from ..quants import apply_all
 
 __all__ = ["Arch", "T", "read_int", "read_float", "read_common"]
@@ -206,9 +209,10 @@ class Arch:
     def make_rope(self, n_ctx: int) -> Rope:
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style)
 
-    def new_kv(self, n_ctx: int) -> KVCache:
+    def layer_states(self) -> list[LayerState]:
+        """What each layer keeps per sequence (clutor.model.state): keys and values of every position here."""
         cfg = self.cfg
-        return KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
+        return [FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v)] * cfg.n_layers
 
     def qkv(self, lw, h: np.ndarray):
         """Projections of the normed input h [R, D]: q [R, H, hd], k [R, Hkv, hd], v [R, Hkv, hdv]."""

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..layers import LatentKV, Rope, Yarn, gate, rmsnorm
+from ..layers import Rope, Yarn, gate, rmsnorm
+from ..state import LatentKV
 from ..quants import apply_all
 from .common import _MISSING, Arch, T, read_bool, read_common, read_float, read_int
 
@@ -136,8 +137,9 @@ class DeepSeek2(Arch):
     def make_rope(self, n_ctx):
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style, yarn=self.yarn)
 
-    def new_kv(self, n_ctx):
-        return LatentKV(self.cfg.n_layers, n_ctx, self.kv_lora, self.cfg.n_rot)
+    def layer_states(self):
+        # per position and layer the latent and the shared rope key; the values are the latent
+        return [LatentKV(self.kv_lora + self.cfg.n_rot, self.kv_lora)] * self.cfg.n_layers
 
     def attention(self, lw, l, x, step, rope):
         cfg, R = self.cfg, x.shape[0]

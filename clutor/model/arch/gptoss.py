@@ -18,6 +18,7 @@ import numpy as np
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import Rope, Yarn, gate, rmsnorm
+from ..state import FullKV, WindowKV
 from .common import Arch, T, read_common, read_float, read_int
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -84,6 +85,11 @@ class GptOss(Arch):
         # YaRN's magnitude correction, which gpt-oss keeps (deepseek2 cancels it)
         m = 1.0 + 0.1 * np.log(self.yarn.factor) if self.yarn is not None else 1.0
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style="neox", yarn=self.yarn, mscale=m)
+
+    def layer_states(self):
+        cfg = self.cfg
+        return [WindowKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v, self.window) if self.swa[l]
+                else FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v) for l in range(cfg.n_layers)]
 
     def attention(self, lw, l, x, step, rope):
         cfg = self.cfg
