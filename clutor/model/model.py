@@ -38,15 +38,47 @@ __all__ = ["Model", "SequenceState"]
 
 
 class SequenceState:
-    """One sequence's state: its KV cache (laid out as its architecture stores it) and how many
-    positions it holds."""
+    """One sequence's state: its KV cache (laid out as its architecture stores it), the recurrent
+    layers' states of a hybrid model (``rs``, clutor.model.recurrent; None when it has none), and
+    how many positions it holds.
+
+    A KV cache can be cut back to any shorter prefix; a recurrent state only to a checkpoint, so
+    prefix reuse asks ``reusable(n)`` how far back this sequence can go and ``rewind`` goes there."""
 
     def __init__(self, arch: Arch, n_ctx: int):
         self.kv = arch.new_kv(n_ctx)
+        self.rs = arch.new_recurrent()
 
     @property
     def n(self) -> int:
         return self.kv.n
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held besides the KV cache: recurrent states and their checkpoints."""
+        return 0 if self.rs is None else self.rs.nbytes
+
+    def commit(self, n: int) -> None:
+        """Positions up to n are filled (every layer has written them)."""
+        self.kv.n = n
+        if self.rs is not None:
+            self.rs.n = n
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent states at the current position, for prefix reuse."""
+        if self.rs is not None:
+            self.rs.save()
+
+    def reusable(self, n: int) -> int:
+        """The longest prefix of at most n positions this sequence can be cut back to."""
+        n = min(n, self.kv.n)
+        return n if self.rs is None else self.rs.reusable(n)
+
+    def rewind(self, n: int) -> None:
+        """Keep the first n positions (n from reusable); later ones are overwritten as new tokens come."""
+        if self.rs is not None:
+            self.rs.restore(n)
+        self.kv.n = n
 
 
 @dataclass(frozen=True)
@@ -69,7 +101,7 @@ class _Step:
     def commit(self) -> None:
         """The step's positions count as filled: only once every layer has written them."""
         for seg in self.segments:
-            seg.seq.kv.n = seg.p0 + len(seg.ids)
+            seg.seq.commit(seg.p0 + len(seg.ids))
 
 
 class Model:
@@ -481,7 +513,15 @@ class Model:
         from .chat import chat_ids
 
         self._check_open()
-        return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+        ids = chat_ids(self.tokenizer, list(messages))
+        if self.config.recurrent_bytes and "checkpoints" not in options:
+            # The next turn renders this conversation as it is now, then the reply: the state after
+            # the conversation without the assistant's header is what it can reuse (a recurrent
+            # state cannot be cut back from the prompt's end to there).
+            base = chat_ids(self.tokenizer, list(messages), add_generation_prompt=False)
+            if 0 < len(base) < len(ids) and ids[: len(base)] == base:
+                options["checkpoints"] = (len(base),)
+        return self.generate(ids, **options)
 
     def engine_stats(self):
         """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""

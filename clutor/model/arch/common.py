@@ -210,6 +210,16 @@ class Arch:
         cfg = self.cfg
         return KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
 
+    def new_recurrent(self):
+        """A fresh sequence's recurrent state (clutor.model.recurrent.RecurrentState); None: no
+        recurrent layers."""
+        return None
+
+    def layer_kind(self, l: int) -> str:
+        """What layer l computes besides its FFN: "attention", "window" (sliding-window attention),
+        "linear attention" (Gated DeltaNet) or "SSM" (Mamba-2)."""
+        return "attention"
+
     def qkv(self, lw, h: np.ndarray):
         """Projections of the normed input h [R, D]: q [R, H, hd], k [R, Hkv, hd], v [R, Hkv, hdv]."""
         cfg, R = self.cfg, h.shape[0]
@@ -271,6 +281,8 @@ class Arch:
             "sliding_window": None,
             "fused_gate_up": self.fused_gate_up,
             "kv_bytes_per_token": cfg.kv_bytes_per_token,
+            "layer_kinds": [self.layer_kind(l) for l in range(cfg.n_layers)],
+            "recurrent_bytes": cfg.recurrent_bytes,
         }
 
 
