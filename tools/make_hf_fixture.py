@@ -64,14 +64,28 @@ PRESETS = {
                 num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)),
+    "nemotron_h_moe": dict(
+        cls="NemotronHForCausalLM", config="NemotronHConfig", vocab=768, pre="pixtral", specials_first=True,
+        specials=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>"], eos="<|im_end|>", pad="<unk>", bos="<s>",
+        hf=dict(hidden_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "moe",
+                                                    "linear_attention", "moe"],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=8, mamba_head_dim=16,
+                ssm_state_size=16, n_groups=2, conv_kernel=4, expand=1, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, n_shared_experts=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, layer_norm_epsilon=1e-5,
+                max_position_embeddings=4096, tie_word_embeddings=False, use_conv_bias=True,
+                pad_token_id=0, bos_token_id=1, eos_token_id=4)),
 }
 
 
 # ---- tokenizer --------------------------------------------------------------------------------
-def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str, eos: str, pad: str) -> None:
+def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str | None, eos: str, pad: str,
+                    bos: str | None = None, specials_first: bool = False) -> None:
     """tokenizer.json: the first n_vocab - len(specials) tokens of the qwen35 vocabulary (byte
     alphabet first, then tokens in merge order, so the first merges build exactly them) and the
-    special tokens after them; tokenizer_config.json with the chat template."""
+    special tokens after them (or before them: Nemotron's vocabulary starts with its control
+    tokens); tokenizer_config.json with the chat template, if any."""
     from gguf import GGUFReader
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -81,7 +95,8 @@ def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str,
     m = r.fields["tokenizer.ggml.merges"]
     merges = [bytes(m.parts[i]).decode("utf-8") for i in m.data]
     n_base = n_vocab - len(specials)
-    vocab = {t: i for i, t in enumerate(tokens[:n_base])}
+    first = len(specials) if specials_first else 0
+    vocab = {t: i + first for i, t in enumerate(tokens[:n_base])}
     kept = [tuple(x.split(" ", 1)) for x in merges[: n_base - 256]]
     assert all(a in vocab and b in vocab and a + b in vocab for a, b in kept), "merge order does not follow ids"
     tok = Tokenizer(models.BPE(vocab=vocab, merges=kept, byte_fallback=False, fuse_unk=False))
@@ -89,12 +104,20 @@ def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str,
         pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if specials_first:  # ids 0.. are the control tokens: put them there in the model's table
+        d = json.loads(tok.to_str())
+        d["model"]["vocab"] = {**{s: i for i, s in enumerate(specials)}, **d["model"]["vocab"]}
+        d["added_tokens"] = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, s in enumerate(specials)]
+        tok = Tokenizer.from_str(json.dumps(d))
+    else:
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_prefix_space": False,
-        "bos_token": None, "eos_token": eos, "pad_token": pad, "unk_token": None,
-        "model_max_length": 4096, "chat_template": template}, indent=1))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_prefix_space": False,
+              "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": None, "model_max_length": 4096}
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 # ---- weights ----------------------------------------------------------------------------------
@@ -120,16 +143,18 @@ def init_weights(model, seed: int) -> None:
                 v = normal(shape, 0.5)
             elif "conv1d" in name:
                 v = normal(shape, 0.5)
-            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            elif len(shape) == 1 and "norm" in name:
                 gated = "linear_attn.norm" in name or "mixer.norm" in name
                 v = normal(shape, 0.1) + (1.0 if gated or not offset_norms else 0.0)
             elif name.endswith(".bias") or name.endswith(".D"):
                 v = normal(shape, 0.3) + (1.0 if name.endswith(".D") else 0.0)
+            elif name.endswith("e_score_correction_bias"):  # Nemotron's expert selection bias
+                v = normal(shape, 0.1)
             elif "embed_tokens" in name or "embeddings" in name:
                 v = normal(shape, 1.0)
             elif name == "lm_head.weight":
                 v = normal(shape, 3.0 / np.sqrt(shape[-1]))
-            elif name.endswith("mlp.gate.weight"):  # the router
+            elif name.endswith("mlp.gate.weight") or name.endswith("mixer.gate.weight"):  # the router
                 v = normal(shape, 2.0 / np.sqrt(shape[-1]))
             else:
                 fan_in = shape[-1]
@@ -142,16 +167,17 @@ CONVERT = r"""
 import sys
 sys.argv = [sys.argv[0]] + sys.argv[2:]
 llama = __import__("pathlib").Path(sys.path[0])
+import os
 import conversion.base as base
 # A cut vocabulary cannot match the converter's tokenizer hashes: say which split rules it has.
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ["FIXTURE_PRE"]
 import runpy
 runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
 """
 
 
-def convert(hf_dir: Path, llama_dir: Path, out: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{llama_dir}{os.pathsep}{llama_dir / 'gguf-py'}")
+def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{llama_dir}{os.pathsep}{llama_dir / 'gguf-py'}", FIXTURE_PRE=pre)
     cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(llama_dir)!r}); exec({CONVERT!r})",
            "convert", str(hf_dir), "--outtype", "f16", "--no-mtp", "--outfile", str(out)]
     subprocess.run(cmd, check=True, env=env, cwd=llama_dir)
@@ -174,12 +200,17 @@ def make_checkpoint(preset: str, out: Path, seed: int) -> None:
     spec = PRESETS[preset]
     cfg = getattr(transformers, spec["config"])(vocab_size=spec["vocab"], **spec["hf"])
     cfg.architectures = [spec["cls"]]
-    cfg.eos_token_id = cfg.pad_token_id = None
+    if "specials" not in spec:
+        cfg.eos_token_id = cfg.pad_token_id = None
     model = getattr(transformers, spec["cls"])(cfg)
     init_weights(model, seed)
     model.save_pretrained(out, safe_serialization=True)
-    write_tokenizer(out, spec["vocab"], QWEN_SPECIALS, QWEN35_TEMPLATE.read_text(), eos="<|im_end|>",
-                    pad="<|endoftext|>")
+    if "specials" in spec:
+        write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
+                        specials_first=spec.get("specials_first", False))
+    else:
+        write_tokenizer(out, spec["vocab"], QWEN_SPECIALS, QWEN35_TEMPLATE.read_text(), eos="<|im_end|>",
+                        pad="<|endoftext|>")
 
 
 def main(argv=None) -> int:
@@ -196,7 +227,7 @@ def main(argv=None) -> int:
         hf = args.keep_hf or Path(tmp) / "hf"
         make_checkpoint(args.preset, hf, args.seed)
         f16 = args.out_dir / f"tiny-{args.preset}-F16.gguf"
-        convert(hf, args.llama_cpp.resolve(), f16)
+        convert(hf, args.llama_cpp.resolve(), f16, PRESETS[args.preset].get("pre", "qwen35"))
         for t in args.types:
             if t != "F16":
                 quantize(f16, args.out_dir / f"tiny-{args.preset}-{t}.gguf", t)

@@ -105,6 +105,8 @@ class _Hparams:
     recurrent: tuple = ()       # qwen35moe / qwen3next: which layers are Gated DeltaNet
     ssm: tuple = ()             # (conv kernel, head size, k heads, v heads)
     still: tuple = ()           # qwen35moe: rotary pairs that text leaves at position 0 (M-RoPE's 4th section)
+    kinds: tuple = ()           # nemotron_h_moe: per layer "ssm", "attention" or "moe"
+    mamba: tuple = ()           # (conv kernel, d_inner, d_state, groups, heads)
 
 
 def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
@@ -149,6 +151,13 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
         return {"n_layer": n_layer, "n_rot": n_rot, "recurrent": recurrent, "still": still, "norm_w": True,
                 "ssm": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.state_size"), kv(f"{arch}.ssm.group_count"),
                         kv(f"{arch}.ssm.time_step_rank"))}
+    if arch == "nemotron_h_moe":
+        hkv, ff = kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.feed_forward_length")
+        kinds = tuple("ssm" if h == 0 and f == 0 else "attention" if f == 0 else "moe" for h, f in zip(hkv, ff))
+        return {"kinds": kinds, "n_head_kv": max(hkv), "gating": "sigmoid", "eps": kv(f"{arch}.attention.layer_norm_epsilon"),
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
+                "mamba": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.inner_size"), kv(f"{arch}.ssm.state_size"),
+                          kv(f"{arch}.ssm.group_count"), kv(f"{arch}.ssm.time_step_rank"))}
     return {}
 
 
@@ -312,6 +321,61 @@ class Reference:
         o = self._rms(o, w[b + "ssm_norm.weight"]) * (z.reshape(nv, hd) / (1 + np.exp(-z.reshape(nv, hd))))
         return w[b + "ssm_out.weight"] @ o.reshape(-1)
 
+    def _mamba2(self, il: int, h: np.ndarray, state: dict) -> np.ndarray:
+        """One token through a Mamba-2 layer: conv window + bias + silu over xBC, then the plain scan
+        h <- exp(dt A) h + dt x B^T, y = h C + D x, y * silu(z), RMS norm per group, out."""
+        w, b = self.w, f"blk.{il}."
+        K, di, N, G, H = self.hp.mamba
+        hd = di // H
+        zxbcdt = w[b + "ssm_in.weight"] @ h
+        z, xbc, dt = zxbcdt[:di], zxbcdt[di : 2 * di + 2 * G * N], zxbcdt[2 * di + 2 * G * N :]
+        conv, S = state.get(il, (np.zeros((len(xbc), K - 1)), np.zeros((H, hd, N))))
+        window = np.concatenate([conv, xbc[:, None]], axis=1)
+        y = np.sum(window * w[b + "ssm_conv1d.weight"], axis=1) + w[b + "ssm_conv1d.bias"]
+        y = y / (1 + np.exp(-y))
+        x, B, C = y[:di].reshape(H, hd), y[di : di + G * N].reshape(G, N), y[di + G * N :].reshape(G, N)
+        g = np.arange(H) // (H // G)
+        dt = np.logaddexp(0, dt + w[b + "ssm_dt.bias"])
+        A = w[b + "ssm_a"].reshape(H)
+        S = S * np.exp(dt * A)[:, None, None] + (dt[:, None] * x)[:, :, None] * B[g][:, None, :]
+        state[il] = (window[:, 1:], S)
+        out = np.einsum("hdn,hn->hd", S, C[g]) + x * w[b + "ssm_d"].reshape(H, 1)
+        out = out * (z.reshape(H, hd) / (1 + np.exp(-z.reshape(H, hd))))
+        out = self._rms(out.reshape(G, di // G), w[b + "ssm_norm.weight"]).reshape(-1)
+        return w[b + "ssm_out.weight"] @ out
+
+    def _nope_attention(self, il: int, h: np.ndarray) -> np.ndarray:
+        """Nemotron-H's attention: GQA with no positional encoding."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        hd = hp.head_dim
+        q = (w[b + "attn_q.weight"] @ h).reshape(hp.n_head, hd)
+        self.k[il].append((w[b + "attn_k.weight"] @ h).reshape(hp.n_head_kv, hd))
+        self.v[il].append((w[b + "attn_v.weight"] @ h).reshape(hp.n_head_kv, hd))
+        K = np.repeat(np.stack(self.k[il]), hp.n_head // hp.n_head_kv, axis=1)
+        V = np.repeat(np.stack(self.v[il]), hp.n_head // hp.n_head_kv, axis=1)
+        s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hd)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), V).reshape(-1)
+        return w[b + "attn_output.weight"] @ o + w.get(b + "attn_output.bias", 0.0)
+
+    def _nemotron_layer(self, il: int, x: np.ndarray, state: dict) -> tuple[np.ndarray, float]:
+        """x + the layer's one mixer (Mamba-2, attention or MoE) of rms_norm(x)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        h = self._rms(x, w[b + "attn_norm.weight"])
+        kind = hp.kinds[il]
+        if kind != "attention":
+            self.k[il].append(None)
+            self.v[il].append(None)
+        if kind == "ssm":
+            return x + self._mamba2(il, h, state), np.inf
+        if kind == "attention":
+            return x + self._nope_attention(il, h), np.inf
+        sel, gate, m = self._route(b, h)
+        relu2 = lambda a: np.maximum(a, 0) ** 2  # noqa: E731
+        y = sum(g * (w[b + "ffn_down_exps.weight"][e] @ relu2(w[b + "ffn_up_exps.weight"][e] @ h)) for e, g in zip(sel, gate))
+        y = y + w[b + "ffn_down_shexp.weight"] @ relu2(w[b + "ffn_up_shexp.weight"] @ h)
+        return x + y, m
+
     def _gated_attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
         """Full attention of qwen35moe / qwen3next: attn_q rows per head [q | gate], per-head q/k norms,
         partial NEOX RoPE, the output times sigmoid(gate)."""
@@ -390,6 +454,10 @@ class Reference:
         state = {l: (c.copy(), s.copy()) for l, (c, s) in self.states[-1].items()}
         for il in range(hp.n_layer):
             b = f"blk.{il}."
+            if hp.kinds:
+                x, m = self._nemotron_layer(il, x, state)
+                margin = min(margin, m)
+                continue
             h = self._rms(x, w[b + "attn_norm.weight"])
             if hp.recurrent:
                 if hp.recurrent[il]:
