@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["LayerShape", "RecurrentState", "conv_step", "l2norm", "delta_rule_step", "delta_rule_chunked",
-           "ssd_step", "ssd_chunked", "softplus", "CHUNK"]
+           "ssd_step", "ssd_chunked", "softplus", "stacked", "CHUNK"]
 
 CHUNK = 64  # tokens per chunk of a chunked prefill (llama.cpp's chunk size for the delta rule)
 
@@ -132,6 +132,18 @@ def conv_step(x: np.ndarray, state: np.ndarray, w: np.ndarray, bias: np.ndarray 
         y += bias
     state[...] = xx[T:].T
     return y
+
+
+def stacked(states: list[np.ndarray], step) -> np.ndarray:
+    """step(S) on the states of several sequences stacked as one [B, ...] array, updated in place,
+    then copied back to each sequence; one sequence's state is updated where it is (a view)."""
+    if len(states) == 1:
+        return step(states[0][None])
+    S = np.stack(states)
+    out = step(S)
+    for dst, src in zip(states, S):
+        dst[...] = src
+    return out
 
 
 def _chunks(T: int) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import numpy as np
 from ...errors import ClutorError, ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import KVCache, attention, gate, rmsnorm, silu
-from ..recurrent import LayerShape, RecurrentState, conv_step, softplus, ssd_chunked, ssd_step
+from ..recurrent import LayerShape, RecurrentState, conv_step, softplus, ssd_chunked, ssd_step, stacked
 from .common import Arch, T, read_bool, read_common, read_float, read_int
 
 
@@ -200,10 +200,8 @@ class NemotronHMoE(Arch):
         one = [s for s in step.segments if len(s.ids) == 1]
         if one:  # decoding sequences: one batched step over their stacked states
             r = np.array([s.r0 for s in one])
-            h = np.stack([s.seq.rs.ssm[l] for s in one])  # [B, H, hd, N]
-            out[r] = ssd_step(xs[r], dt[r], A, Bm[r], Cm[r], h)
-            for s, hb in zip(one, h):
-                s.seq.rs.ssm[l][...] = hb
+            out[r] = stacked([s.seq.rs.ssm[l] for s in one],  # [B, H, hd, N]
+                             lambda h: ssd_step(xs[r], dt[r], A, Bm[r], Cm[r], h))
         for s in step.segments:
             if len(s.ids) > 1:
                 rows = slice(s.r0, s.r0 + len(s.ids))

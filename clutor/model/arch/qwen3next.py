@@ -29,7 +29,7 @@ from ..config import MAX_DIM
 from ..layers import KVCache, Rope, attention, gate, rmsnorm, sigmoid, silu
 from ..quants import apply_all
 from ..recurrent import (LayerShape, RecurrentState, conv_step, delta_rule_chunked, delta_rule_step, l2norm,
-                         softplus)
+                         softplus, stacked)
 from .common import Arch, T, read_common, read_int, refuse_tensor
 from .qwen2moe import Qwen2MoE
 
@@ -203,10 +203,8 @@ class Qwen3Next(Qwen2MoE):
         one = [s for s in step.segments if len(s.ids) == 1]
         if one:
             r = np.array([s.r0 for s in one])
-            S = np.stack([s.seq.rs.ssm[l] for s in one])  # [B, Hv, hd, hd]
-            o[r] = delta_rule_step(q[r], k[r], v[r], g[r], beta[r], S)
-            for s, Sb in zip(one, S):
-                s.seq.rs.ssm[l][...] = Sb
+            o[r] = stacked([s.seq.rs.ssm[l] for s in one],  # [B, Hv, hd, hd]
+                           lambda S: delta_rule_step(q[r], k[r], v[r], g[r], beta[r], S))
         for s in step.segments:
             if len(s.ids) > 1:
                 rows = slice(s.r0, s.r0 + len(s.ids))
