@@ -373,3 +373,29 @@ def test_latent_moe_is_refused(tmp_path):
     with GGUFFile.open(tmp_path / "super.gguf") as f:
         with pytest.raises(clutor.UnsupportedError, match="moe_latent_size"):
             read_arch(f)
+
+
+def test_server_chat_turns_reuse_a_hybrids_checkpoint():
+    """Through the OpenAI-compatible server: the second turn of a conversation with a recurrent model
+    starts from the state kept where the first turn's conversation ended (usage's cached_tokens)."""
+    import httpx
+
+    from clutor.model.chat import chat_turn
+    from clutor.server import create_app
+
+    async def main():
+        async with clutor.Model.open(fixture_path("qwen35moe", "Q4_K_M")) as model:
+            app = create_app(model, served_model_name="m")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+                msgs = [{"role": "user", "content": "Remember the word expert."}]
+                body = {"model": "m", "messages": msgs, "max_tokens": 6, "temperature": 0}
+                first = (await c.post("/v1/chat/completions", json=body)).json()
+                msgs = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": "Which word?"}]
+                second = (await c.post("/v1/chat/completions", json=body | {"messages": msgs})).json()
+            _, keep = chat_turn(model.tokenizer, body["messages"])
+            return first, second, keep
+
+    first, second, keep = run(main())
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert keep and second["usage"]["prompt_tokens_details"]["cached_tokens"] >= keep[0] > 5

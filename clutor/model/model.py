@@ -514,18 +514,13 @@ class Model:
         """Stream the assistant's reply to messages ([{"role": ..., "content": ...}]) through the file's
         chat template; options as for generate. The next turn's prompt starts with this one's tokens,
         so its KV cache is reused (GenerationStats.cached_tokens says how many)."""
-        from .chat import chat_ids
+        from .chat import chat_ids, chat_turn
 
         self._check_open()
-        ids = chat_ids(self.tokenizer, list(messages))
-        if self.config.recurrent_bytes and "checkpoints" not in options:
-            # The next turn renders this conversation as it is now, then the reply: the state after
-            # the conversation without the assistant's header is what it can reuse (a recurrent
-            # state cannot be cut back from the prompt's end to there).
-            base = chat_ids(self.tokenizer, list(messages), add_generation_prompt=False)
-            if 0 < len(base) < len(ids) and ids[: len(base)] == base:
-                options["checkpoints"] = (len(base),)
-        return self.generate(ids, **options)
+        if not self.config.recurrent_bytes:
+            return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+        ids, keep = chat_turn(self.tokenizer, list(messages))  # where the next turn departs (recurrent state)
+        return self.generate(ids, **{"checkpoints": keep, **options})
 
     def engine_stats(self):
         """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""
