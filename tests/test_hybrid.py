@@ -399,3 +399,27 @@ def test_server_chat_turns_reuse_a_hybrids_checkpoint():
     first, second, keep = run(main())
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert keep and second["usage"]["prompt_tokens_details"]["cached_tokens"] >= keep[0] > 5
+
+
+def test_a_recurrent_state_cut_back_by_hand_is_a_clear_error():
+    """Cutting a hybrid's sequence back like a KV cache (seq.kv.n = k) cannot work: its recurrent
+    state has absorbed every token. The next step says so instead of computing garbage; rewind to a
+    checkpoint (what prefix reuse does) works."""
+    async def go():
+        async with clutor.Model.open(fixture_path("qwen35moe", "Q4_K_M")) as model:
+            seq = model.new_sequence()
+            await model.forward(seq, [1, 2, 3, 4])
+            seq.checkpoint()
+            await model.forward(seq, [5, 6])
+            seq.kv.n = 4
+            with pytest.raises(clutor.ClutorError, match="recurrent state at position 6, step at 4"):
+                await model.forward(seq, [7])
+            seq.kv.n = 6
+            assert seq.reusable(5) == 4
+            seq.rewind(4)
+            again = await model.forward(seq, [7])
+            fresh = (await model.logits([1, 2, 3, 4, 7]))[-1:]
+            return again, fresh
+
+    again, fresh = run(go())
+    assert _max_err(again, fresh) <= STEP_TOL["q8"]
