@@ -42,7 +42,7 @@ def describe(path: str) -> dict:
 
         specs = arch.layer_states()
         kv_per_token = {t: sizes(specs, t)[0] // PAGE for t in KV_TYPES
-                        if not any(refusal(s, t) for s in specs if s.kind != "recurrent")}
+                        if not any(refusal(s, t) for s in specs if s is not None and s.kind != "recurrent")}
         return {
             "path": path,
             "files": list(f.paths),
@@ -56,7 +56,8 @@ def describe(path: str) -> dict:
             "min_expert_cache": min_budget(layout, cfg.n_expert_used),
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
             "kv_bytes_per_token": kv_per_token,  # by kv_type, every layer's keys and values for one position
-            "layer_states": [f"{s.kind}" + (f" {s.window}" if s.window else "") for s in specs],
+            # per layer: "full", "window N", "latent", "recurrent", or "none" (an FFN-only layer)
+            "layer_states": ["none" if s is None else s.kind + (f" {s.window}" if s.window else "") for s in specs],
         }
 
 
@@ -69,6 +70,20 @@ def suggestions(layout, top_k: int, dense: int) -> dict[str, int]:
         out[share] = resolve_budget(share, layout, top_k, dense)[0]
     out["default here"] = resolve_budget(None, layout, top_k, dense)[0]
     return out
+
+
+def _kinds(kinds: list[str]) -> str:
+    """Layer kinds in order, runs collapsed: "3 linear attention, 1 attention, ... (4 attention, 12 linear
+    attention in all)"."""
+    runs: list[list] = []
+    for k in kinds:
+        if runs and runs[-1][1] == k:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, k])
+    shown = ", ".join(f"{n} {k}" for n, k in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    totals = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return shown + (" (" + ", ".join(f"{n} {k}" for k, n in totals.items()) + " in all)" if len(runs) > len(totals) else "")
 
 
 def _fmt(n: int) -> str:
@@ -96,10 +111,15 @@ def run(args) -> int:
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
         f"attention       {a['attention']}, RoPE {a['rope']}"
         + (f", sliding window {a['sliding_window']}" if a["sliding_window"] else ""),
+        f"layer kinds     {_kinds(a['layer_kinds'])}",
         "KV cache        " + ", ".join(f"{_fmt(n)} per token as {t}" + (" (default)" if t == "f16" else "")
                                    for t, n in d["kv_bytes_per_token"].items())
+        + (f" in {len(c['kv_layers'])} of {c['n_layers']} layers" if c.get("kv_layers") is not None else "")
         + (f"; {sum(1 for k in d['layer_states'] if k.startswith('window'))} sliding-window layers keep only their "
            "window" if any(k.startswith("window") for k in d["layer_states"]) else ""),
+        (f"recurrent state {_fmt(a['recurrent_bytes'])} per sequence (float32, fixed: conv + "
+         f"{'SSM' if 'SSM' in a['layer_kinds'] else 'delta-rule'} states, whatever the context)")
+        if a.get("recurrent_bytes") else "",
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"context         {c['n_ctx_train']}",

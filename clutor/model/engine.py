@@ -83,6 +83,10 @@ class Request:
     # before sampling; an exception it raises fails this request alone.
     logits_processor: Callable | None = None
     pooling: str = "mean"       # kind "embed": "mean" over the prompt's positions, or "last"
+    # prompt positions (besides its end) where a model with recurrent layers keeps its state, so that
+    # a later prompt sharing only that much starts there (chat: where the next turn's rendering departs
+    # from this one's, clutor.model.chat.chat_turn)
+    checkpoints: tuple[int, ...] = ()
     seq: "SequenceState | None" = None
     held: list[int] = field(default_factory=list)   # ids whose positions the sequence holds
     todo: list[int] = field(default_factory=list)   # ids still to feed: the prompt's rest, or the last token
@@ -179,6 +183,7 @@ class Engine:
         if req.kind == "embed" and req.pooling not in ("mean", "last"):
             raise ClutorError(f"pooling must be 'mean' or 'last', got {req.pooling!r}")
         req.prompt = self.check(req.prompt)
+        req.checkpoints = tuple(sorted(p for p in set(req.checkpoints) if 0 < p < len(req.prompt)))
         positions = len(req.prompt) + (max(req.max_new, 1) - 1 if req.kind == "generate" else 0)
         need = self.pool.bytes_for(positions)
         if need > self.pool.budget:
@@ -274,41 +279,42 @@ class Engine:
         """Waiting requests into the batch, oldest first, while there is a place and KV room; one that
         waits for a page another request is computing lets those behind it go first."""
         skipped: list[Request] = []
-        while self._waiting and len(self._active) < self.max_sequences:
-            req = self._waiting[0]
-            tokens = req.held + req.todo  # a resumed request: everything it had, recomputed where not kept
-            if self._active and self.pool.room < self.pool.bytes_for(min(len(tokens), self.step_tokens)):
-                break  # no room for its first chunk yet: it would only be set aside again
-            self._waiting.popleft()
-            match = None
-            if req.kind == "generate":
-                keys = req.keys + req.prompt_keys[len(req.keys):] if not req.held else None
-                match = self.pool.match(tokens, len(tokens) - 1, keys=keys)
-                nxt = match.n // PAGE
-                owner = self._promised.get(req.prompt_keys[nxt]) if nxt < len(req.prompt_keys) else None
-                if owner is not None and owner is not req and owner in self._active:
-                    skipped.append(req)  # its next page is being computed: take it when published
-                    continue
-            try:
-                seq = self.pool.sequence()
-                req.copies = self.pool.adopt(seq, match) if match is not None and match.n else []
-            except NoRoom:
-                self._waiting.appendleft(req)
-                break
-            req.seq = seq
-            req.held, req.todo = tokens[: seq.n], tokens[seq.n :]
-            known = req.keys if len(req.keys) >= len(req.prompt_keys) else req.prompt_keys  # keys of tokens' pages
-            req.keys = known[: seq.n // PAGE]
-            req.started = False
-            if not req.preempted:
-                req.cached_tokens = seq.n
-                req.t_admitted = time.perf_counter()
-            self._admissions += 1
-            req.admitted = self._admissions
-            self._active.append(req)
-            for key in req.prompt_keys[seq.n // PAGE :]:
-                self._promised.setdefault(key, req)
-        self._waiting.extendleft(reversed(skipped))
+        try:
+            while self._waiting and len(self._active) < self.max_sequences:
+                req = self._waiting[0]  # taken off the queue only once admitted: a failure here still reaches it
+                tokens = req.held + req.todo  # a resumed request: everything it had, recomputed where not kept
+                if self._active and self.pool.room < self.pool.bytes_for(min(len(tokens), self.step_tokens)):
+                    break  # no room for its first chunk yet: it would only be set aside again
+                match = None
+                if req.kind == "generate":
+                    keys = req.keys + req.prompt_keys[len(req.keys):]
+                    match = self.pool.match(tokens, len(tokens) - 1, keys=keys)
+                    nxt = match.n // PAGE
+                    owner = self._promised.get(req.prompt_keys[nxt]) if nxt < len(req.prompt_keys) else None
+                    if owner is not None and owner is not req and owner in self._active:
+                        skipped.append(self._waiting.popleft())  # its next page is being computed: take it when published
+                        continue
+                try:
+                    seq = self.pool.sequence()
+                    req.copies = self.pool.adopt(seq, match) if match is not None and match.n else []
+                except NoRoom:
+                    break
+                self._waiting.popleft()
+                req.seq = seq
+                req.held, req.todo = tokens[: seq.n], tokens[seq.n :]
+                known = req.keys if len(req.keys) >= len(req.prompt_keys) else req.prompt_keys  # keys of tokens' pages
+                req.keys = known[: seq.n // PAGE]
+                req.started = False
+                if not req.preempted:
+                    req.cached_tokens = seq.n
+                    req.t_admitted = time.perf_counter()
+                self._admissions += 1
+                req.admitted = self._admissions
+                self._active.append(req)
+                for key in req.prompt_keys[seq.n // PAGE :]:
+                    self._promised.setdefault(key, req)
+        finally:
+            self._waiting.extendleft(reversed(skipped))
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """Every decoding sequence's one token, then prompt chunks (oldest first) in what is left of
@@ -327,6 +333,9 @@ class Engine:
                 if room <= 0:
                     continue
                 n = min(len(r.todo), room)
+                if self.pool.recurrent:  # stop at a checkpoint: a recurrent state is only there between steps
+                    at = len(r.held)
+                    n = min([n] + [p - at for p in r.checkpoints if at < p < at + n])
             if not self._reserve(r, n, batch):
                 continue
             batch.append((r, n))
@@ -424,8 +433,8 @@ class Engine:
             for key in r.keys[n_keys:]:  # pages now published: whoever waited for them takes them
                 if self._promised.get(key) is r:
                     del self._promised[key]
-            if seg.n > 1:
-                self.pool.save_checkpoint(r.seq, r.held, r.keys)  # a prefill chunk's end (recurrent layers)
+            if r.n_gen == 0 and (len(r.held) == len(r.prompt) or len(r.held) in r.checkpoints):
+                self.pool.save_checkpoint(r.seq, r.held, r.keys)  # recurrent states at the prompt's end, or asked
             if r.kind != "generate":
                 r._pieces.append(oc.value)
                 if not r.todo and not r.released:
@@ -456,13 +465,11 @@ class Engine:
         self._drop(req)
 
     def _retire(self, req: Request) -> None:
-        """Out of the batch; its computed pages (and, with recurrent layers, its state) kept for reuse."""
+        """Out of the batch; its computed pages kept for reuse (recurrent states were kept where asked)."""
         if req in self._active:
             self._active.remove(req)
             self._forget_promises(req)
             if req.seq is not None:
-                if not self._closed:
-                    self.pool.save_checkpoint(req.seq, req.held, req.keys)
                 self.pool.release(req.seq)
         req.seq = None
 

@@ -155,7 +155,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None, logits_processor: Callable | None = None) -> AsyncIterator[GenerationChunk]:
+                   logprobs: int | None = None, logits_processor: Callable | None = None,
+                   checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -168,6 +169,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
         thread before each sampling (a grammar's mask: set disallowed tokens to -inf); what it returns
         is sampled from. An exception it raises ends this generation alone with that error.
+    checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
+        later prompt that shares only that prefix reuses it (the prompt's end is always kept).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -183,6 +186,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         ids = await asyncio.to_thread(tok.encode, prompt, special=special)
     elif callable(prompt):
         ids = await asyncio.to_thread(prompt)
+        if isinstance(ids, tuple):  # (ids, where to keep a recurrent state): a chat turn
+            ids, more = ids
+            checkpoints = tuple(checkpoints) + tuple(more)
     else:
         ids = prompt
     ids = model.engine.check(ids)  # this caller's error, before it can join a step
@@ -195,7 +201,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     req = model.engine.submit(Request(
         ids, sampler=sampler, max_new=max_new, stop_ids=frozenset() if ignore_eos else frozenset(tok.stop_ids),
         sample=None if logprobs is None else _with_logprobs(logprobs),
-        logits_processor=None if logits_processor is None else _processor(logits_processor)))
+        logits_processor=None if logits_processor is None else _processor(logits_processor),
+        checkpoints=tuple(checkpoints)))
     n_gen, reason = 0, "length"
     try:
         while True:

@@ -83,7 +83,7 @@ class Match:
     n: int                                   # positions reusable
     pages: list[list[int]]                   # per group: pages mapped by reference (-1: not needed)
     tails: list[int | None]                  # per group: the page whose first n % PAGE positions are copied
-    checkpoint: dict | None = None           # recurrent layers: {layer: {name: array}} at position n
+    checkpoint: tuple | None = None          # recurrent layers: ({layer: conv}, {layer: ssm}) at position n
 
 
 class _Group:
@@ -199,7 +199,8 @@ class KVPool:
         self.used = 0          # bytes in use: pages with refs or kept, recurrent states, checkpoints
         self.cached = 0        # of which kept for reuse (pages at refs 0, checkpoints)
         self._lru: OrderedDict[tuple, None] = OrderedDict()  # kept pages (gi, page) and checkpoints ("c", key)
-        self._ckpts: dict[bytes, tuple[dict, int]] = {}  # key -> ({layer: {name: array}}, bytes)
+        self._ckpts: dict[bytes, tuple] = {}  # position key -> (({layer: conv}, {layer: ssm}), bytes, parent, offset)
+        self._ckpt_offsets: dict[bytes, dict[int, int]] = {}  # a page's parent key -> {offset: checkpoints there}
         self._orphans: list[list[list[int]]] = []  # tables of sequences collected without release()
         self.evictions = 0
 
@@ -231,7 +232,7 @@ class KVPool:
         shared = sum(1 for g in self.groups for r in g.refs[: g.high] if r > 1)
         resident = sum(g.high * g.page_bytes for g in self.groups) + (live - sum(
             sum(1 for r in g.refs[: g.high] if r > 0) * g.page_bytes for g in self.groups)) + sum(
-            b for _, b in self._ckpts.values())
+            c[1] for c in self._ckpts.values())
         kept = sum(1 for k in self._lru if k[0] != "c")
         return PoolStats(self.budget, live, self.cached, kept, resident, shared, self.evictions, self.page_bytes)
 
@@ -271,12 +272,14 @@ class KVPool:
                     self._unref(gi, page)
             t.clear()
 
-    def truncate(self, seq: SequenceState, n: int) -> None:
+    def truncate(self, seq: SequenceState, n: int, *, recurrent_checked: bool = False) -> None:
+        """Keep seq's first n positions (see SequenceState.truncate); recurrent_checked: its recurrent
+        states were put back to n already (SequenceState.rewind)."""
         if not 0 <= n <= seq.n:
             raise ClutorError(f"cannot truncate a sequence of {seq.n} positions to {n}")
-        if self.recurrent and n not in (0, seq.n):
-            raise ClutorError("a sequence with recurrent layers can only be truncated to 0 (their state is not "
-                              "kept per position)")
+        if seq.rs is not None and not recurrent_checked and n not in (0, seq.n):
+            raise ClutorError(f"cannot cut a sequence with recurrent layers back to {n} positions: their state "
+                              f"has absorbed all {seq.n} (rewind to a checkpoint instead: seq.reusable(n))")
         keep = -(-n // PAGE)
         for gi, g in enumerate(self.groups):
             t = seq.tables[gi]
@@ -287,11 +290,9 @@ class KVPool:
                 if page >= 0:
                     self._unref(gi, page)
             del t[keep:]
-        if n == 0:
-            for arrays in seq.recurrent.values():
-                for a in arrays.values():
-                    a[...] = 0
-        seq.n = n
+        if n == 0 and seq.rs is not None:
+            seq.rs.restore(0)
+        seq.commit(n)
 
     # -- pages for a step --------------------------------------------------------------------------
     def reserve(self, seq: SequenceState, upto: int) -> list[tuple[int, int, int, int]]:
@@ -425,28 +426,27 @@ class KVPool:
                 i += 1
             n_pages = i
         m = n_pages * PAGE
-        # the tail: the longest run after the last full page that some published page starts with
-        tails: list[int | None] = [None] * n_groups
+        # the tail: the longest run after the last full page that some published page of every group starts with
         if m < limit:
             parent = keys[n_pages - 1] if n_pages else ROOT
-            rest = a[m : m + PAGE - 1] if m + PAGE - 1 <= limit else a[m:limit]
+            rest = a[m : min(limit, m + PAGE - 1)]
             for k in range(len(rest), 0, -1):
-                key = _key(parent, rest[:k])
-                found = [g.by_prefix.get(key, -1) for g in self.groups]
-                if all(p >= 0 and self.groups[gi].filled[p] >= k for gi, p in enumerate(found)):
-                    tails = found
+                if self._tail(parent, rest[:k]) is not None:
                     m += k
                     break
         ckpt = None
         while True:  # settle m: the window groups' pages, then a checkpoint of the recurrent states
-            m0 = m = self._window_cover(keys, a, m, tails)
+            m0 = m = self._window_cover(keys, a, m)
             if self.recurrent:
                 m, ckpt = self._checkpoint_at(keys, a, m)
             if m == m0:
                 break
-            tails = [None] * n_groups  # a lower m is a page boundary (see _checkpoint_at)
         if m == 0:
             return empty
+        tails: list[int | None] = [None] * n_groups
+        if m % PAGE:
+            i = m // PAGE
+            tails = self._tail(keys[i - 1] if i else ROOT, a[i * PAGE : m])
         pages = []
         for gi, g in enumerate(self.groups):
             row = []
@@ -454,37 +454,55 @@ class KVPool:
             for i in range(m // PAGE):
                 row.append(g.by_prefix[keys[i]] if i >= lo else -1)
             pages.append(row)
-        return Match(m, pages, tails if m % PAGE else [None] * n_groups, ckpt)
+        return Match(m, pages, tails, ckpt)
 
-    def _window_cover(self, keys: list[bytes], a: np.ndarray, m: int, tails: list[int | None]) -> int:
-        """m, lowered until every window group holds the pages of the window before it."""
+    def _tail(self, parent: bytes, run: np.ndarray) -> list[int] | None:
+        """Per group, a published page whose positions start with run after parent's chain (None: a
+        group has none)."""
+        key = _key(parent, run)
+        found = [g.by_prefix.get(key, -1) for g in self.groups]
+        if all(p >= 0 and g.filled[p] >= len(run) for g, p in zip(self.groups, found)):
+            return found
+        return None
+
+    def _window_cover(self, keys: list[bytes], a: np.ndarray, m: int) -> int:
+        """m, lowered until every window group holds the pages of the window before it (and, inside a
+        page, the tail in every group)."""
         while m > 0:
+            i = m // PAGE
+            if m % PAGE and self._tail(keys[i - 1] if i else ROOT, a[i * PAGE : m]) is None:
+                m = i * PAGE
+                continue
             short = None
             for g in self.groups:
                 if not g.window:
                     continue
                 lo = max(0, m - g.window + 1) // PAGE
-                for i in range(lo, m // PAGE):
-                    p = g.by_prefix.get(keys[i], -1)
+                for j in range(lo, i):
+                    p = g.by_prefix.get(keys[j], -1)
                     if p < 0 or g.filled[p] < PAGE:
-                        short = i if short is None else min(short, i)
+                        short = j if short is None else min(short, j)
                         break
             if short is None:
                 return m
             m = short * PAGE
-            tails[:] = [None] * len(tails)
         return 0
 
-    def _checkpoint_at(self, keys: list[bytes], a: np.ndarray, m: int) -> tuple[int, dict | None]:
-        """The largest position <= m with a published checkpoint of the recurrent states."""
-        while m > 0:
-            i, k = divmod(m, PAGE)
-            key = _key(keys[i - 1] if i else ROOT, a[i * PAGE : m]) if k else keys[i - 1]
-            hit = self._ckpts.get(key)
-            if hit is not None:
-                self._lru.move_to_end(("c", key))
-                return m, hit[0]
-            m = (m - 1) // PAGE * PAGE if k else m - PAGE  # the page boundary below
+    def _checkpoint_at(self, keys: list[bytes], a: np.ndarray, m: int) -> tuple[int, tuple | None]:
+        """The largest position <= m along this token chain with a published checkpoint of the
+        recurrent states, and that checkpoint. Checkpoints are found page by page from the last: each
+        page's chain key lists the offsets in it that have one."""
+        for i in range((m - 1) // PAGE, -1, -1):
+            parent = keys[i - 1] if i else ROOT
+            for k in sorted(self._ckpt_offsets.get(parent, ()), reverse=True):
+                p = i * PAGE + k
+                if p > m:
+                    continue
+                key = keys[i] if k == PAGE else _key(parent, a[i * PAGE : p])
+                hit = self._ckpts.get(key)
+                if hit is not None:
+                    self._lru.move_to_end(("c", key))
+                    return p, hit[0]
         return 0, None
 
     def adopt(self, seq: SequenceState, match: Match) -> list[tuple[int, int, int, int]]:
@@ -524,18 +542,22 @@ class KVPool:
         for gi, _, dst, _ in copies:
             seq.tables[gi].append(dst)
         if match.checkpoint is not None:
-            for l, arrays in match.checkpoint.items():
-                for name, arr in arrays.items():
-                    seq.recurrent[l][name][...] = arr
-        seq.n = m
+            conv, ssm = match.checkpoint
+            for l in seq.rs.conv:
+                seq.rs.conv[l][...] = conv[l]
+                seq.rs.ssm[l][...] = ssm[l]
+        seq.commit(m)
         return copies
 
     def save_checkpoint(self, seq: SequenceState, tokens: Sequence[int], keys: list[bytes]) -> None:
-        """Keep seq's recurrent states at its position seq.n (tokens: its ids so far) for prefix reuse."""
-        if not self.recurrent or seq.n == 0:
+        """Keep seq's recurrent states at its position seq.n (tokens: its ids so far, keys: their full
+        pages' chain keys) for prefix reuse, under the key of that position."""
+        if seq.rs is None or seq.n == 0:
             return
-        i, k = divmod(seq.n, PAGE)
-        key = _key(keys[i - 1] if i else ROOT, np.asarray(tokens[i * PAGE : seq.n], dtype="<i4")) if k else keys[i - 1]
+        i = (seq.n - 1) // PAGE
+        k = seq.n - i * PAGE  # 1 .. PAGE: the position's offset in page i (PAGE: the page's end)
+        parent = keys[i - 1] if i else ROOT
+        key = keys[i] if k == PAGE and len(keys) > i else _key(parent, np.asarray(tokens[i * PAGE : seq.n], dtype="<i4"))
         if key in self._ckpts:
             self._lru.move_to_end(("c", key))
             return
@@ -546,7 +568,11 @@ class KVPool:
             self._charge(nbytes)
         except NoRoom:
             return
-        self._ckpts[key] = ({l: {n: a.copy() for n, a in arrays.items()} for l, arrays in seq.recurrent.items()}, nbytes)
+        rs = seq.rs
+        self._ckpts[key] = (({l: a.copy() for l, a in rs.conv.items()}, {l: a.copy() for l, a in rs.ssm.items()}),
+                            nbytes, parent, k)
+        offsets = self._ckpt_offsets.setdefault(parent, {})
+        offsets[k] = offsets.get(k, 0) + 1
         self._lru[("c", key)] = None
         self.cached += nbytes
         self._bound_cache()
@@ -596,7 +622,13 @@ class KVPool:
         del self._lru[victim]
         self.evictions += 1
         if victim[0] == "c":
-            _, nbytes = self._ckpts.pop(victim[1])
+            _, nbytes, parent, k = self._ckpts.pop(victim[1])
+            offsets = self._ckpt_offsets[parent]  # offset -> checkpoints there (of different tokens)
+            offsets[k] -= 1
+            if not offsets[k]:
+                del offsets[k]
+                if not offsets:
+                    del self._ckpt_offsets[parent]
             self.used -= nbytes
             self.cached -= nbytes
             return

@@ -310,10 +310,12 @@ class Model:
         """Stream the assistant's reply to messages ([{"role": ..., "content": ...}]) through the file's
         chat template; options as for generate. The next turn's prompt starts with this one's tokens,
         so its KV cache is reused (GenerationStats.cached_tokens says how many)."""
-        from .chat import chat_ids
+        from .chat import chat_ids, chat_turn
 
         self._check_open()
-        return self.generate(_Deferred(chat_ids, self.tokenizer, list(messages)), **options)
+        # A recurrent state cannot be cut back: it is kept where the next turn departs (chat_turn).
+        render = chat_turn if self.kv.recurrent else chat_ids
+        return self.generate(_Deferred(render, self.tokenizer, list(messages)), **options)
 
     def engine_stats(self):
         """Live and queued sequences, KV bytes held and kept for reuse, preemptions (clutor.model.engine.EngineStats)."""
@@ -351,7 +353,8 @@ def _progress_of(progress, total: int) -> Callable[[int], None] | None:
 
 
 class _Deferred:
-    """A prompt still to be made (a chat template to render): generate() calls it off the event loop."""
+    """A prompt still to be made (a chat template to render): generate() calls it off the event loop;
+    it gives the ids, or (ids, positions where a recurrent state is to be kept)."""
 
     def __init__(self, fn, *args):
         self.fn, self.args = fn, args

@@ -171,10 +171,14 @@ class Runner:
             picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
             rows = picked // K  # [S], S = rows summed over experts
             xg = h[rows]  # [S, D]
-            gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
-            matmul_jobs([job for v, t0, n in zip(views, starts, counts)
-                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
-                        self.kernels)
+            if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
+                gu = np.empty((len(xg), F), np.float32)
+                jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
+            else:
+                gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+                jobs = [job for v, t0, n in zip(views, starts, counts)
+                        for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))]
+            matmul_jobs(jobs, D, xg, gu, self.kernels)
             biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
             if biased:
                 for v, t0, n in zip(views, starts, counts):

@@ -7,24 +7,24 @@ Each layer of an architecture keeps one kind of state per sequence (``Arch.layer
                                       pages that fall behind the window are given back
     LatentKV(width, v_dim)            one row per position whose first v_dim columns are the values
                                       (MLA: the compressed latent and the shared RoPE key)
-    Recurrent(shapes)                 a fixed-size state (conv state, SSM / delta-rule matrix) updated
+    Recurrent(shape)                  a fixed-size state (conv state, SSM / delta-rule matrix) updated
                                       in place by every token (Gated DeltaNet, Mamba-2 layers)
 
 The KV kinds live in pages of the model's KV pool (clutor.model.kv): a sequence holds, per page
-group, the list of its pages; a Recurrent layer's arrays belong to the sequence itself, and prefix
-reuse restores them from checkpoints the pool keeps at chosen positions.
+group, the list of its pages; a Recurrent layer's arrays belong to the sequence itself (its
+RecurrentState), and prefix reuse restores them from checkpoints the pool keeps at chosen positions
+(a prompt's end, a chat turn's departure: Request.checkpoints).
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import numpy as np
 
 if TYPE_CHECKING:
     from .kv import KVPool
+    from .recurrent import LayerShape
 
 __all__ = ["FullKV", "WindowKV", "LatentKV", "Recurrent", "LayerState", "SequenceState"]
 
@@ -85,43 +85,78 @@ class LatentKV:
 
 @dataclass(frozen=True)
 class Recurrent:
-    """A fixed-size per-sequence state: named float32 arrays of these shapes, zero at position 0."""
+    """A fixed-size per-sequence state: the layer's conv state and SSM / delta-rule matrix
+    (clutor.model.recurrent.LayerShape), zero at position 0."""
 
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    shape: "LayerShape"
     kind: ClassVar[str] = "recurrent"
 
     @property
     def nbytes(self) -> int:
-        return sum(4 * math.prod(s) for _, s in self.shapes)
+        return self.shape.nbytes
 
-    def zeros(self) -> dict[str, np.ndarray]:
-        return {name: np.zeros(shape, np.float32) for name, shape in self.shapes}
+    @property
+    def window(self) -> int:
+        return 0
 
 
-LayerState = FullKV | WindowKV | LatentKV | Recurrent
+LayerState = FullKV | WindowKV | LatentKV | Recurrent  # or None: a layer that keeps nothing (an FFN-only layer)
 
 
 class SequenceState:
     """One sequence: ``n`` positions filled, its pages in each page group of the pool (-1 where a
-    window group gave a page back), and its recurrent layers' arrays.
+    window group gave a page back), and its recurrent layers' states (``rs``, a
+    clutor.model.recurrent.RecurrentState; None when the model has no recurrent layer).
 
     Made by the pool (``KVPool.sequence()``, ``Model.new_sequence()``); its pages go back to the pool
-    when it is released or garbage-collected."""
+    when it is released or garbage-collected. KV pages can be cut back to any shorter prefix
+    (``truncate``); a recurrent state only to a checkpoint the sequence took (``checkpoint``), so
+    ``reusable(n)`` says how far back it can go and ``rewind`` goes there."""
 
     def __init__(self, pool: "KVPool"):
+        from .recurrent import RecurrentState
+
         self.pool = pool
         self.n = 0
         self.n_ctx = pool.n_ctx
-        self.tables: list[list[int]] = [[] for _ in pool.groups]  # per group: page id per P positions
-        # layer -> {name: array}: the state after position n - 1 (zeros for a fresh sequence)
-        self.recurrent: dict[int, dict[str, np.ndarray]] = {l: spec.zeros() for l, spec in pool.recurrent.items()}
+        self.tables: list[list[int]] = [[] for _ in pool.groups]  # per group: page id per PAGE positions
+        self.rs = RecurrentState({l: s.shape for l, s in pool.recurrent.items()}) if pool.recurrent else None
         self.released = False
         self._finalizer = weakref.finalize(self, pool._orphaned, self.tables)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held besides KV pages: recurrent states and this sequence's own checkpoints."""
+        return 0 if self.rs is None else self.rs.nbytes
+
+    def commit(self, n: int) -> None:
+        """Positions up to n are filled (every layer has written them)."""
+        self.n = n
+        if self.rs is not None:
+            self.rs.n = n
+
     def truncate(self, n: int) -> None:
         """Keep the first n positions; the next step writes from position n (pages past it go back).
-        A sequence with recurrent layers cannot go back (their state is not kept per position)."""
+        With recurrent layers only to 0, the current position, or a checkpoint (see rewind)."""
         self.pool.truncate(self, n)
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent states at the current position, to rewind to."""
+        if self.rs is not None:
+            self.rs.save()
+
+    def reusable(self, n: int) -> int:
+        """The longest prefix of at most n positions this sequence can be cut back to."""
+        n = min(n, self.n)
+        return n if self.rs is None else self.rs.reusable(n)
+
+    def rewind(self, n: int) -> None:
+        """Back to n positions (n from reusable): KV pages cut back, recurrent states restored."""
+        if n != self.reusable(n):
+            raise ValueError(f"cannot rewind to {n}: the recurrent state has no checkpoint there")
+        if self.rs is not None:
+            self.rs.restore(n)
+        self.pool.truncate(self, n, recurrent_checked=True)
 
     def release(self) -> None:
         """Give every page back to the pool now (also done when the state is garbage-collected)."""

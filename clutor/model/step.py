@@ -7,8 +7,9 @@ and leaves the rest to the step:
     o = step.attend(l, q, k, v, scale)              # k, v into each sequence's pages, then attention
 
 A recurrent layer (Gated DeltaNet, Mamba-2) reads and updates each segment's own state in place:
-``step.state(l, seg)`` is {name: array} of that sequence (clutor.model.state.Recurrent); a decode
-step can stack the segments' states, and write them back, to batch its update.
+``seg.seq.rs.conv[l]`` and ``seg.seq.rs.ssm[l]`` (clutor.model.recurrent.RecurrentState, at position
+``seg.p0`` when the step starts); a decode step stacks the one-token segments' states to batch its
+update (recurrent.stacked).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class Step:
     def commit(self) -> None:
         """The step's positions count as filled: only once every layer has written them."""
         for seg in self.segments:
-            seg.seq.n = seg.p0 + seg.n
+            seg.seq.commit(seg.p0 + seg.n)
 
     def fail_rows(self, rows: np.ndarray, err: BaseException) -> None:
         """Fail the segments owning these rows (their outputs are dropped; the step goes on)."""
@@ -88,11 +89,6 @@ class Step:
             K, V = _gather(g, li, s.seq.tables[gi][lo : -(-end // PAGE)], end - lo * PAGE)
             outs.append(attention(q[s.rows], K, V, s.p0, lo * PAGE, scale, window=window, sinks=sinks))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
-
-    # -- what a recurrent layer calls -------------------------------------------------------------
-    def state(self, l: int, seg: "Segment") -> dict[str, np.ndarray]:
-        """The recurrent state of layer l of this segment's sequence ({name: array}, updated in place)."""
-        return seg.seq.recurrent[l]
 
 
 def _write(g, li: int, pages: np.ndarray, offs: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:

@@ -98,6 +98,9 @@ class GptOss(Arch):
                         window=self.window if self.swa[l] else 0, sinks=lw.sinks)
         return lw.wo(o) + lw.bo
 
+    def layer_kind(self, l):
+        return "window" if self.swa[l] else "attention"
+
     def route(self, lw, h):
         return gate(h, lw.router, self.cfg.n_expert_used, func="softmax_weight", logit_bias=lw.router_b,
                     scale=self.w_scale)
