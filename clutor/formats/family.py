@@ -1,0 +1,81 @@
+"""A model family's chat format: how it writes tool calls and reasoning, and how to ask for them.
+
+Each family module (hermes, qwen_xml, glm, deepseek, mistral, harmony) defines one ``Family``:
+- ``detect(template)``: whether a chat template is this family's (by the markup it writes);
+- ``parser(...)``: a fresh StreamParser for one reply;
+- ``call_grammar(tools, parallel, lit)``: a Lark rule ``calls`` admitting exactly this family's
+  well-formed calls to these tools (constrained decoding for tool_choice required / named);
+- ``tools_prompt(tools)``: the system text describing the tools, for templates that do not render
+  ``tools`` themselves (None when the template does);
+- ``render_calls(calls)``: an assistant's calls as this family writes them, for templates that do
+  not render ``tool_calls``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable, Sequence
+
+from .base import StreamParser, Tool, new_call_id
+
+__all__ = ["Family", "Lit", "json_rule", "text_until"]
+
+# lit(text) -> a Lark term producing exactly this text: the special token when the vocabulary has it
+# as a control token (it cannot be spelled in bytes), else the quoted string.
+Lit = Callable[[str], str]
+
+
+def json_rule(schema: dict) -> str:
+    """An llguidance Lark term for one JSON value matching ``schema``."""
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def text_until(stop: str) -> str:
+    """A Lark regex for any text that does not contain ``stop`` (so ``stop`` ends it)."""
+    esc = "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in stop).replace("\n", "\\n")
+    return f"/(?s:.*)/ & ~/(?s:.*{esc}.*)/"
+
+
+def object_schema(tool: Tool) -> dict:
+    p = tool.parameters if isinstance(tool.parameters, dict) and tool.parameters else {"type": "object"}
+    return p
+
+
+class Family:
+    name = "plain"
+    markers: tuple[str, ...] = ()       # texts the parser reads: shown even when they are control tokens
+    native = True                       # the template renders tools and tool calls itself
+
+    def detect(self, template: str) -> bool:  # pragma: no cover - overridden
+        return False
+
+    def new_id(self) -> str:
+        return new_call_id()
+
+    def parser(self, tools: dict[str, Tool] | None, *, think: tuple[str, str] | None, starts_in_reasoning: bool,
+               prefix: str = "") -> StreamParser:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def tools_prompt(self, tools: Sequence[Tool]) -> str | None:
+        return None
+
+    def render_calls(self, calls: Sequence[tuple[str, dict]]) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<chat format {self.name}>"
+
+
+def alternatives(rules: dict[str, str]) -> str:
+    """Lark text defining one rule per tool and ``call`` as their alternatives."""
+    lines = [f"{name}: {body}" for name, body in rules.items()]
+    lines.append("call: " + " | ".join(rules))
+    return "\n".join(lines)
+
+
+def repeat_calls(parallel: bool, sep: str = "") -> str:
+    if not parallel:
+        return "calls: call"
+    return f"calls: call ({sep} call)*" if sep else "calls: call+"
