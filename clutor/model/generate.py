@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 
+import numpy as np
+
 from .._util import proc_bytes
 from ..errors import ClutorError
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -81,6 +83,7 @@ class GenerationStats:
     peak_rss: int = 0            # the process's peak resident set (VmHWM), bytes
     cache_note: str = ""         # how the expert cache size was chosen
     cached_tokens: int = 0       # prompt tokens whose KV cache was reused, not computed (prefix cache)
+    grammar: object = None       # clutor.grammar.MaskStats when a grammar constrained the reply
 
     @property
     def bytes_per_token(self) -> float:
@@ -152,7 +155,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
+                   logprobs: int | None = None, grammar=None,
+                   show_tokens: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -162,6 +166,10 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
+    grammar: a clutor.grammar.Grammar the reply must follow (constrained decoding): every step's
+        logits are masked to what it allows; the reply ends when it is complete.
+    show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
+        Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -180,12 +188,13 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
-    stream = tok.stream()
+    stream = tok.stream(show=show_tokens)
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
+    matcher = grammar.matcher() if grammar is not None else None
     req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              None if logprobs is None else _with_logprobs(logprobs))
+                              _sample_hook(logprobs, matcher))
     n_gen, reason = 0, "length"
     try:
         while True:
@@ -206,21 +215,34 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                 break
     finally:
         model.engine.release(req)
+        if matcher is not None:
+            matcher.close()
     t_end = time.perf_counter()
     t_first = req.t_first or t_end
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
                             io=_io_report(io_before, model.io_stats(), t_end - t0),
-                            peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
+                            peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens,
+                            grammar=matcher.stats if matcher is not None else None)
     yield GenerationChunk(tail, None, stats)
 
 
-def _with_logprobs(n: int):
-    """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
-    most likely from the raw logits, before any penalty (as OpenAI and llama.cpp's server report them)."""
+def _sample_hook(logprobs: int | None, matcher):
+    """The engine's per-request sample hook (run on the compute thread), or None for plain sampling:
+    the grammar's mask applied to the logits before sampling, and the chosen token's logprob and the
+    n most likely taken from the raw logits, before any mask or penalty (as OpenAI and llama.cpp's
+    server report them). The one place a request's logits processing meets the engine."""
+    if logprobs is None and matcher is None:
+        return None
 
     def sample(req, row):
-        token = req.sampler.sample(row, req.history)
-        return token, token_logprobs(row, token, n)
+        masked = row
+        if matcher is not None:
+            masked = np.array(row, dtype=np.float32, copy=True)  # [V]
+            matcher.apply(masked)
+        token = req.sampler.sample(masked, req.history)
+        if matcher is not None:
+            matcher.accept(token)
+        return token, (token_logprobs(row, token, logprobs) if logprobs is not None else None)
 
     return sample
