@@ -67,10 +67,11 @@ async def _reply(model, grammar, **kw):
     return "".join(text), last.stats
 
 
-def test_ten_schemas_validate_greedy_and_sampled(tok):
+def test_schemas_validate_greedy_and_sampled(tok):
+    """generate(grammar=) in the library (the server tests run all ten schemas through the openai client)."""
     async def main():
         async with clutor.Model.open(MODEL, **OPEN) as model:
-            for k, schema in enumerate(SCHEMAS):
+            for k, schema in enumerate(SCHEMAS[:3]):
                 g = Grammar.json_schema(tok, schema)
                 for kw in (dict(temperature=0), dict(temperature=1.5, seed=k, top_k=0, top_p=1.0, min_p=0)):
                     text, stats = await _reply(model, g, **kw)

@@ -12,7 +12,6 @@ Each family module (hermes, qwen_xml, glm, deepseek, mistral, harmony) defines o
 """
 from __future__ import annotations
 
-import json
 from typing import Callable, Sequence
 
 from .base import StreamParser, Tool, new_call_id
@@ -25,8 +24,11 @@ Lit = Callable[[str], str]
 
 
 def json_rule(schema: dict) -> str:
-    """An llguidance Lark term for one JSON value matching ``schema``."""
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    """An llguidance Lark term for one JSON value matching ``schema`` (bounded whitespace, as every
+    JSON constraint here)."""
+    from ..grammar.constraint import json_term
+
+    return json_term(schema)
 
 
 def text_until(stop: str) -> str:

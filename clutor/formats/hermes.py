@@ -25,7 +25,7 @@ def hermes_body(text: str, final: bool) -> CallBody:
     start = text.find("{")
     if start < 0:
         return CallBody()
-    fields, _ = object_fields(text, start)
+    fields, end = object_fields(text, start)
     name = string_field(text, fields.get("name"))
     span = fields.get("arguments") or fields.get("parameters")
     args = ""
@@ -36,8 +36,8 @@ def hermes_body(text: str, final: bool) -> CallBody:
             args = inner.strip() if isinstance(inner, str) else ""
         else:
             args = (text[a:b] if b is not None else text[a:]).strip()
-    if final and name is not None and not args:
-        args = "{}"
+    if end is not None and name is not None and span is None:
+        args = "{}"  # a complete call with no arguments
     return CallBody(name, args)
 
 

@@ -29,6 +29,7 @@ from ..errors import ClutorError, ClutorIOError
 from .admission import Admission, QueueFull
 from .errors import APIError, bad_request, error_body
 from .metrics import Metrics, watch_loop_lag
+from ..formats import Delta, Message
 from .requests import Defaults, GenRequest, check_model, parse_chat, parse_completion
 from .responses import Shaper
 
@@ -229,22 +230,43 @@ async def _http_error(request: Request, e: HTTPException) -> Response:
 
 # -- generation -------------------------------------------------------------------------------------
 def _gen_route(state: ServerState, kind: str):
+    api = _API[kind]
+
     async def route(request: Request) -> Response:
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = api.prefix + uuid.uuid4().hex[:24]
         t0 = time.perf_counter()
         try:
             _ready(state)
             body = await _json_body(request, state.max_body)
             check_model(body, state.name)
-            parse = parse_chat if kind == "chat" else parse_completion
-            req = await asyncio.to_thread(parse, body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            req = await asyncio.to_thread(api.parse, body, state.model.tokenizer, state.model.n_ctx, state.defaults)
         except APIError as e:
             state.metrics.requests[(request.url.path, e.status)] += 1
             log.info("%s %s %d %s", rid, request.url.path, e.status, e.message)
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        return _Generation(state, req, rid, request.url.path, t0)
+            return JSONResponse(api.error(e), status_code=e.status, headers=e.headers)
+        return _Generation(state, req, rid, request.url.path, t0, api)
 
     return route
+
+
+@dataclass(frozen=True)
+class _Api:
+    """One API the generation routes speak: how its requests are read, its replies and errors shaped."""
+
+    prefix: str                 # of its ids
+    parse: object               # (body, tokenizer, n_ctx, defaults) -> GenRequest
+    shaper: object              # (req, rid, created, model name, tokenizer) -> a shaper (responses.py)
+    error: object               # APIError -> body
+
+
+def _openai_shaper(req, rid, created, name, tok):
+    return Shaper(req.kind, rid, created, name, tok, req.include_usage)
+
+
+_API = {
+    "chat": _Api("chatcmpl-", parse_chat, _openai_shaper, Shaper.error),
+    "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error),
+}
 
 
 async def _json_body(request: Request, limit: int) -> dict:
@@ -271,8 +293,8 @@ async def _json_body(request: Request, limit: int) -> dict:
 class _Generation(Response):
     """Runs one admitted generation as the response itself (an ASGI callable), watching the connection."""
 
-    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float):
-        self.s, self.req, self.rid, self.path, self.t0 = state, req, rid, path, t0
+    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float, api: _Api):
+        self.s, self.req, self.rid, self.path, self.t0, self.api = state, req, rid, path, t0, api
         self.status = 0
         self.t_first: float | None = None
         self.stats = None
@@ -303,7 +325,7 @@ class _Generation(Response):
                 if self.status == 0:
                     await self._error(send, err)
                 else:
-                    await _sse(send, {"error": err.body()["error"]}, more=False)
+                    await self._stream_error(send, err)
             self.note = err.message
         self._log()
 
@@ -320,7 +342,9 @@ class _Generation(Response):
             return
         t_admit = time.perf_counter()
         try:
-            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options)
+            plan = req.plan
+            extra = {} if plan is None else dict(grammar=plan.grammar, show_tokens=plan.show_tokens)
+            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
             try:
                 if req.stream:
                     await self._stream(agen, send)
@@ -342,7 +366,7 @@ class _Generation(Response):
                 await self._error(send, err)
             else:  # mid-stream: the status is sent already; end the stream with an error event
                 self.note = err.message
-                await _sse(send, {"error": err.body()["error"]}, more=False)
+                await self._stream_error(send, err)
         finally:
             s.admission.release(time.perf_counter() - t_admit)
 
@@ -355,12 +379,18 @@ class _Generation(Response):
     async def _error(self, send, e: APIError) -> None:
         self.status = e.status
         self.note = e.message
-        resp = JSONResponse(e.body(), status_code=e.status, headers={**e.headers, "x-request-id": self.rid})
+        resp = JSONResponse(self.api.error(e), status_code=e.status, headers={**e.headers, "x-request-id": self.rid})
         await resp({"type": "http"}, _never, send)
 
-    def _shaper(self) -> Shaper:
-        return Shaper(self.req.kind, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer,
-                      self.req.include_usage)
+    async def _stream_error(self, send, e: APIError) -> None:
+        body = self.api.error(e)
+        name = "error" if body.get("type") == "error" else None  # Anthropic's and the Responses API's
+        if name is None:
+            body = {"error": body["error"]}
+        await _sse(send, body, more=False, event=name)
+
+    def _shaper(self):
+        return self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
 
     async def _whole(self, agen, send) -> None:
         parts, chunks = [], []
@@ -373,29 +403,39 @@ class _Generation(Response):
             if c.stats is not None:
                 self.stats = c.stats
         self._count()
-        body = self._shaper().whole("".join(parts), chunks, self.stats)
+        text = "".join(parts)
+        plan = self.req.plan
+        # the whole reply parsed at once, off the event loop
+        message = Message(content=text) if plan is None else await asyncio.to_thread(plan.parser().parse, text)
+        body = self._shaper().whole(message, chunks, self.stats)
         await self._start(send, b"application/json")
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
     async def _stream(self, agen, send) -> None:
         shaper = self._shaper()
+        parser = self.req.plan.parser() if self.req.plan is not None else None
         async for c in agen:
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
                 await self._start(send, b"text/event-stream")
-                first = shaper.first()
-                if first is not None:
-                    await _sse(send, first)
+                for ev in shaper.open():
+                    await _sse(send, ev[1], event=ev[0])
+            d = None
             if c.token is not None and (c.text or c.logprob is not None):
-                await _sse(send, shaper.delta(c.text, [c]))
-            if c.stats is not None:
+                d = parser.feed(c.text) if parser is not None else Delta(content=c.text)
+                events = shaper.delta(d, [c])
+            elif c.stats is not None:
                 self.stats = c.stats
-                if c.text:
-                    await _sse(send, shaper.delta(c.text, []))
+                d = Delta(content=c.text) if parser is None else parser.feed(c.text).extend(parser.finish())
+                events = shaper.delta(d, [])
+            else:
+                events = []
+            for ev in events:
+                await _sse(send, ev[1], event=ev[0])
         self._count()
-        for body in shaper.last(self.stats):
-            await _sse(send, body)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        for ev in shaper.close(parser.message if parser is not None else None, self.stats):
+            await _sse(send, ev[1], event=ev[0])
+        await send({"type": "http.response.body", "body": shaper.done or b"", "more_body": False})
 
     def _count(self) -> None:
         m, st = self.s.metrics, self.stats
@@ -421,8 +461,9 @@ class _Generation(Response):
                      ttft, time.perf_counter() - self.t0, self.note)
 
 
-async def _sse(send, obj: dict, more: bool = True) -> None:
-    await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+async def _sse(send, obj: dict, more: bool = True, event: str | None = None) -> None:
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    await send({"type": "http.response.body", "body": head + b"data: " + json.dumps(obj).encode() + b"\n\n",
                 "more_body": more})
 
 

@@ -1,0 +1,216 @@
+"""What agents and apps send, against a real `clutor serve` on 127.0.0.1, with the official clients.
+
+The model is the demo model's structure (``clutor demo``: random weights, a Tulu-style template that
+knows no tools, so tools go in the system prompt and calls come back Hermes-style) at test size.
+Random weights write no JSON and call no tool on their own: every structured reply here exists
+because the grammar allowed nothing else, and is checked by the jsonschema package's validator.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("starlette", reason="the server extra is not installed (pip install 'clutor[server]')")
+pytest.importorskip("llguidance", reason="llguidance (constrained decoding, in the server extra) is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+jsonschema = pytest.importorskip("jsonschema", reason="the jsonschema validator is in the test extra")
+
+import clutor  # noqa: E402
+from clutor.cli.demo_model import ensure_demo_model  # noqa: E402
+from clutor.server import create_app  # noqa: E402
+from conftest import tiny_demo_spec  # noqa: E402
+from server_util import LiveServer  # noqa: E402
+from test_grammar import SCHEMAS  # noqa: E402
+
+NAME = "demo"
+OPEN = dict(io="threads", expert_cache="50%", n_ctx=2048)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "integer", "minimum": -100, "maximum": 100}}, "required": ["a", "b"],
+        "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME, ADD]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    # the tools' description alone is ~800 tokens of this 512-token vocabulary: a 2048-token context
+    spec = dataclasses.replace(tiny_demo_spec("demo-agents"), n_ctx=2048)
+    return ensure_demo_model(tmp_path_factory.mktemp("demo"), spec=spec)
+
+
+@pytest.fixture(scope="module")
+def srv(demo_path):
+    s = LiveServer(create_app(clutor.Model.open(demo_path, **OPEN), served_model_name=NAME, max_sequences=4))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+# -- structured output ----------------------------------------------------------------------------
+@pytest.mark.parametrize("k", range(len(SCHEMAS)))
+def test_json_schema_validates_greedy_and_sampled(client, k):
+    schema = SCHEMAS[k]
+    fmt = {"type": "json_schema", "json_schema": {"name": f"s{k}", "schema": schema, "strict": True}}
+    for kw in (dict(temperature=0), dict(temperature=1.2, seed=k, top_p=1.0)):
+        r = client.chat.completions.create(model=NAME, messages=ASK, response_format=fmt, max_tokens=400, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop", ch
+        jsonschema.validate(json.loads(ch.message.content), schema)
+        assert r.timings["grammar"]["masks"] == r.usage.completion_tokens  # llama-server's timings, with ours
+
+
+def test_json_object(client):
+    """Any JSON object. Its keys, strings and numbers have no bound, and random weights may write one
+    for ever (the schemas above bound theirs): a reply that ends is an object; one cut off by
+    max_tokens is the start of one."""
+    finished = 0
+    for seed in range(4):
+        r = client.chat.completions.create(model=NAME, messages=ASK, response_format={"type": "json_object"},
+                                           max_tokens=200, temperature=1.0, seed=seed)
+        text = r.choices[0].message.content
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+        else:
+            assert text.startswith("{") and r.usage.completion_tokens == 200
+    assert finished
+
+
+def test_gbnf_grammar_field(client):
+    """llama-server's `grammar` (GBNF), sent as an extra field."""
+    r = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=40, temperature=0.8, seed=1,
+                                       extra_body={"grammar": 'root ::= ("yes" | "no") "."'})
+    assert r.choices[0].message.content in ("yes.", "no.")
+
+
+def test_streamed_json_is_the_same_json(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[3]}}
+    whole = client.chat.completions.create(model=NAME, messages=ASK, response_format=fmt, max_tokens=300,
+                                           temperature=0).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=NAME, messages=ASK, response_format=fmt, max_tokens=300, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == whole
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+def _check_call(call):
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_choice_required_returns_a_valid_call(client, seed):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+    _check_call(ch.message.tool_calls[0])
+
+
+def test_parallel_calls_each_validate(client):
+    """With parallel calls a random model may go on calling until max_tokens: every finished call
+    validates; only a call cut off by the limit may not, and then finish_reason says "length"."""
+    for seed in range(3):
+        ch = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                            max_tokens=300, temperature=1.0, seed=seed).choices[0]
+        calls = ch.message.tool_calls
+        assert calls and ch.finish_reason in ("tool_calls", "length")
+        for call in calls if ch.finish_reason == "tool_calls" else calls[:-1]:
+            _check_call(call)
+
+
+def test_named_tool_choice_and_no_parallel_calls(client):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=300, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "add"}},
+                                       parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["add"]
+    _check_call(calls[0])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_streamed_tool_call_deltas_reassemble_into_the_same_call(client, parallel):
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0,
+              parallel_tool_calls=parallel)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for ch in client.chat.completions.create(**kw, stream=True):
+        if not ch.choices:
+            continue
+        finish = ch.choices[0].finish_reason or finish
+        for tc in ch.choices[0].delta.tool_calls or ():
+            if tc.id is not None:  # the first delta of a call: id, type and name
+                assert tc.index not in calls and tc.type == "function" and tc.function.name
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments or ""}
+            else:
+                assert tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+    got = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    assert got == [(c.function.name, c.function.arguments) for c in whole]
+    assert finish == "tool_calls" or parallel and finish == "length"  # greedy may call on until the limit
+    for name, args in got if finish == "tool_calls" else got[:-1]:
+        jsonschema.validate(json.loads(args), SCHEMA_OF[name])
+    assert len(got) == 1 or parallel
+
+
+def test_tool_round_trip(client):
+    """The call and its result go back through the template; the reply is text again."""
+    first = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=300, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    msgs = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_tool_choice_none_is_plain_text(client):
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                       temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0].function.name"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}),
+     "response_format"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(extra_body={"grammar": "root ::= nothing_defined"}), "grammar"),
+    (dict(extra_body={"reasoning_format": "sideways"}), "reasoning_format"),
+])
+def test_bad_agent_fields_are_400_naming_the_field(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_models_list_context_length(client):
+    m = client.models.list().data[0]
+    assert m.id == NAME and m.meta["n_ctx"] == 2048
