@@ -214,3 +214,125 @@ def test_bad_agent_fields_are_400_naming_the_field(client, kw, param):
 def test_models_list_context_length(client):
     m = client.models.list().data[0]
     assert m.id == NAME and m.meta["n_ctx"] == 2048
+
+
+# -- Anthropic's Messages API, with the anthropic client ---------------------------------------------
+anthropic = pytest.importorskip("anthropic", reason="the anthropic client is in the test extra")
+
+A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def aclient(srv):
+    with anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+GREEDY = {"extra_body": {"temperature": 0}}  # the anthropic client has no temperature argument any more
+
+
+def test_messages_text(aclient):
+    r = aclient.messages.create(model=NAME, max_tokens=12, system="Be brief.", **GREEDY,
+                                messages=[{"role": "user", "content": "Hello"}])
+    assert r.type == "message" and r.role == "assistant" and r.model == NAME
+    assert r.stop_reason in ("end_turn", "max_tokens") and r.content[0].type == "text"
+    assert r.usage.output_tokens >= 1 and r.usage.input_tokens > 3
+
+
+def test_messages_stream_is_the_same_text(aclient):
+    kw = dict(model=NAME, max_tokens=12, **GREEDY, messages=[{"role": "user", "content": "Hello"}])
+    whole = aclient.messages.create(**kw)
+    with aclient.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == whole.stop_reason
+
+
+def test_messages_tool_round_trip(aclient):
+    kw = dict(model=NAME, max_tokens=300, tools=A_TOOLS, **GREEDY,
+              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = aclient.messages.create(messages=msgs, **kw)
+    assert r.stop_reason == "tool_use"
+    use = [b for b in r.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].id.startswith("toolu_")
+    jsonschema.validate(use[0].input, SCHEMA_OF[use[0].name])
+    with aclient.messages.stream(messages=msgs, **kw) as stream:  # the same call, streamed
+        final = stream.get_final_message()
+    s_use = [b for b in final.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in s_use] == [(use[0].name, use[0].input)]
+    msgs += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id, "content": "21 C"}]}]
+    r2 = aclient.messages.create(model=NAME, max_tokens=8, tools=A_TOOLS, messages=msgs, **GREEDY)
+    assert r2.stop_reason in ("end_turn", "max_tokens") and r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_messages_errors_are_anthropic_shaped(aclient):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        aclient.messages.create(model=NAME, max_tokens=8, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError):
+        aclient.messages.create(model="claude-other", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+
+
+# -- OpenAI's Responses API ----------------------------------------------------------------------------
+R_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_text(client):
+    r = client.responses.create(model=NAME, input="Hello", instructions="Be brief.", max_output_tokens=12,
+                                temperature=0)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output_text == r.output[0].content[0].text
+    assert r.usage.output_tokens >= 1
+
+
+def test_responses_stream_is_the_same_text(client):
+    kw = dict(model=NAME, input="Hello", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw)
+    kinds, text, final = [], [], None
+    for ev in client.responses.create(**kw, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "".join(text) == whole.output_text == final.output_text
+
+
+def test_responses_tool_round_trip(client):
+    kw = dict(model=NAME, tools=R_TOOLS, tool_choice="required", parallel_tool_calls=False, max_output_tokens=300,
+              temperature=0)
+    r = client.responses.create(input="What is the weather in Paris?", **kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA_OF[calls[0].name])
+    args = []
+    for ev in client.responses.create(input="What is the weather in Paris?", stream=True, **kw):
+        if ev.type == "response.function_call_arguments.delta":
+            args.append(ev.delta)
+        if ev.type == "response.function_call_arguments.done":
+            assert ev.arguments == "".join(args)
+    assert "".join(args) == calls[0].arguments
+    follow = [{"role": "user", "content": "What is the weather in Paris?"},
+              {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+               "arguments": calls[0].arguments},
+              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "21 C"}]
+    r2 = client.responses.create(model=NAME, input=follow, tools=R_TOOLS, max_output_tokens=8, temperature=0)
+    assert r2.output[0].type == "message" and r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_responses_json_schema(client):
+    schema = SCHEMAS[0]
+    r = client.responses.create(model=NAME, input="A person", max_output_tokens=300, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "p", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_responses_refuses_stored_state(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=NAME, input="x", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id"

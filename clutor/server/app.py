@@ -31,7 +31,9 @@ from .errors import APIError, bad_request, error_body
 from .metrics import Metrics, watch_loop_lag
 from ..formats import Delta, Message
 from .requests import Defaults, GenRequest, check_model, parse_chat, parse_completion
+from .messages_api import MessagesShaper, anthropic_error, parse_messages
 from .responses import Shaper
+from .responses_api import ResponsesShaper, parse_responses
 
 __all__ = ["create_app", "ServerState"]
 
@@ -113,6 +115,8 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     routes = [
         Route("/v1/chat/completions", _gen_route(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _gen_route(state, "completion"), methods=["POST"]),
+        Route("/v1/responses", _gen_route(state, "responses"), methods=["POST"]),
+        Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
         Route("/health", _health(state), methods=["GET"]),
@@ -147,7 +151,8 @@ async def _load(state: ServerState, opener: Awaitable) -> None:
 
 
 class _Auth:
-    """With an API key, every /v1 route needs ``Authorization: Bearer KEY``; /health and /metrics stay open."""
+    """With an API key, every /v1 route needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``);
+    /health and /metrics stay open."""
 
     def __init__(self, app: Starlette, state: ServerState):
         self.app = app
@@ -161,8 +166,11 @@ class _Auth:
         if root and path.startswith(root):  # mounted: Starlette keeps the mount prefix in path
             path = path[len(root):]
         if key and scope["type"] == "http" and path.startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            # Anthropic's clients send the key as x-api-key
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
+                "latin-1").strip()
             if not hmac.compare_digest(given.encode(), key.encode()):
                 self._server.metrics.requests[(scope["path"], 401)] += 1
                 log.info("- %s %s 401 (missing or wrong API key)", scope["method"], scope["path"])
@@ -266,6 +274,8 @@ def _openai_shaper(req, rid, created, name, tok):
 _API = {
     "chat": _Api("chatcmpl-", parse_chat, _openai_shaper, Shaper.error),
     "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error),
+    "responses": _Api("resp_", parse_responses, ResponsesShaper, ResponsesShaper.error),
+    "messages": _Api("msg_", parse_messages, MessagesShaper, anthropic_error),
 }
 
 
@@ -300,6 +310,7 @@ class _Generation(Response):
         self.stats = None
         self.note = ""
         self.background = None
+        self.shaper = None
 
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -383,10 +394,8 @@ class _Generation(Response):
         await resp({"type": "http"}, _never, send)
 
     async def _stream_error(self, send, e: APIError) -> None:
-        body = self.api.error(e)
-        name = "error" if body.get("type") == "error" else None  # Anthropic's and the Responses API's
-        if name is None:
-            body = {"error": body["error"]}
+        shaper = self.shaper or self._shaper()
+        name, body = shaper.stream_error(e)
         await _sse(send, body, more=False, event=name)
 
     def _shaper(self):
@@ -412,7 +421,7 @@ class _Generation(Response):
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
     async def _stream(self, agen, send) -> None:
-        shaper = self._shaper()
+        shaper = self.shaper = self._shaper()
         parser = self.req.plan.parser() if self.req.plan is not None else None
         async for c in agen:
             if self.status == 0:  # headers go with the first token: errors before it keep their status

@@ -49,6 +49,7 @@ class GenRequest:
     logprobs: int | None = None        # None = off; n = the chosen token's logprob and n alternatives
     user: str | None = None
     plan: object = None                # a chat's ChatPlan (chat_plan.py): parser, grammar, shown tokens
+    extra: dict = field(default_factory=dict)  # what an API echoes back (the Responses API's settings)
 
 
 def check_model(body: dict, served: str) -> None:

@@ -68,6 +68,9 @@ class Shaper:
     def error(e) -> dict:
         return e.body()
 
+    def stream_error(self, e) -> tuple[None, dict]:
+        return None, {"error": e.body()["error"]}
+
     # -- logprobs -----------------------------------------------------------------------------------
     def _token(self, token: int) -> tuple[str, list[int]]:
         b = self.tok.token_bytes(token, special=True)
