@@ -61,10 +61,11 @@ def tok():
 
 async def _reply(model, grammar, **kw):
     text, last = [], None
-    async for c in model.generate("Answer in JSON:", grammar=grammar, max_tokens=400, **kw):
+    m = grammar.matcher() if grammar is not None else None
+    async for c in model.generate("Answer in JSON:", logits_processor=m, max_tokens=400, **kw):
         text.append(c.text)
         last = c
-    return "".join(text), last.stats
+    return "".join(text), (last.stats, m.stats if m is not None else None)
 
 
 def test_schemas_validate_greedy_and_sampled(tok):
@@ -74,10 +75,10 @@ def test_schemas_validate_greedy_and_sampled(tok):
             for k, schema in enumerate(SCHEMAS[:3]):
                 g = Grammar.json_schema(tok, schema)
                 for kw in (dict(temperature=0), dict(temperature=1.5, seed=k, top_k=0, top_p=1.0, min_p=0)):
-                    text, stats = await _reply(model, g, **kw)
+                    text, (stats, masks) = await _reply(model, g, **kw)
                     assert stats.stop_reason == "eos", (k, kw, text)
                     jsonschema.validate(json.loads(text), schema)
-                    assert stats.grammar.masks == stats.generated_tokens  # one mask per sampled token
+                    assert masks.masks == stats.generated_tokens  # one mask per sampled token
 
     run(main())
 
@@ -85,7 +86,7 @@ def test_schemas_validate_greedy_and_sampled(tok):
 def test_json_object_and_unconstrained_differ(tok):
     async def main():
         async with clutor.Model.open(MODEL, **OPEN) as model:
-            text, stats = await _reply(model, Grammar.json_object(tok), temperature=0)
+            text, (stats, _) = await _reply(model, Grammar.json_object(tok), temperature=0)
             assert isinstance(json.loads(text), dict) and stats.stop_reason == "eos"
             free, _ = await _reply(model, None, temperature=0, ignore_eos=True)
             with pytest.raises(ValueError):
@@ -101,7 +102,7 @@ def test_gbnf_grammar(tok):
     async def main():
         async with clutor.Model.open(MODEL, **OPEN) as model:
             for seed in range(3):
-                text, stats = await _reply(model, Grammar.gbnf(tok, gbnf), temperature=1.0, seed=seed)
+                text, _ = await _reply(model, Grammar.gbnf(tok, gbnf), temperature=1.0, seed=seed)
                 assert re.fullmatch(r"Answer: (yes|no), because [a-z ]{1,20}\.", text), text
 
     run(main())
@@ -120,23 +121,21 @@ def test_mask_allows_exactly_the_grammar(tok):
     """Every allowed token keeps the text a prefix of the grammar's language; the mask costs are counted."""
     g = Grammar.lark(tok, 'start: "abc" ("d" | "e")')
     m = g.matcher()
-    logits = np.zeros(tok.n_vocab, dtype=np.float32)
-    m.apply(logits)
+    prompt = [1, 2, 3]
+    logits = m(prompt, np.zeros(tok.n_vocab, dtype=np.float32))
     allowed = np.flatnonzero(np.isfinite(logits))
     texts = {tok.token_bytes(int(i)) for i in allowed}
     assert texts and all(b"abcd".startswith(t) or b"abce".startswith(t) for t in texts)
-    m.accept(int(allowed[0]))
-    assert m.stats.masks >= 1 and m.stats.cpu_seconds > 0
-    m.close()
+    a = tok.encode("abc", add_bos=False)
+    logits = m(prompt + a, np.zeros(tok.n_vocab, dtype=np.float32))  # the tokens since the last call are read
+    assert {tok.token_bytes(int(i)) for i in np.flatnonzero(np.isfinite(logits))} == {b"d", b"e"}
+    assert m.stats.masks == 2 and m.stats.cpu_seconds >= 0
 
 
 def test_a_token_the_grammar_refuses_ends_the_reply(tok):
     m = Grammar.lark(tok, 'start: "abc"').matcher()
-    logits = np.zeros(tok.n_vocab, dtype=np.float32)
-    m.apply(logits)
-    m.accept(tok.encode("zzz", add_bos=False)[0])  # not allowed: the matcher goes into error
-    logits[:] = 0
-    m.apply(logits)
+    m([0], np.zeros(tok.n_vocab, dtype=np.float32))
+    logits = m([0, tok.encode("zzz", add_bos=False)[0]], np.zeros(tok.n_vocab, dtype=np.float32))  # refused
     assert m.error
     assert set(np.flatnonzero(np.isfinite(logits)).tolist()) == set(tok.stop_ids)
 
@@ -155,14 +154,11 @@ def test_random_walk_under_a_150k_vocabulary():
     for _ in range(3):
         m, ids = g.matcher(), []
         for _ in range(300):
-            logits = np.zeros(tok.n_vocab, dtype=np.float32)
-            m.apply(logits)
+            logits = m(ids, np.zeros(tok.n_vocab, dtype=np.float32))
             allowed = np.flatnonzero(np.isfinite(logits))
             t = int(rng.choice(allowed))
             if t in tok.stop_ids:
                 break
-            m.accept(t)
             ids.append(t)
         assert m.error is None
         jsonschema.validate(json.loads(tok.decode(ids)), schema)
-        m.close()

@@ -1,14 +1,14 @@
 """Constrained decoding: a grammar masks the logits at every step, so the reply parses and validates.
 
-    g = Grammar.json_schema(tokenizer, schema)        # or .json_object, .gbnf, .lark, .tool_calls
-    m = g.matcher()                                   # one per generation
-    m.apply(logits)      # on the compute thread: disallowed tokens -> -inf (waits for the mask)
-    m.accept(token)      # advance; the next mask is computed on a worker thread meanwhile
+    g = Grammar.json_schema(tokenizer, schema)        # or .json_object, .gbnf, .lark
+    model.generate(prompt, logits_processor=g.matcher())  # one matcher per generation
+    # each step, on the compute thread: matcher(ids so far, logits) masks what the grammar forbids
 
-The engine is llguidance (Microsoft's; what llama.cpp, vLLM and SGLang also build on): an Earley
-parser over a lazily built token trie, so a mask costs microseconds to a fraction of a millisecond
-even at 150k tokens, needs no per-vocabulary precompilation (xgrammar compiles each grammar against
-the vocabulary first), and takes JSON schemas, Lark and GBNF (llama-server's grammar format) alike.
+The engine is llguidance (guidance-ai's; llama.cpp, vLLM and SGLang build on it too): an Earley
+parser over a token trie, so a mask costs microseconds to a fraction of a millisecond even at 150k
+tokens with no compile step per grammar (xgrammar precompiles each grammar's masks against the
+vocabulary), and one grammar can mix Lark rules, special tokens and embedded JSON schemas, which
+the tool-call grammars of each model family need; llama-server's GBNF converts to it.
 """
 from __future__ import annotations
 

@@ -1,22 +1,22 @@
 """Grammars (what a request constrains the reply to) and matchers (one generation's place in one).
 
-A Matcher keeps its next mask one step ahead: ``accept(token)`` advances the parser and hands the
-next mask to a worker thread at once, so it is computed while the model runs its next forward;
-``apply(logits)`` (on the compute thread, before sampling) waits for it only if it is not done, and
-sets every disallowed logit to -inf. llguidance drops the GIL while it computes a mask. The costs
-are counted per matcher (``stats``): the worker's CPU time per mask and the time ``apply`` waited.
+A Matcher is a logits processor in the engine's sense: called on the compute thread before each
+sampling with the ids so far and the logits [V], it advances its parser over the tokens sampled
+since its last call, computes the mask of what may come next, and sets every other logit to -inf.
+llguidance computes a mask in microseconds to a fraction of a millisecond (it drops the GIL while it
+does), so the mask is computed right there, off the event loop, with its CPU time counted per matcher
+(``stats``): overlapping it with the next forward would save that fraction of a step and cost a
+thread hand-off per token.
 
-A matcher never raises into the engine's step (that would fail every request batched with it): if
-the parser ends up in an error state, ``apply`` allows only the end-of-generation tokens and
-``error`` says why.
+A matcher never raises into the engine's step: if the parser ends up in an error state, it allows
+only the end-of-generation tokens and ``error`` says why.
 """
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -28,18 +28,6 @@ __all__ = ["Grammar", "GrammarError", "Matcher", "MaskStats", "WHITESPACE"]
 # JSON whitespace between tokens, as llama.cpp's json-schema-to-grammar allows it: nothing, a space,
 # or a line break or two and an indent. Bounded, so a model cannot pad forever between two tokens.
 WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="clutor-grammar")
-        return _pool
-
 
 class GrammarError(ClutorError):
     """The grammar or schema cannot be compiled; the message says where."""
@@ -130,11 +118,9 @@ def lark_literal(tokenizer, text: str) -> str:
 
 @dataclass(frozen=True)
 class MaskStats:
-    masks: int               # masks computed
-    cpu_seconds: float       # the worker's CPU time computing them (thread time)
-    wall_seconds: float      # their wall time on the worker
-    wait_seconds: float      # time apply() waited for a mask not ready yet (on the compute thread)
-    apply_seconds: float     # time apply() spent setting disallowed logits to -inf
+    masks: int               # masks computed (one per sampled token)
+    cpu_seconds: float       # CPU time computing them (thread time of the compute thread)
+    apply_seconds: float     # time setting the disallowed logits to -inf
 
     @property
     def us_per_mask(self) -> float:
@@ -142,7 +128,7 @@ class MaskStats:
 
 
 class Matcher:
-    """One generation's place in a grammar (see the module docstring)."""
+    """One generation's place in a grammar; ``matcher(ids, logits) -> logits`` (see the module docstring)."""
 
     def __init__(self, grammar: Grammar):
         from llguidance import LLMatcher
@@ -151,37 +137,38 @@ class Matcher:
         self._m = LLMatcher(grammar._ll, grammar._llg, log_level=0, limits=_limits())
         self.n_vocab = grammar.n_vocab
         self._words = (self.n_vocab + 31) // 32
+        self._bits = np.empty(self._words, dtype=np.int32)  # [V/32] one bit per token
         self._stops = np.array(sorted(grammar.tokenizer.stop_ids), dtype=np.int64)
-        self._stop_set = frozenset(grammar.tokenizer.stop_ids)
         self.error: str | None = self._m.get_error() or None
+        self._start: int | None = None  # len(ids) at the first call: the prompt
+        self._seen = 0
         self._masks = 0
-        self._cpu = self._wall = self._wait = self._apply = 0.0
-        self._next: Future | None = None
-        self._schedule()
+        self._cpu = self._apply = 0.0
 
-    # -- the worker's side -----------------------------------------------------------------------
-    def _compute(self) -> np.ndarray | None:
-        """[V] bool, True where the token is allowed (None: the matcher is in error)."""
-        c0, w0 = time.thread_time(), time.perf_counter()
+    def __call__(self, ids: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        """The engine's logits processor: ``ids`` so far (prompt + reply), ``logits`` [V] float32, masked in place."""
+        if self._start is None:
+            self._start = self._seen = len(ids)
+        for t in ids[self._seen:]:
+            self.accept(int(t))
+        self._seen = len(ids)
+        self.apply(logits)
+        return logits
+
+    def allowed(self) -> np.ndarray | None:
+        """[V] bool: what the grammar allows next (None when the matcher is in error)."""
         if self._m.is_error():
             return None
-        bits = np.empty(self._words, dtype=np.int32)  # [V/32] one bit per token
-        self._m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.n_vocab].view(np.bool_)  # [V]
+        c0 = time.thread_time()
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].view(np.bool_)  # [V]
         self._cpu += time.thread_time() - c0
-        self._wall += time.perf_counter() - w0
         self._masks += 1
         return allowed
 
-    def _schedule(self) -> None:
-        self._next = _workers().submit(self._compute)
-
-    # -- the compute thread's side ---------------------------------------------------------------
     def apply(self, logits: np.ndarray) -> None:
         """Set the logits [V] of every token the grammar does not allow now to -inf (in place)."""
-        t0 = time.perf_counter()
-        fut, self._next = self._next, None
-        allowed = fut.result() if fut is not None else self._compute()
+        allowed = self.allowed()
         t1 = time.perf_counter()
         if allowed is None or not allowed.any():
             if self.error is None:
@@ -191,16 +178,12 @@ class Matcher:
         np.copyto(logits[: self.n_vocab], -np.inf, where=~allowed)
         if logits.shape[0] > self.n_vocab:  # a padded output row: the padding is never a token
             logits[self.n_vocab:] = -np.inf
-        t2 = time.perf_counter()
-        self._wait += t1 - t0
-        self._apply += t2 - t1
+        self._apply += time.perf_counter() - t1
 
     def accept(self, token: int) -> None:
-        """The token sampled from the masked logits; starts the next mask (none after an end token)."""
+        """Advance over a sampled token."""
         if not self._m.consume_token(int(token)) and self.error is None:
             self.error = self._m.get_error() or f"token {token} is not allowed by the grammar"
-        if int(token) not in self._stop_set:
-            self._schedule()
 
     @property
     def done(self) -> bool:
@@ -208,15 +191,5 @@ class Matcher:
         return self._m.is_stopped()
 
     @property
-    def accepting(self) -> bool:
-        return self._m.is_accepting()
-
-    @property
     def stats(self) -> MaskStats:
-        return MaskStats(self._masks, self._cpu, self._wall, self._wait, self._apply)
-
-    def close(self) -> None:
-        """Drop a mask still being computed (the generation ended)."""
-        fut, self._next = self._next, None
-        if fut is not None:
-            fut.cancel()
+        return MaskStats(self._masks, self._cpu, self._apply)

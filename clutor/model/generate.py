@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 
 import numpy as np
@@ -83,7 +83,6 @@ class GenerationStats:
     peak_rss: int = 0            # the process's peak resident set (VmHWM), bytes
     cache_note: str = ""         # how the expert cache size was chosen
     cached_tokens: int = 0       # prompt tokens whose KV cache was reused, not computed (prefix cache)
-    grammar: object = None       # clutor.grammar.MaskStats when a grammar constrained the reply
 
     @property
     def bytes_per_token(self) -> float:
@@ -155,7 +154,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None, grammar=None,
+                   logprobs: int | None = None, logits_processor: Callable | None = None,
                    show_tokens: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
@@ -166,8 +165,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
-    grammar: a clutor.grammar.Grammar the reply must follow (constrained decoding): every step's
-        logits are masked to what it allows; the reply ends when it is complete.
+    logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
+        thread before each sampling (a grammar's mask, clutor.grammar.Matcher: disallowed tokens set
+        to -inf); what it returns is sampled from.
     show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
         Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
 
@@ -192,9 +192,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
-    matcher = grammar.matcher() if grammar is not None else None
     req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              _sample_hook(logprobs, matcher))
+                              _sample_hook(logprobs, logits_processor))
     n_gen, reason = 0, "length"
     try:
         while True:
@@ -215,34 +214,30 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                 break
     finally:
         model.engine.release(req)
-        if matcher is not None:
-            matcher.close()
     t_end = time.perf_counter()
     t_first = req.t_first or t_end
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
                             io=_io_report(io_before, model.io_stats(), t_end - t0),
-                            peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens,
-                            grammar=matcher.stats if matcher is not None else None)
+                            peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
 
 
-def _sample_hook(logprobs: int | None, matcher):
-    """The engine's per-request sample hook (run on the compute thread), or None for plain sampling:
-    the grammar's mask applied to the logits before sampling, and the chosen token's logprob and the
-    n most likely taken from the raw logits, before any mask or penalty (as OpenAI and llama.cpp's
-    server report them). The one place a request's logits processing meets the engine."""
-    if logprobs is None and matcher is None:
+def _sample_hook(logprobs: int | None, processor: Callable | None):
+    """The engine's per-request sample hook (run on the compute thread), or None for plain sampling: the
+    logits processor applied before sampling, and the chosen token's logprob and the n most likely taken
+    from the raw logits, before any processing or penalty (as OpenAI and llama.cpp's server report them)."""
+    if logprobs is None and processor is None:
         return None
 
     def sample(req, row):
         masked = row
-        if matcher is not None:
-            masked = np.array(row, dtype=np.float32, copy=True)  # [V]
-            matcher.apply(masked)
+        if processor is not None:
+            masked = np.asarray(processor(req.history, np.array(row, dtype=np.float32, copy=True)),
+                                dtype=np.float32)  # [V]
+            if masked.shape != row.shape:
+                raise ClutorError(f"logits_processor returned shape {masked.shape}, expected {row.shape}")
         token = req.sampler.sample(masked, req.history)
-        if matcher is not None:
-            matcher.accept(token)
         return token, (token_logprobs(row, token, logprobs) if logprobs is not None else None)
 
     return sample

@@ -311,6 +311,7 @@ class _Generation(Response):
         self.note = ""
         self.background = None
         self.shaper = None
+        self.matcher = None   # the grammar's, when the request constrains the reply
 
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -354,7 +355,8 @@ class _Generation(Response):
         t_admit = time.perf_counter()
         try:
             plan = req.plan
-            extra = {} if plan is None else dict(grammar=plan.grammar, show_tokens=plan.show_tokens)
+            self.matcher = plan.grammar.matcher() if plan is not None and plan.grammar is not None else None
+            extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
             agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
             try:
                 if req.stream:
@@ -399,7 +401,9 @@ class _Generation(Response):
         await _sse(send, body, more=False, event=name)
 
     def _shaper(self):
-        return self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
+        shaper = self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
+        return shaper
 
     async def _whole(self, agen, send) -> None:
         parts, chunks = [], []
@@ -442,6 +446,7 @@ class _Generation(Response):
             for ev in events:
                 await _sse(send, ev[1], event=ev[0])
         self._count()
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
         for ev in shaper.close(parser.message if parser is not None else None, self.stats):
             await _sse(send, ev[1], event=ev[0])
         await send({"type": "http.response.body", "body": shaper.done or b"", "more_body": False})

@@ -30,7 +30,7 @@ def usage(stats: GenerationStats) -> dict:
             "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
 
 
-def timings(stats: GenerationStats) -> dict:
+def timings(stats: GenerationStats, grammar=None) -> dict:
     """llama-server's per-reply ``timings`` (what its web UI shows), plus the expert store's side."""
     out = {"prompt_n": stats.prompt_tokens - stats.cached_tokens, "cache_n": stats.cached_tokens,
            "prompt_ms": 1000 * stats.prefill_seconds, "prompt_per_second": stats.prefill_tps,
@@ -40,9 +40,9 @@ def timings(stats: GenerationStats) -> dict:
     if io is not None:
         out["experts"] = {"hit_rate": io.hit_rate, "bytes_read": io.bytes_read, "accesses": io.accesses,
                           "misses": io.misses, "wait_ms": 1000 * io.wait_seconds, "cache_bytes": io.cache_bytes}
-    g = getattr(stats, "grammar", None)
-    if g is not None:
-        out["grammar"] = {"masks": g.masks, "mask_us": g.us_per_mask, "wait_ms": 1000 * g.wait_seconds}
+    if grammar is not None:  # clutor.grammar.MaskStats
+        out["grammar"] = {"masks": grammar.masks, "mask_us": grammar.us_per_mask,
+                          "apply_ms": 1000 * grammar.apply_seconds}
     return out
 
 
@@ -59,6 +59,7 @@ class Shaper:
         self.tok = tokenizer
         self.include_usage = include_usage
         self._offset = 0  # completions' text_offset: characters of completion text so far
+        self.grammar = None  # the reply's MaskStats, set by the generation before whole() / close()
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -120,7 +121,7 @@ class Shaper:
             body = self._head("text_completion")
         body["choices"] = [choice]
         body["usage"] = usage(stats)
-        body["timings"] = timings(stats)
+        body["timings"] = timings(stats, self.grammar)
         return body
 
     # -- stream chunks ------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class Shaper:
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(stats)}
         last = self._chunk(choice)
-        last["timings"] = timings(stats)
+        last["timings"] = timings(stats, self.grammar)
         out = [(None, last)]
         if self.include_usage:
             u = self._chunk(None)
