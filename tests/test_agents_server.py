@@ -336,3 +336,26 @@ def test_responses_refuses_stored_state(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id"
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(clutor.Model, "embed"),
+                    reason="this build's engine has no Model.embed (the engine's pooled hidden states, issue 22)")
+def test_embeddings(client, srv):
+    import numpy as np
+
+    r = client.embeddings.create(model=NAME, input=["the expert cache", "streams experts", "the expert cache"])
+    vecs = [np.array(d.embedding) for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens > 3
+    assert all(abs(np.linalg.norm(v) - 1) < 1e-4 for v in vecs)
+    assert np.allclose(vecs[0], vecs[2], atol=1e-5) and not np.allclose(vecs[0], vecs[1], atol=1e-3)
+    b = client.embeddings.create(model=NAME, input="the expert cache", encoding_format="base64")
+    assert np.allclose(np.array(b.data[0].embedding), vecs[0], atol=1e-5)
+    direct = srv.call(lambda: srv.state.model.embed(srv.state.model.tokenizer.encode("the expert cache")))
+    assert np.allclose(direct, vecs[0], atol=1e-4)  # the route pools what the model pools
+
+
+def test_embeddings_bad_input_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=NAME, input=[[]])
+    assert e.value.body["param"] == "input[0]"

@@ -17,16 +17,19 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ..errors import ClutorError, ClutorIOError
 from .admission import Admission, QueueFull
+from .embeddings import embeddings_route
 from .errors import APIError, bad_request, error_body
 from .metrics import Metrics, watch_loop_lag
 from ..formats import Delta, Message
@@ -38,6 +41,8 @@ from .responses_api import ResponsesShaper, parse_responses
 __all__ = ["create_app", "ServerState"]
 
 log = logging.getLogger("clutor.server")
+
+STATIC = Path(__file__).parent / "static"  # the chat page: HTML, CSS and JS, served as they are
 
 
 @dataclass
@@ -79,7 +84,8 @@ class ServerState:
 
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
                max_sequences: int | None = None, max_queue: int = 64, max_body: int = 8 << 20,
-               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = ()) -> Starlette:
+               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (), pooling: str = "mean",
+               web_ui: bool = True) -> Starlette:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -90,6 +96,8 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         max_queue: requests waiting beyond those (then 429).
     max_body: largest request body in bytes (then 413).
     cors_origins: browser origins allowed to call the API ("*" = any); none by default.
+    pooling: how /v1/embeddings pools a text's final hidden states ("mean" or "last").
+    web_ui: serve the chat page at / (static files, no build step, nothing fetched from elsewhere).
     """
     state = ServerState(served_model_name, api_key, Admission(max_sequences or 1, max_queue),
                         defaults or Defaults(), max_body, batch_from_model=max_sequences is None)
@@ -119,9 +127,13 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
+        Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
     ]
+    if web_ui:
+        routes += [Route("/", _page, methods=["GET"]),
+                   Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, APIError: _api_error})
     app.state.clutor = state
@@ -196,8 +208,11 @@ def _ready(state: ServerState) -> None:
 def _models(state: ServerState):
     async def models(request: Request) -> Response:
         _ready(state)
+        n_ctx = state.model.n_ctx
+        # the context under the names clients read: vLLM's max_model_len, OpenRouter's context_length
         entry = {"id": state.name, "object": "model", "created": state.created, "owned_by": "clutor",
-                 "meta": {"n_ctx": state.model.n_ctx, "arch": state.model.config.arch}}
+                 "max_model_len": n_ctx, "context_length": n_ctx,
+                 "meta": {"n_ctx": n_ctx, "arch": state.model.config.arch}}
         name = request.path_params.get("name")
         if name is None:
             return JSONResponse({"object": "list", "data": [entry]})
@@ -206,6 +221,12 @@ def _models(state: ServerState):
         return JSONResponse(entry)
 
     return models
+
+
+async def _page(request: Request) -> Response:
+    from starlette.responses import FileResponse
+
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
 
 def _health(state: ServerState):
