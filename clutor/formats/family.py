@@ -32,9 +32,21 @@ def json_rule(schema: dict) -> str:
 
 
 def text_until(stop: str) -> str:
-    """A Lark regex for any text that does not contain ``stop`` (so ``stop`` ends it)."""
+    """A Lark regex for any text that does not contain ``stop`` (so ``stop`` ends it). llguidance
+    allows '&' and '~' in terminals only: use it as ``NAME: text_until(...)`` and refer to NAME."""
     esc = "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in stop).replace("\n", "\\n")
     return f"/(?s:.*)/ & ~/(?s:.*{esc}.*)/"
+
+
+def raw_text(spec, terminal: str) -> str:
+    """A string argument written as raw text (the XML forms): one of its enum's values when it has
+    one, else any text up to the delimiter (``terminal``, defined with text_until)."""
+    import json
+
+    enum = spec.get("enum") if isinstance(spec, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+    return terminal
 
 
 def object_schema(tool: Tool) -> dict:

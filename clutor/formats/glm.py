@@ -13,7 +13,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
-from .family import Family, Lit, alternatives, json_rule, repeat_calls, text_until
+from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls, text_until
 from .xml_args import kv_arguments
 
 __all__ = ["GLM"]
@@ -66,11 +66,11 @@ class _GLM(Family):
             required = set((t.parameters or {}).get("required") or ())
             parts = []
             for key, spec in props.items():
-                value = text_until(VAL_END) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+                value = raw_text(spec, "GVALUE") if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
                 one = f'{lit(KEY)} "{key}" {lit(KEY_END)} "\\n" {lit(VAL)} {value} {lit(VAL_END)} "\\n"'
                 parts.append(one if key in required else f"({one})?")
             rules[f"call{k}"] = f'{lit(OPEN)} "{t.name}\\n" {" ".join(parts)} {lit(CLOSE)}'
-        return alternatives(rules) + "\n" + repeat_calls(parallel)
+        return alternatives(rules) + "\n" + repeat_calls(parallel) + f"\nGVALUE: {text_until(VAL_END)}"
 
     def render_calls(self, calls) -> str:
         import json
