@@ -38,15 +38,30 @@ def text_until(stop: str) -> str:
     return f"/(?s:.*)/ & ~/(?s:.*{esc}.*)/"
 
 
-def raw_text(spec, terminal: str) -> str:
-    """A string argument written as raw text (the XML forms): one of its enum's values when it has
-    one, else any text up to the delimiter (``terminal``, defined with text_until)."""
+def raw_text(spec, stop: str, defs: list[str]) -> str:
+    """A string argument written as raw text up to ``stop`` (the XML forms' delimiter): one of its
+    enum's values when it has one; else any text without ``stop``, of the schema's minLength..maxLength
+    and matching its pattern when it gives them. Terminals it needs are appended to ``defs``."""
     import json
 
-    enum = spec.get("enum") if isinstance(spec, dict) else None
+    spec = spec if isinstance(spec, dict) else {}
+    enum = spec.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
-    return terminal
+    lo, hi = spec.get("minLength"), spec.get("maxLength")
+    pattern = spec.get("pattern")
+    if isinstance(pattern, str) and pattern:
+        body = pattern[1:] if pattern.startswith("^") else "(?s:.*)" + pattern
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body + "(?s:.*)"
+        core = "/" + body.replace("/", "\\/") + "/"
+    elif isinstance(lo, int) or isinstance(hi, int):
+        core = "/(?s:.{%d,%s})/" % (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else "")
+    else:
+        core = "/(?s:.*)/"
+    name = f"RAW{len(defs)}"
+    no_stop = text_until(stop).split(" & ", 1)[1]
+    defs.append(f"{name}: {core} & {no_stop}")
+    return name
 
 
 def object_schema(tool: Tool) -> dict:

@@ -13,7 +13,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls, text_until
+from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
 from .xml_args import kv_arguments
 
 __all__ = ["GLM"]
@@ -60,17 +60,17 @@ class _GLM(Family):
                             openers=[Opener(OPEN, (CLOSE,))] if tools is not None else (), body=make_body(tools or {}))
 
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
-        rules = {}
+        rules, defs = {}, []
         for k, t in enumerate(tools):
             props = (t.parameters or {}).get("properties") or {}
             required = set((t.parameters or {}).get("required") or ())
             parts = []
             for key, spec in props.items():
-                value = raw_text(spec, "GVALUE") if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+                value = raw_text(spec, VAL_END, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
                 one = f'{lit(KEY)} "{key}" {lit(KEY_END)} "\\n" {lit(VAL)} {value} {lit(VAL_END)} "\\n"'
                 parts.append(one if key in required else f"({one})?")
             rules[f"call{k}"] = f'{lit(OPEN)} "{t.name}\\n" {" ".join(parts)} {lit(CLOSE)}'
-        return alternatives(rules) + "\n" + repeat_calls(parallel) + f"\nGVALUE: {text_until(VAL_END)}"
+        return "\n".join([alternatives(rules), repeat_calls(parallel)] + defs)
 
     def render_calls(self, calls) -> str:
         import json

@@ -17,7 +17,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls, text_until
+from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
 from .xml_args import kv_arguments
 
 __all__ = ["QWEN_XML"]
@@ -77,19 +77,18 @@ class _QwenXML(Family):
                             body=make_body(tools or {}))
 
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
-        rules = {}
+        rules, defs = {}, []
         for k, t in enumerate(tools):
             props = (t.parameters or {}).get("properties") or {}
             required = set((t.parameters or {}).get("required") or ())
             parts = []
             for key, spec in props.items():
-                value = raw_text(spec, "PVALUE") if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+                value = raw_text(spec, "\n" + _PCLOSE, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
                 one = f'"<parameter={key}>\\n" {value} "\\n{_PCLOSE}\\n"'
                 parts.append(one if key in required else f"({one})?")
             inner = " ".join(parts)
             rules[f"call{k}"] = f'{lit(OPEN)} "\\n<function={t.name}>\\n" {inner} "</function>\\n" {lit(CLOSE)}'
-        return (alternatives(rules) + "\n" + repeat_calls(parallel, '"\\n"')
-                + f"\nPVALUE: {text_until(chr(10) + _PCLOSE)}")
+        return "\n".join([alternatives(rules), repeat_calls(parallel, '"\\n"')] + defs)
 
     def render_calls(self, calls) -> str:
         out = []

@@ -39,6 +39,7 @@ class ChatPlan:
     tools: dict[str, Tool] | None           # None: calls are not parsed (no tools, or tool_choice none)
     think: tuple[str, str] | None           # the reasoning tags the parser splits on (None: not split)
     open_reasoning: bool                    # the prompt left a reasoning block open
+    closed_reasoning: bool = False          # the prompt ends with an empty, closed block: no thinking now
     grammar: object = None                  # clutor.grammar.Grammar or None
     show_tokens: frozenset[int] = field(default_factory=frozenset)
     prefix: str = ""                        # content before the reply (the open tag, when not split)
@@ -85,6 +86,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         prefix = prompt[prompt.rstrip().rfind(think[0]):]  # the open tag the template wrote, as the model saw it
     plan = ChatPlan(ids, prompt, fam, {t.name: t for t in offered} if offered else None,
                     think if split else None, open_ and split, prefix=prefix)
+    plan.closed_reasoning = bool(think) and fam is not HARMONY and prompt.rstrip().endswith(think[1])
     plan.show_tokens = _shown(tokenizer, fam, think)
     plan.grammar = _grammar(body, tokenizer, plan, offered, choice, parallel)
     return plan
@@ -297,7 +299,7 @@ def _with_reasoning(plan: ChatPlan, rule: str, lit, calls: bool = False) -> str:
         return ("start: thought? " + lit("<|channel|>") + ' "final" ' + lit("<|message|>") + f" {rule}\n"
                 f"thought: {lit('<|channel|>')} \"analysis\" {lit('<|message|>')} ANALYSIS {lit('<|end|>')} "
                 f"{lit('<|start|>')} \"assistant\"\nANALYSIS: {text_until('<|end|>')}")
-    if plan.think is None:
+    if plan.think is None or plan.closed_reasoning:
         return f"start: {rule}"
     open_tag, close = plan.think
     ws = r'/[ \t\r\n]*/'
