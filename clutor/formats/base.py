@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 __all__ = ["CallDelta", "Delta", "Message", "ToolCall", "StreamParser", "MarkerParser", "CallBody", "Tool",
-           "new_call_id", "held_suffix"]
+           "ValueScanner", "new_call_id", "held_suffix"]
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -296,6 +296,9 @@ class MarkerParser(StreamParser):
                 self.mode = "reasoning"
             return
         opener = next(o for o in self.openers if o.marker == m)
+        reset = getattr(self.body, "reset", None)
+        if reset is not None:  # a stateful body parser (HermesBody) starts the new call afresh
+            reset()
         self.mode, self.opener, self.call_text, self.call_sent = "call", opener, (m if opener.keep else ""), CallBody()
         self.ws = ""
 
@@ -395,6 +398,43 @@ def scan_json_value(s: str, i: int) -> int | None:
     while j < n and s[j] not in _WS + ",}]":
         j += 1
     return j if j < n else None  # a number or literal ends at a delimiter (or at the end of a final text)
+
+
+class ValueScanner:
+    """scan_json_value, incrementally: ``feed(s, upto)`` reads s[pos:upto] and returns the value's end
+    once found (the value must start at ``start`` with '{' or '['). Keeps a long argument's stream
+    linear: each piece is scanned once."""
+
+    def __init__(self, start: int):
+        self.pos = start
+        self.depth = 0
+        self.in_str = self.esc = False
+        self.end: int | None = None
+
+    def feed(self, s: str, upto: int | None = None) -> int | None:
+        n = len(s) if upto is None else upto
+        j = self.pos
+        depth, in_str, esc = self.depth, self.in_str, self.esc
+        while j < n and self.end is None:
+            ch = s[j]
+            if in_str:
+                if esc:
+                    esc = False
+                elif ch == "\\":
+                    esc = True
+                elif ch == '"':
+                    in_str = False
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.end = j + 1
+            j += 1
+        self.pos, self.depth, self.in_str, self.esc = j, depth, in_str, esc
+        return self.end
 
 
 def json_args_text(raw: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from .base import CallBody, MarkerParser, Opener, Tool, loads_or
+from .base import CallBody, MarkerParser, Opener, Tool, ValueScanner, loads_or
 from .family import Family, Lit, alternatives, json_rule, object_schema, repeat_calls
 from .json_fields import object_fields, string_field
 
@@ -21,24 +21,47 @@ __all__ = ["HERMES", "HERMES_FALLBACK", "hermes_body"]
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
+class HermesBody:
+    """The body parser of one reply's calls. A call's text only grows until the next call starts, so
+    once the arguments' value has begun it is scanned incrementally (a long argument streams in linear
+    time); the fields before it are read whole, once each piece. ``reset()`` starts the next call."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """A new call begins (MarkerParser says so when it opens one)."""
+        self.scan: ValueScanner | None = None
+        self.start = 0           # where the arguments' value starts
+        self.name: str | None = None
+
+    def __call__(self, text: str, final: bool) -> CallBody:
+        if self.scan is None:
+            start = text.find("{")
+            if start < 0:
+                return CallBody()
+            fields, end = object_fields(text, start)
+            self.name = string_field(text, fields.get("name"))
+            span = fields.get("arguments") or fields.get("parameters")
+            if span is None:
+                return CallBody(self.name, "{}" if end is not None and self.name is not None else "")
+            a, b = span
+            if text[a:a + 1] == '"':  # the arguments as a JSON string: only once complete
+                inner = loads_or(text[a:b], None) if b is not None else None
+                return CallBody(self.name, inner.strip() if isinstance(inner, str) else "")
+            if text[a:a + 1] not in ("{", "["):
+                return CallBody(self.name, (text[a:b] if b is not None else text[a:]).strip())
+            self.scan, self.start = ValueScanner(a), a
+        b = self.scan.feed(text)
+        args = (text[self.start:b] if b is not None else text[self.start:]).strip()
+        if self.name is None and b is not None:  # "name" after "arguments"
+            self.name = string_field(text, object_fields(text, text.find("{"))[0].get("name"))
+        return CallBody(self.name, args)
+
+
 def hermes_body(text: str, final: bool) -> CallBody:
-    start = text.find("{")
-    if start < 0:
-        return CallBody()
-    fields, end = object_fields(text, start)
-    name = string_field(text, fields.get("name"))
-    span = fields.get("arguments") or fields.get("parameters")
-    args = ""
-    if span is not None:
-        a, b = span
-        if text[a:a + 1] == '"':  # the arguments as a JSON string: only once complete
-            inner = loads_or(text[a:b], None) if b is not None else None
-            args = inner.strip() if isinstance(inner, str) else ""
-        else:
-            args = (text[a:b] if b is not None else text[a:]).strip()
-    if end is not None and name is not None and span is None:
-        args = "{}"  # a complete call with no arguments
-    return CallBody(name, args)
+    """One call's body read on its own (a fresh HermesBody)."""
+    return HermesBody()(text, final)
 
 
 class _Hermes(Family):
@@ -55,7 +78,7 @@ class _Hermes(Family):
 
     def parser(self, tools, *, think, starts_in_reasoning, prefix=""):
         return MarkerParser(reasoning=think, starts_in_reasoning=starts_in_reasoning, prefix=prefix,
-                            openers=[Opener(OPEN, (CLOSE,))] if tools is not None else (), body=hermes_body)
+                            openers=[Opener(OPEN, (CLOSE,))] if tools is not None else (), body=HermesBody())
 
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
         rules = {}
