@@ -18,7 +18,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
