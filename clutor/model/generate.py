@@ -155,7 +155,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
                    logprobs: int | None = None, logits_processor: Callable | None = None,
-                   show_tokens: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
+                   show_tokens: Sequence[int] = (), checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -170,6 +170,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         to -inf); what it returns is sampled from.
     show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
         Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
+    checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
+        later prompt that shares only that prefix reuses it (the prompt's end is always kept).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -193,7 +195,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     io_before = model.io_stats()
     t0 = time.perf_counter()
     req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              _sample_hook(logprobs, logits_processor))
+                              _sample_hook(logprobs, logits_processor), checkpoints)
     n_gen, reason = 0, "length"
     try:
         while True:

@@ -268,7 +268,10 @@ def _gen_route(state: ServerState, kind: str):
             _ready(state)
             body = await _json_body(request, state.max_body)
             check_model(body, state.name)
-            req = await asyncio.to_thread(api.parse, body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            args = (body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            if api.chat:  # a model with recurrent layers keeps its state where the next turn departs
+                args += (state.model.config.recurrent_bytes > 0,)
+            req = await asyncio.to_thread(api.parse, *args)
         except APIError as e:
             state.metrics.requests[(request.url.path, e.status)] += 1
             log.info("%s %s %d %s", rid, request.url.path, e.status, e.message)
@@ -283,9 +286,10 @@ class _Api:
     """One API the generation routes speak: how its requests are read, its replies and errors shaped."""
 
     prefix: str                 # of its ids
-    parse: object               # (body, tokenizer, n_ctx, defaults) -> GenRequest
+    parse: object               # (body, tokenizer, n_ctx, defaults[, recurrent]) -> GenRequest
     shaper: object              # (req, rid, created, model name, tokenizer) -> a shaper (responses.py)
     error: object               # APIError -> body
+    chat: bool = True           # a conversation (its parse takes the model's recurrent flag)
 
 
 def _openai_shaper(req, rid, created, name, tok):
@@ -294,7 +298,7 @@ def _openai_shaper(req, rid, created, name, tok):
 
 _API = {
     "chat": _Api("chatcmpl-", parse_chat, _openai_shaper, Shaper.error),
-    "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error),
+    "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error, chat=False),
     "responses": _Api("resp_", parse_responses, ResponsesShaper, ResponsesShaper.error),
     "messages": _Api("msg_", parse_messages, MessagesShaper, anthropic_error),
 }

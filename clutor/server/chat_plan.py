@@ -43,6 +43,7 @@ class ChatPlan:
     grammar: object = None                  # clutor.grammar.Grammar or None
     show_tokens: frozenset[int] = field(default_factory=frozenset)
     prefix: str = ""                        # content before the reply (the open tag, when not split)
+    keep: tuple[int, ...] = ()              # where a recurrent model keeps its state for the next turn
 
     def parser(self) -> StreamParser:
         return self.family.parser(self.tools, think=self.think, starts_in_reasoning=self.open_reasoning,
@@ -50,8 +51,10 @@ class ChatPlan:
 
 
 def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: str = "auto",
-              template: str | None = None) -> ChatPlan:
-    """``messages``: the request's messages already checked for shape (``chat_messages``)."""
+              template: str | None = None, recurrent: bool = False) -> ChatPlan:
+    """``messages``: the request's messages already checked for shape (``chat_messages``).
+    recurrent: the model has recurrent layers: ``keep`` says where they keep their state for the next
+    turn (clutor.model.chat.chat_turn's rule: the conversation without the generation prompt)."""
     template = template or tokenizer.chat_template
     fam = family_for(template)
     tools = _tools(body.get("tools"))
@@ -70,13 +73,20 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     extra = dict(kwargs)
     if offered and fam.native and fam.tools_prompt(offered) is None:
         extra["tools"] = [_openai_tool(t) for t in offered]
-    from ..model.chat import chat_prompt
+    from ..model.chat import chat_ids, chat_prompt
 
     try:
         prompt = chat_prompt(tokenizer, msgs, template=template, **extra)
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
     ids = tokenizer.encode(prompt, special=True)
+    keep: tuple[int, ...] = ()
+    if recurrent:
+        try:
+            base = chat_ids(tokenizer, msgs, add_generation_prompt=False, template=template, **extra)
+        except ClutorError:
+            base = []
+        keep = (len(base),) if 0 < len(base) < len(ids) and ids[: len(base)] == base else ()
 
     think = think_tags(template) if fam is not HARMONY else ("<|channel|>analysis", "<|end|>")
     open_ = starts_in_reasoning(prompt, think) if fam is not HARMONY else False
@@ -85,7 +95,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     if not split and open_:
         prefix = prompt[prompt.rstrip().rfind(think[0]):]  # the open tag the template wrote, as the model saw it
     plan = ChatPlan(ids, prompt, fam, {t.name: t for t in offered} if offered else None,
-                    think if split else None, open_ and split, prefix=prefix)
+                    think if split else None, open_ and split, prefix=prefix, keep=keep)
     plan.closed_reasoning = bool(think) and fam is not HARMONY and prompt.rstrip().endswith(think[1])
     plan.show_tokens = _shown(tokenizer, fam, think)
     plan.grammar = _grammar(body, tokenizer, plan, offered, choice, parallel)

@@ -64,13 +64,15 @@ def check_model(body: dict, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
+def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
+    """recurrent: the model has recurrent layers, which keep their state where the next turn of this
+    conversation will depart from this one (clutor.model.chat.chat_turn)."""
     from .chat_plan import chat_messages, plan_chat
 
     if "functions" in body and body["functions"]:
         raise bad_request("functions", "'functions' is OpenAI's deprecated form: send 'tools' instead")
     plan = plan_chat(body, chat_messages(body.get("messages")), tokenizer, reasoning_format=d.reasoning_format,
-                     template=d.chat_template)
+                     template=d.chat_template, recurrent=recurrent)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -82,6 +84,8 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
         limit, name = body.get("max_tokens"), "max_tokens"
     req = _common(body, "chat", plan.ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
     req.plan = plan
+    if plan.keep:
+        req.options["checkpoints"] = plan.keep
     return req
 
 
