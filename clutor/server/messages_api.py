@@ -28,10 +28,10 @@ def anthropic_error(e) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-def parse_messages(body: dict, tokenizer, n_ctx: int, d):
+def parse_messages(body: dict, tokenizer, n_ctx: int, d, recurrent: bool = False):
     from .requests import parse_chat
 
-    req = parse_chat(to_chat(body), tokenizer, n_ctx, d)
+    req = parse_chat(to_chat(body), tokenizer, n_ctx, d, recurrent)
     req.include_usage = False
     return req
 

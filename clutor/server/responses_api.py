@@ -21,10 +21,10 @@ from .errors import bad_request
 __all__ = ["parse_responses", "ResponsesShaper"]
 
 
-def parse_responses(body: dict, tokenizer, n_ctx: int, d):
+def parse_responses(body: dict, tokenizer, n_ctx: int, d, recurrent: bool = False):
     from .requests import parse_chat
 
-    req = parse_chat(to_chat(body), tokenizer, n_ctx, d)
+    req = parse_chat(to_chat(body), tokenizer, n_ctx, d, recurrent)
     req.include_usage = False
     req.extra = {k: body.get(k) for k in ("instructions", "metadata", "temperature", "top_p", "text", "reasoning",
                                           "max_output_tokens", "tool_choice", "parallel_tool_calls", "tools", "user")}
