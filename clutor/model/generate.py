@@ -156,7 +156,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
                    logprobs: int | None = None, logits_processor: Callable | None = None,
-                   checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
+                   show_tokens: Sequence[int] = (), checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -167,8 +167,11 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
     logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
-        thread before each sampling (a grammar's mask: set disallowed tokens to -inf); what it returns
-        is sampled from. An exception it raises ends this generation alone with that error.
+        thread before each sampling (a grammar's mask, clutor.grammar.Matcher: disallowed tokens set
+        to -inf); what it returns is sampled from. An exception it raises ends this generation alone
+        with that error.
+    show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
+        Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
     checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
         later prompt that shares only that prefix reuses it (the prompt's end is always kept).
 
@@ -194,7 +197,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     ids = model.engine.check(ids)  # this caller's error, before it can join a step
     # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
     max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
-    stream = tok.stream()
+    stream = tok.stream(show=show_tokens)
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
