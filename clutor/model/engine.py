@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import BudgetError, ClosedError, ClutorError, QueueFullError
 from ..units import format_bytes
+from .accounting import Ledger
 from .kv import PAGE, NoRoom
 from .plan import StepPlan, Want
 
@@ -77,11 +78,15 @@ class Request:
     sampler: "Sampler | None" = None
     max_new: int = 1            # tokens to generate at most (max_tokens, bounded by the context)
     stop_ids: frozenset[int] = frozenset()  # end-of-generation tokens (empty when ignoring them)
-    # sample(req, logits [V]) -> (token, extra); None = sampler.sample. Runs on the compute thread.
+    # sample(req, logits [V], raw [V]) -> (token, extra); None = sampler.sample(logits). Runs on the
+    # compute thread; logits are after the logits processor, raw before it.
     sample: Callable | None = None
-    # logits_processor(req, logits [V]) -> logits [V] (e.g. a grammar's mask), on the compute thread,
-    # before sampling; an exception it raises fails this request alone.
+    # logits_processor(ids so far, logits [V]) -> logits [V] (e.g. a grammar's mask,
+    # clutor.grammar.Matcher), on the compute thread before sampling; the ids are the prompt and the
+    # tokens generated so far; it may change logits in place. An exception it raises, or a result of
+    # another shape, fails this request alone.
     logits_processor: Callable | None = None
+    ledger: Ledger = field(default_factory=Ledger)  # this request's own expert I/O (clutor.model.accounting)
     pooling: str = "mean"       # kind "embed": "mean" over the prompt's positions, or "last"
     # prompt positions (besides its end) where a model with recurrent layers keeps its state, so that
     # a later prompt sharing only that much starts there (chat: where the next turn's rendering departs
@@ -385,8 +390,9 @@ class Engine:
         self._waiting.appendleft(req)
 
     def _plan(self, batch: list[tuple[Request, int]]) -> StepPlan:
-        items, heads, copies = [], [], []
+        items, heads, copies, ledgers = [], [], [], []
         for r, n in batch:
+            ledgers.append(r.ledger)
             last = n == len(r.todo)  # the step reaches the end of what it had to feed
             if r.kind == "logits":
                 want, head = Want.ALL, None
@@ -397,7 +403,7 @@ class Engine:
             items.append((r.seq, r.todo[:n], want))
             heads.append(head)
             copies += r.copies
-        return StepPlan.build(items, heads, copies=copies)
+        return StepPlan.build(items, heads, ledgers, copies=copies)
 
     async def _step(self, batch: list[tuple[Request, int]]) -> None:
         reqs = [r for r, _ in batch]
@@ -496,11 +502,13 @@ def _sampler(req: Request) -> Callable[[np.ndarray], tuple[int, object]]:
     """The head of a generate request's step (on the compute thread): the next token from its last
     row of logits [1, V], after its logits processor."""
     def head(logits: np.ndarray):
-        row = np.asarray(logits[-1], dtype=np.float32)  # [V]
+        raw = row = np.asarray(logits[-1], dtype=np.float32)  # [V]
         if req.logits_processor is not None:
-            row = req.logits_processor(req, row)
+            row = np.asarray(req.logits_processor(req.history, raw.copy()), dtype=np.float32)
+            if row.shape != raw.shape:
+                raise ClutorError(f"the logits processor returned shape {row.shape}, expected {raw.shape}")
         if req.sample is not None:
-            return req.sample(req, row)
+            return req.sample(req, row, raw)
         return req.sampler.sample(row, req.history), None
 
     return head

@@ -28,39 +28,45 @@ def peak_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def _io_report(before, after, seconds: float) -> IOReport | None:
+def _io_report(before, after, seconds: float, own) -> IOReport | None:
+    """This generation's I/O: its own share of its steps' accesses, hits, bytes and waits (own, a
+    clutor.model.accounting.Ledger); prefetch counts are the store's over the same time."""
     if before is None or after is None:
         return None
     d = {k: getattr(after, k) - getattr(before, k) for k in (
-        "accesses", "hits", "misses", "prefetch_issued", "prefetch_late", "prefetch_wasted",
-        "bytes_demand", "bytes_prefetch", "wait_seconds")}
+        "misses", "prefetch_issued", "prefetch_late", "prefetch_wasted", "bytes_demand", "bytes_prefetch")}
     reads = d["misses"] + d["prefetch_issued"]
     avg = (d["bytes_demand"] + d["bytes_prefetch"]) / reads if reads else 0
+    accesses = round(own.accesses)
+    hits = min(round(own.hits), accesses)
     return IOReport(
-        backend=after.backend, mode=after.mode, cache_bytes=after.arena_bytes, accesses=d["accesses"],
-        hits=d["hits"], misses=d["misses"], prefetch_issued=d["prefetch_issued"],
+        backend=after.backend, mode=after.mode, cache_bytes=after.arena_bytes, accesses=accesses,
+        hits=hits, misses=accesses - hits, prefetch_issued=d["prefetch_issued"],
         prefetch_late=d["prefetch_late"], prefetch_wasted=d["prefetch_wasted"],
-        bytes_read=d["bytes_demand"] + d["bytes_prefetch"], bytes_wasted=int(d["prefetch_wasted"] * avg),
-        wait_seconds=d["wait_seconds"], compute_seconds=max(seconds - d["wait_seconds"], 0.0),
+        bytes_read=round(own.bytes_read), bytes_wasted=int(d["prefetch_wasted"] * avg),
+        wait_seconds=own.wait_seconds, compute_seconds=max(seconds - own.wait_seconds, 0.0),
     )
 
 
 @dataclass(frozen=True)
 class IOReport:
-    """What the expert store did during one generation (differences of its counters)."""
+    """What the expert store did for one generation. Accesses, hits, misses, bytes read and the wait
+    are this generation's own: each expert a step read, and each wait, shared by the requests whose
+    rows needed it (clutor.model.accounting), so concurrent generations' reports add up to the store's
+    counters. The prefetch counts are the store's over the generation's time."""
 
     backend: str                 # "uring" | "threads"
     mode: str                    # "direct" | "buffered"
     cache_bytes: int             # the arena: the expert cache's whole memory
-    accesses: int                # experts demanded (per layer, per step)
+    accesses: int                # experts demanded (per layer, per step), this generation's share
     hits: int
     misses: int
     prefetch_issued: int
     prefetch_late: int           # demanded while their prefetch read was still in flight
     prefetch_wasted: int         # prefetched and dropped or evicted unused
-    bytes_read: int              # demand + prefetch bytes transferred
+    bytes_read: int              # demand + prefetch bytes transferred, this generation's share
     bytes_wasted: int            # an estimate: wasted prefetches x average expert bytes read
-    wait_seconds: float          # the model waited for reads
+    wait_seconds: float          # the model waited for reads, this generation's share
     compute_seconds: float       # everything else in prefill + decode
 
     @property
@@ -204,7 +210,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     req = model.engine.submit(Request(
         ids, sampler=sampler, max_new=max_new, stop_ids=frozenset() if ignore_eos else frozenset(tok.stop_ids),
         sample=None if logprobs is None else _with_logprobs(logprobs),
-        logits_processor=None if logits_processor is None else _processor(logits_processor),
+        logits_processor=logits_processor,
         checkpoints=tuple(checkpoints)))
     n_gen, reason = 0, "length"
     try:
@@ -230,29 +236,18 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     t_first = req.t_first or t_end
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
-                            io=_io_report(io_before, model.io_stats(), t_end - t0),
+                            io=_io_report(io_before, model.io_stats(), t_end - t0, req.ledger),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
 
 
-def _processor(fn: Callable):
-    """The engine's logits_processor hook from the public one, which sees the ids so far."""
-
-    def process(req, row):
-        out = np.asarray(fn(req.history, row), dtype=np.float32)
-        if out.shape != row.shape:
-            raise ClutorError(f"logits_processor returned shape {out.shape}, expected {row.shape}")
-        return out
-
-    return process
-
-
 def _with_logprobs(n: int):
     """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
-    most likely from the raw logits, before any penalty (as OpenAI and llama.cpp's server report them)."""
+    most likely from the raw logits, before any logits processor or penalty (as OpenAI and llama.cpp's
+    server report them)."""
 
-    def sample(req, row):
+    def sample(req, row, raw):
         token = req.sampler.sample(row, req.history)
-        return token, token_logprobs(row, token, n)
+        return token, token_logprobs(raw, token, n)
 
     return sample

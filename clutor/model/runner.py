@@ -109,12 +109,21 @@ class Runner:
         return self._finish(x, h, ys, step)
 
     async def _run_streamed(self, step: Step) -> list[Outcome]:
+        ledgers = [s.ledger for s in step.segments if s.ledger is not None]
+        before = self.experts.stats() if ledgers else None
+        step.accounting = before is not None
         x = h = ys = None
         for l in range(self.config.n_layers):
             # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
             # the previous layer's expert sum (or the embedding), then this layer's attention and router.
             x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D]
             ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
+        if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
+            share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
+            for s in step.segments:
+                if s.ledger is not None:
+                    s.ledger.bytes_prefetch += share
+                    s.ledger.steps += 1
         return await compute(self._finish, x, h, ys, step)
 
     # -- compute thread ------------------------------------------------------------------------------
@@ -278,15 +287,22 @@ class Runner:
         layer = self._moe_index[l]
         if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
             self.experts.hint(self._moe_index[l + 1], nxt)
+        users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
         todo = list(wanted)
         first_get = True
         while todo:
             chunk, todo = todo[: self._max_batch], todo[self._max_batch :]
+            before = self.experts.stats() if users is not None else None
+            hits: list[int] = []
             groups = self.experts.get_ready(layer, chunk)
             try:
                 t_wait = time.perf_counter()
+                first_group = True
                 async for views in groups:
                     self.profile.add("wait for reads", time.perf_counter() - t_wait)
+                    if first_group and before is not None and self.experts.stats().hits > before.hits:
+                        hits = [v.expert for v in views]  # the first group is the cached experts, if any
+                    first_group = False
                     if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # layer l+1's router picks from the current hidden state, read while this
@@ -295,6 +311,8 @@ class Runner:
                     first_get = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
                     t_wait = time.perf_counter()
+                if before is not None:
+                    _charge(step, users, chunk, hits, before, self.experts.stats())
             except ExpertReadError as e:
                 if e.layer != layer or e.expert not in chunk:
                     raise
@@ -309,6 +327,36 @@ class Runner:
             # again (a forward whose next layer is all hits would otherwise never suspend).
             await asyncio.sleep(0)
         return [ys[e] for e in wanted if e in ys]
+
+
+def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:
+    """Which segments chose each expert of sel [R, K] (seg_of_row [R]): {expert: [segment index]}."""
+    n = int(seg_of_row[-1]) + 1
+    pairs = np.unique(sel.astype(np.int64) * n + seg_of_row[:, None])  # expert * n + segment, distinct
+    out: dict[int, list[int]] = {}
+    for e, si in zip((pairs // n).tolist(), (pairs % n).tolist()):
+        out.setdefault(e, []).append(si)
+    return out
+
+
+def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: list[int], before, after) -> None:
+    """One get()'s I/O to the ledgers of the segments whose rows needed its experts (clutor.model.accounting):
+    each expert's access shared equally by its users; the get's demand bytes and wait by its misses."""
+    misses = [e for e in chunk if e not in hits]
+    per_miss_bytes = (after.bytes_demand - before.bytes_demand) / len(misses) if misses else 0.0
+    per_miss_wait = (after.wait_seconds - before.wait_seconds) / len(misses) if misses else 0.0
+    segments = step.segments
+    for e in chunk:
+        who = users.get(e, ())
+        if not who:
+            continue
+        f = 1.0 / len(who)
+        missed = e not in hits
+        for si in who:
+            led = segments[si].ledger
+            if led is not None:
+                led.add(f, 0.0 if missed else f, f if missed else 0.0,
+                        per_miss_bytes * f if missed else 0.0, per_miss_wait * f if missed else 0.0)
 
 
 def _by_votes(sel: np.ndarray) -> list[int]:

@@ -36,6 +36,7 @@ class Step:
         self.pool = pool
         self.segments = plan.segments
         self.failed: dict[int, BaseException] = {}  # id(segment) -> why it failed (the rest go on)
+        self.accounting = False  # the runner charges the segments' ledgers with this step's expert I/O
         self._angles: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []  # per page group: each row's (page, offset)
 
