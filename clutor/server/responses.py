@@ -1,9 +1,30 @@
-"""OpenAI response bodies: whole completions, stream chunks, usage and logprobs, built from GenerationChunks."""
+"""OpenAI response bodies: whole completions, stream chunks, usage and logprobs, built from GenerationChunks;
+and the one JSON encoding every body of the server goes through."""
 from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
 
 from ..model.generate import GenerationChunk, GenerationStats
 
-__all__ = ["Shaper"]
+__all__ = ["Shaper", "JSON", "json_bytes"]
+
+
+def json_bytes(obj) -> bytes:
+    """UTF-8 JSON; a lone surrogate in a string (JSON allows "\\ud800") comes out as its escape, not an
+    encoding error."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+class JSON(JSONResponse):
+    """A JSON response: ``JSON(body, status, headers)``."""
+
+    def __init__(self, content, status_code: int = 200, headers: dict[str, str] | None = None):
+        super().__init__(content, status_code=status_code, headers=headers)
+
+    def render(self, content) -> bytes:
+        return json_bytes(content)
 
 
 def finish_reason(stats: GenerationStats) -> str:
