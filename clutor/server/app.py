@@ -236,7 +236,9 @@ def _gen_route(state: ServerState, kind: str):
     def parse(raw: bytes, tokenizer, n_ctx: int) -> GenRequest:  # in a worker thread
         body = decode_body(raw)
         check_model(body, state.name)
-        return (parse_chat if kind == "chat" else parse_completion)(body, tokenizer, n_ctx, state.defaults)
+        if kind == "chat":
+            return parse_chat(body, tokenizer, n_ctx, state.defaults, state.model.config.recurrent_bytes > 0)
+        return parse_completion(body, tokenizer, n_ctx, state.defaults)
 
     async def route(request: Request) -> Response:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]

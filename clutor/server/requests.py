@@ -83,19 +83,25 @@ def check_model(body: dict, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
+def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
+    """recurrent: the model has recurrent layers, which keep their state where the next turn of this
+    conversation will depart from this one (clutor.model.chat.chat_turn)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
     messages = [_message(m, i) for i, m in enumerate(msgs)]
-    from ..model.chat import chat_prompt
+    from ..model.chat import chat_prompt, chat_turn
 
+    keep: tuple[int, ...] = ()
     try:
         text = chat_prompt(tokenizer, messages)
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
-    _check_size(text, tokenizer, n_ctx, "messages")
-    ids = tokenizer.encode(text, special=True)
+    _check_size(text, tokenizer, n_ctx, "messages")  # before a prompt that cannot fit is tokenised
+    if recurrent:
+        ids, keep = chat_turn(tokenizer, messages)  # (renders again: its two renderings, with and without the reply's header)
+    else:
+        ids = tokenizer.encode(text, special=True)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -111,7 +117,10 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
     name = "max_completion_tokens"
     if limit is None:
         limit, name = body.get("max_tokens"), "max_tokens"
-    return _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req = _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    if keep:
+        req.options["checkpoints"] = keep
+    return req
 
 
 def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
