@@ -1,4 +1,5 @@
-"""The ASGI app (Starlette): OpenAI's /v1 routes over one Model, plus /health and /metrics.
+"""The ASGI app (Starlette): OpenAI's /v1 routes (and Anthropic's /v1/messages) over one Model, plus
+/health, /metrics and the chat page.
 
 Layers, outermost first: FrontDoor (smuggling, Host, Origin; every response counted; clutor.server.guard),
 CORS when origins are allowed, KeyCheck when there is an API key, then the routes. Bounds on what a
@@ -23,27 +24,35 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ..errors import ClutorError, ClutorIOError
+from ..formats import Delta, Message
 from .admission import Admission, QueueFull
+from .embeddings import embeddings_route
 from .errors import APIError, error_body
 from .guard import FrontDoor, KeyCheck
 from .labels import for_log, public, shown
 from .limits import Limits
 from .metrics import Metrics, watch_loop_lag
+from .messages_api import MessagesShaper, anthropic_error, parse_messages
 from .requests import Defaults, GenRequest, check_model, decode_body, parse_chat, parse_completion
 from .responses import JSON, Shaper, json_bytes
+from .responses_api import ResponsesShaper, parse_responses
 
 __all__ = ["create_app", "ServerState"]
 
 log = logging.getLogger("clutor.server")
+
+STATIC = Path(__file__).parent / "static"  # the chat page: HTML, CSS and JS, served as they are
 
 
 @dataclass
@@ -93,7 +102,8 @@ class ServerState:
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
                max_sequences: int | None = None, max_queue: int = 64, max_body: int | None = None,
                defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (),
-               allowed_hosts: tuple[str, ...] = (), limits: Limits | None = None) -> FrontDoor:
+               allowed_hosts: tuple[str, ...] = (), limits: Limits | None = None, pooling: str = "mean",
+               web_ui: bool = True) -> FrontDoor:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -107,6 +117,8 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     cors_origins: browser origins allowed to call the API ("*" = any); none by default, and a page
         from any other origin is refused (403).
     allowed_hosts: Host names accepted on a loopback address besides the local ones ("*" = any).
+    pooling: how /v1/embeddings pools a text's final hidden states ("mean" or "last").
+    web_ui: serve the chat page at / (static files, no build step, nothing fetched from elsewhere).
     """
     limits = limits or Limits()
     if max_body is not None:
@@ -135,11 +147,17 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     routes = [
         Route("/v1/chat/completions", _gen_route(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _gen_route(state, "completion"), methods=["POST"]),
+        Route("/v1/responses", _gen_route(state, "responses"), methods=["POST"]),
+        Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
+        Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
     ]
+    if web_ui:
+        routes += [Route("/", _page, methods=["GET"]),
+                   Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, APIError: _api_error, Exception: _internal})
     app.state.clutor = state
@@ -180,8 +198,11 @@ def _ready(state: ServerState) -> None:
 def _models(state: ServerState):
     async def models(request: Request) -> Response:
         _ready(state)
+        n_ctx = state.model.n_ctx
+        # the context under the names clients read: vLLM's max_model_len, OpenRouter's context_length
         entry = {"id": state.name, "object": "model", "created": state.created, "owned_by": "clutor",
-                 "meta": {"n_ctx": state.model.n_ctx, "arch": state.model.config.arch}}
+                 "max_model_len": n_ctx, "context_length": n_ctx,
+                 "meta": {"n_ctx": n_ctx, "arch": state.model.config.arch}}
         name = request.path_params.get("name")
         if name is None:
             return JSON({"object": "list", "data": [entry]})
@@ -190,6 +211,12 @@ def _models(state: ServerState):
         return JSON(entry)
 
     return models
+
+
+async def _page(request: Request) -> Response:
+    from starlette.responses import FileResponse
+
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
 
 def _health(state: ServerState):
@@ -230,33 +257,70 @@ class _ClientLeft(Exception):
     """The client went away while sending its request."""
 
 
-def _gen_route(state: ServerState, kind: str):
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+async def read_json(request: Request, state: ServerState, parse, *args):
+    """A route's request body, bounded by the server's Limits, then ``parse(body, *args)`` in a worker
+    thread (decoding included: a body may be megabytes; at most Limits.tokenize_concurrency at once).
+    What every route that takes a body goes through (APIError: a 4xx to send; _ClientLeft: nobody to answer)."""
+    raw = await _read_body(request, state.limits.max_body)
 
-    def parse(raw: bytes, tokenizer, n_ctx: int) -> GenRequest:  # in a worker thread
-        body = decode_body(raw)
+    def run():
+        return parse(decode_body(raw), *args)
+
+    async with state.parsing:
+        return await asyncio.to_thread(run)
+
+
+def _gen_route(state: ServerState, kind: str):
+    api = _API[kind]
+    path = api.path
+
+    def parse(body: dict, tokenizer, n_ctx: int, recurrent: bool) -> GenRequest:  # in a worker thread
         check_model(body, state.name)
-        if kind == "chat":
-            return parse_chat(body, tokenizer, n_ctx, state.defaults, state.model.config.recurrent_bytes > 0)
-        return parse_completion(body, tokenizer, n_ctx, state.defaults)
+        args = (body, tokenizer, n_ctx, state.defaults)
+        if api.chat:  # a model with recurrent layers keeps its state where the next turn departs
+            args += (recurrent,)
+        return api.parse(*args)
 
     async def route(request: Request) -> Response:
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = api.prefix + uuid.uuid4().hex[:24]
         t0 = time.perf_counter()
         try:
             _ready(state)
-            raw = await _read_body(request, state.limits.max_body)
-            async with state.parsing:
-                req = await asyncio.to_thread(parse, raw, state.model.tokenizer, state.model.n_ctx)
+            m = state.model
+            req = await read_json(request, state, parse, m.tokenizer, m.n_ctx, m.config.recurrent_bytes > 0)
         except APIError as e:
             log.info("%s %s %d %s", rid, path, e.status, for_log(e.message))
-            return JSON(e.body(), e.status, e.headers)
+            return JSON(api.error(e), e.status, e.headers)
         except _ClientLeft:
             log.info("%s %s 499 the client left while sending its request", rid, path)
             return _Nothing()
-        return _Generation(state, req, rid, path, t0)
+        return _Generation(state, req, rid, path, t0, api)
 
     return route
+
+
+@dataclass(frozen=True)
+class _Api:
+    """One API the generation routes speak: how its requests are read, its replies and errors shaped."""
+
+    prefix: str                 # of its ids
+    path: str                   # its route
+    parse: object               # (body, tokenizer, n_ctx, defaults[, recurrent]) -> GenRequest
+    shaper: object              # (req, rid, created, model name, tokenizer) -> a shaper (responses.py)
+    error: object               # APIError -> body
+    chat: bool = True           # a conversation (its parse takes the model's recurrent flag)
+
+
+def _openai_shaper(req, rid, created, name, tok):
+    return Shaper(req.kind, rid, created, name, tok, req.include_usage)
+
+
+_API = {
+    "chat": _Api("chatcmpl-", "/v1/chat/completions", parse_chat, _openai_shaper, Shaper.error),
+    "completion": _Api("cmpl-", "/v1/completions", parse_completion, _openai_shaper, Shaper.error, chat=False),
+    "responses": _Api("resp_", "/v1/responses", parse_responses, ResponsesShaper, ResponsesShaper.error),
+    "messages": _Api("msg_", "/v1/messages", parse_messages, MessagesShaper, anthropic_error),
+}
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -300,16 +364,18 @@ class _Failed:
 class _Generation(Response):
     """Runs one admitted generation as the response itself (an ASGI callable), watching the connection."""
 
-    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float):
-        self.s, self.req, self.rid, self.path, self.t0 = state, req, rid, path, t0
+    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float, api: _Api):
+        self.s, self.req, self.rid, self.path, self.t0, self.api = state, req, rid, path, t0, api
         self.status = 0
         self.t_first: float | None = None
         self.stats = None
         self.note = ""
-        self.generated = 0  # tokens the engine gave this request
-        self.sent = 0       # of those, tokens handed to the connection
-        self.conn = None    # clutor.server.protocol.Connection, when served by clutor's Server
         self.background = None
+        self.shaper = None
+        self.matcher = None   # the grammar's, when the request constrains the reply
+        self.generated = 0    # tokens the engine gave this request
+        self.sent = 0         # of those, tokens handed to the connection
+        self.conn = None      # clutor.server.protocol.Connection, when served by clutor's Server
 
     async def __call__(self, scope, receive, send) -> None:
         self.conn = (scope.get("extensions") or {}).get("clutor.connection")
@@ -339,7 +405,7 @@ class _Generation(Response):
                 if self.status == 0:
                     await self._error(send, err)
                 else:
-                    await _sse(send, {"error": err.body()["error"]}, more=False)
+                    await self._stream_error(send, err)
             self.note = err.message
         self._log()
 
@@ -361,7 +427,7 @@ class _Generation(Response):
             half.cancel()
 
     async def _run(self, send) -> None:
-        s = self.s
+        s, req = self.s, self.req
         try:
             await s.admission.acquire()
         except QueueFull as e:
@@ -372,9 +438,12 @@ class _Generation(Response):
                                              headers={"retry-after": str(e.retry_after)}))
             return
         chunks: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.ensure_future(self._pump(chunks))  # gives the place back when the sequence ends
+        pump = None
         try:
-            if self.req.stream:
+            plan = req.plan
+            self.matcher = plan.grammar.matcher() if plan is not None and plan.grammar is not None else None
+            pump = asyncio.ensure_future(self._pump(chunks))  # gives the place back when the sequence ends
+            if req.stream:
                 await self._stream(chunks, send)
             else:
                 await self._whole(chunks, send)
@@ -391,11 +460,14 @@ class _Generation(Response):
             if self.status == 0:
                 await self._error(send, err)
             else:  # mid-stream: the status is sent already; end the stream with an error event
-                await _sse(send, {"error": err.body()["error"]}, more=False)
+                await self._stream_error(send, err)
             self.note = str(e) if isinstance(e, ClutorError) else err.message  # (the log keeps the paths)
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            if pump is None:
+                s.admission.release()
+            else:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
 
     async def _pump(self, chunks: asyncio.Queue) -> None:
         """The engine's records into ``chunks`` as fast as they come, then the batch place back:
@@ -404,7 +476,9 @@ class _Generation(Response):
         s, req = self.s, self.req
         t_admit = time.perf_counter()
         try:
-            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options)
+            plan = req.plan
+            extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
+            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
             try:
                 async for c in agen:
                     chunks.put_nowait(c)
@@ -442,12 +516,18 @@ class _Generation(Response):
     async def _error(self, send, e: APIError) -> None:
         self.status = e.status
         self.note = e.message
-        resp = JSON(e.body(), e.status, {**e.headers, "x-request-id": self.rid})
+        resp = JSON(self.api.error(e), e.status, {**e.headers, "x-request-id": self.rid})
         await resp({"type": "http"}, _never, send)
 
-    def _shaper(self) -> Shaper:
-        return Shaper(self.req.kind, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer,
-                      self.req.include_usage)
+    async def _stream_error(self, send, e: APIError) -> None:
+        shaper = self.shaper or self._shaper()
+        name, body = shaper.stream_error(e)
+        await _sse(send, body, more=False, event=name)
+
+    def _shaper(self):
+        shaper = self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
+        return shaper
 
     async def _whole(self, chunks: asyncio.Queue, send) -> None:
         parts, records = [], []
@@ -460,33 +540,44 @@ class _Generation(Response):
             if c.stats is not None:
                 self.stats = c.stats
         self._count()
-        body = self._shaper().whole("".join(parts), records, self.stats)
+        text = "".join(parts)
+        plan = self.req.plan
+        # the whole reply parsed at once, off the event loop
+        message = Message(content=text) if plan is None else await asyncio.to_thread(plan.parser().parse, text)
+        body = self._shaper().whole(message, records, self.stats)
         await self._start(send, b"application/json")
         await send({"type": "http.response.body", "body": json_bytes(body)})
         if self._handed():
             self.sent = self.generated
 
     async def _stream(self, chunks: asyncio.Queue, send) -> None:
-        shaper = self._shaper()
+        shaper = self.shaper = self._shaper()
+        parser = self.req.plan.parser() if self.req.plan is not None else None
         async for c in self._records(chunks):
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
                 await self._start(send, b"text/event-stream")
-                first = shaper.first()
-                if first is not None:
-                    await _sse(send, first)
+                for ev in shaper.open():
+                    await _sse(send, ev[1], event=ev[0])
+            d = None
             if c.token is not None and (c.text or c.logprob is not None):
-                await _sse(send, shaper.delta(c.text, [c]))
+                d = parser.feed(c.text) if parser is not None else Delta(content=c.text)
+                events = shaper.delta(d, [c])
+            elif c.stats is not None:
+                self.stats = c.stats
+                d = Delta(content=c.text) if parser is None else parser.feed(c.text).extend(parser.finish())
+                events = shaper.delta(d, [])
+            else:
+                events = []
+            for ev in events:
+                await _sse(send, ev[1], event=ev[0])
             if c.token is not None and self._handed():
                 self.sent += 1
-            if c.stats is not None:
-                self.stats = c.stats
-                if c.text:
-                    await _sse(send, shaper.delta(c.text, []))
         self._count()
-        for body in shaper.last(self.stats):
-            await _sse(send, body)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
+        for ev in shaper.close(parser.message if parser is not None else None, self.stats):
+            await _sse(send, ev[1], event=ev[0])
+        await send({"type": "http.response.body", "body": shaper.done or b"", "more_body": False})
 
     def _count(self) -> None:
         m, st = self.s.metrics, self.stats
@@ -512,8 +603,9 @@ class _Generation(Response):
                      len(self.req.ids), self.generated, self.sent, ttft, total, note)
 
 
-async def _sse(send, obj: dict, more: bool = True) -> None:
-    await send({"type": "http.response.body", "body": b"data: " + json_bytes(obj) + b"\n\n",
+async def _sse(send, obj: dict, more: bool = True, event: str | None = None) -> None:
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    await send({"type": "http.response.body", "body": head + b"data: " + json_bytes(obj) + b"\n\n",
                 "more_body": more})
 
 

@@ -8,8 +8,9 @@ In order, a request is refused when:
    on evil.example whose name now resolves to 127.0.0.1): 403, unless ``allowed_hosts`` names it;
 3. a browser sent it from another origin (``Origin`` is neither this server nor an allowed one):
    403; a page elsewhere cannot drive the server, with or without an API key;
-4. with an API key, a /v1 route lacks ``Authorization: Bearer KEY`` (compared as bytes, so a
-   non-ASCII key sent as UTF-8 works): 401 (KeyCheck, inside CORS so preflights are answered).
+4. with an API key, a /v1 route lacks ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared
+   as bytes, so a non-ASCII key sent as UTF-8 works): 401 (KeyCheck, inside CORS so preflights are
+   answered).
 
 Every response is counted in ``clutor_requests_total`` by (route template, status) — unknown paths
 all as "other" — and one cut short because the client left as 499. An exception no route handled
@@ -120,7 +121,8 @@ class _Outcome:
 
 
 class KeyCheck:
-    """With an API key, every /v1 route needs ``Authorization: Bearer KEY``; /health and /metrics stay open."""
+    """With an API key, every /v1 route needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``);
+    /health and /metrics stay open."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -128,11 +130,13 @@ class KeyCheck:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
-            auth = b""
+            auth = x_key = b""
             for name, value in scope.get("headers") or []:
                 if name == b"authorization":
                     auth = value
-            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+                elif name == b"x-api-key":  # how Anthropic's clients send it
+                    x_key = value
+            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else x_key.strip()
             ok = False
             for k in self._keys:  # (UTF-8, the usual; Latin-1, what some clients send): both compared
                 ok |= hmac.compare_digest(given, k)

@@ -1,9 +1,10 @@
 """Read an OpenAI request body into what model.generate needs, refusing anything wrong with a 4xx.
 
 Each field is checked for its type and range and named in the message (``param``), as OpenAI does.
-Fields Clutor cannot honour (n > 1, tools, logit_bias, echo, ...) are refused rather than ignored,
-so a client never silently gets something other than what it asked for. Unknown fields are ignored
-(clients send vendor extras freely).
+Fields Clutor cannot honour (n > 1, logit_bias, echo, ...) are refused rather than ignored, so a
+client never silently gets something other than what it asked for. Unknown fields are ignored
+(clients send vendor extras freely). A chat's tools, tool calls, response format and reasoning are
+read in chat_plan.py.
 """
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import ClutorError
 from ..model.sampling import SamplingParams
 from .errors import APIError, bad_request
 from .labels import shown
 
 __all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model",
-           "longest_token_bytes"]
+           "check_size", "longest_token_bytes"]
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -37,6 +37,8 @@ class Defaults:
     min_p: float = SamplingParams.min_p
     repeat_penalty: float = SamplingParams.repeat_penalty
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
+    reasoning_format: str = "auto"   # --reasoning-format: reasoning apart (auto, deepseek) or left in content (none)
+    chat_template: str | None = None  # --chat-template: the file's own template when None
 
 
 @dataclass
@@ -51,6 +53,8 @@ class GenRequest:
     include_usage: bool = False
     logprobs: int | None = None        # None = off; n = the chosen token's logprob and n alternatives
     user: str | None = None
+    plan: object = None                # a chat's ChatPlan (chat_plan.py): parser, grammar, shown tokens
+    extra: dict = field(default_factory=dict)  # what an API echoes back (the Responses API's settings)
 
 
 def decode_body(raw: bytes) -> dict:
@@ -86,40 +90,25 @@ def check_model(body: dict, served: str) -> None:
 def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
     """recurrent: the model has recurrent layers, which keep their state where the next turn of this
     conversation will depart from this one (clutor.model.chat.chat_turn)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
-    messages = [_message(m, i) for i, m in enumerate(msgs)]
-    from ..model.chat import chat_prompt, chat_turn
+    from .chat_plan import chat_messages, plan_chat
 
-    keep: tuple[int, ...] = ()
-    try:
-        text = chat_prompt(tokenizer, messages)
-    except ClutorError as e:
-        raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
-    _check_size(text, tokenizer, n_ctx, "messages")  # before a prompt that cannot fit is tokenised
-    if recurrent:
-        ids, keep = chat_turn(tokenizer, messages)  # (renders again: its two renderings, with and without the reply's header)
-    else:
-        ids = tokenizer.encode(text, special=True)
+    if "functions" in body and body["functions"]:
+        raise bad_request("functions", "'functions' is OpenAI's deprecated form: send 'tools' instead")
+    plan = plan_chat(body, chat_messages(body.get("messages")), tokenizer, reasoning_format=d.reasoning_format,
+                     template=d.chat_template, recurrent=recurrent, n_ctx=n_ctx)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(name, f"'{name}' (tool calling) is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
     limit = body.get("max_completion_tokens", None)
     name = "max_completion_tokens"
     if limit is None:
         limit, name = body.get("max_tokens"), "max_tokens"
-    req = _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
-    if keep:
-        req.options["checkpoints"] = keep
+    req = _common(body, "chat", plan.ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req.plan = plan
+    if plan.keep:
+        req.options["checkpoints"] = plan.keep
     return req
 
 
@@ -209,39 +198,11 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
 
 
-def _message(m, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad_request(where, f"'{where}' must be an object with 'role' and 'content', got {_kind(m)}")
-    role = m.get("role")
-    if role == "developer":  # OpenAI's newer name for the system role
-        role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise bad_request(f"{where}.role", f"'{where}.role' must be 'system', 'user' or 'assistant', "
-                                           f"got {shown(role)}")
-    content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}.content[{j}]",
-                                  f"'{where}.content[{j}]' must be a text part {{'type': 'text', 'text': ...}} "
-                                  "(this server reads text only)")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise bad_request(f"{where}.content", f"'{where}.content' must be a string or an array of text parts, "
-                                              f"got {_kind(content)}")
-    return {"role": role, "content": content}
-
-
 def _prompt_ids(prompt, tokenizer, n_ctx: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        _check_size(prompt, tokenizer, n_ctx, "prompt")
+        check_size(prompt, tokenizer, n_ctx, "prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.n_vocab]
@@ -276,20 +237,21 @@ def longest_token_bytes(tokenizer) -> int:
         return n
 
 
-def _check_size(text: str, tokenizer, n_ctx: int, param: str) -> None:
-    """Refuse, before tokenising, a prompt that cannot fit the context. Each token stands for at most
-    ``longest_token_bytes`` bytes of the text, so its UTF-8 length divided by that is a floor on its
-    token count: sound (a prompt that fits is never refused here), and free next to tokenising a
-    multi-megabyte prompt that never had a chance."""
+def check_size(text: str, tokenizer, n_ctx: int, param: str, room: int = 1) -> None:
+    """Refuse, before tokenising, a text that cannot fit the context with ``room`` tokens to spare (one
+    to generate). Each token stands for at most ``longest_token_bytes`` bytes of the text, so its UTF-8
+    length divided by that is a floor on its token count: sound (a text that fits is never refused
+    here), and free next to tokenising a multi-megabyte prompt that never had a chance."""
     longest = longest_token_bytes(tokenizer)
-    if 4 * len(text) < longest * n_ctx:  # (a character is at most 4 bytes: cannot be too long)
+    limit = n_ctx - room
+    if 4 * len(text) <= longest * limit:  # (a character is at most 4 bytes: cannot be too long)
         return
     n_bytes = len(text.encode("utf-8", "surrogatepass"))
     floor = -(-n_bytes // longest)
-    if floor >= n_ctx:
-        raise bad_request(param, f"This model's maximum context length is {n_ctx} tokens, but the prompt is at "
+    if floor > limit:
+        raise bad_request(param, f"This model's maximum context length is {n_ctx} tokens, but the text is at "
                                  f"least {floor} tokens ({n_bytes} bytes, and no token of this model stands for "
-                                 f"more than {longest}). Shorten the prompt.", code="context_length_exceeded")
+                                 f"more than {longest}). Shorten it.", code="context_length_exceeded")
 
 
 def _text(body: dict, name: str) -> str | None:
