@@ -17,6 +17,7 @@ import sys
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from .common import add_command
+from .source import add_model_source
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
@@ -109,7 +110,7 @@ def add_parser(sub):
                     __doc__, "clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off",
                     "clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB",
                     "clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     g = p.add_argument_group("configurations (every combination is one run)")
     g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
                    help="expert-cache budgets: shares of the expert bytes (25%%), sizes (256MiB) or auto")

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import ClutorError
 from .common import (OutputError, add_command, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
                      read_text_file, sampling_kwargs, warm_kernels, write_out)
+from .source import add_model_source
 
 PROMPT = "> "
 
@@ -22,8 +23,9 @@ PROMPT = "> "
 def add_parser(sub):
     p = add_command(sub, "chat", "interactive chat through the model's chat template", __doc__,
                     "clutor chat qwen3-30b-a3b.gguf --system 'Be brief.'")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
-    p.add_argument("--system", default=None, help="system message")
+    add_model_source(p)
+    p.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None, metavar="TEXT",
+                   help="the system message")
     p.add_argument("--no-stats", action="store_true", help="do not print per-reply statistics")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the model's")

@@ -12,6 +12,7 @@ import sys
 from ..errors import ClutorError
 from ..model.sampling import SamplingParams
 from .common import add_command, add_model_args, model_kwargs
+from .source import add_model_source
 
 
 def add_parser(sub):
@@ -19,7 +20,7 @@ def add_parser(sub):
                     "clutor serve olmoe.gguf --expert-cache 3GiB --port 8000",
                     "curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
                     "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name stem)")
