@@ -152,6 +152,76 @@ def test_llama_cpp_style_flags(tmp_path, capsys):
     assert "bad.jinja" in capsys.readouterr().err
 
 
+def _parse(*argv):
+    from clutor.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def test_each_llama_cpp_flag_means_what_it_means_there(capsys):
+    a = _parse("generate", "-m", MODEL, "-p", "hi", "--n-predict", "7", "-sys", "S", "--repeat-last-n", "8",
+               "--presence-penalty", "0.5", "--frequency-penalty", "0.25", "-np", "3", "-c", "128", "-t", "2",
+               "-s", "5", "-b", "64", "--temp", "0.3")
+    assert (a.model_file, a.prompt_opt, a.max_tokens, a.system, a.repeat_last_n, a.presence_penalty,
+            a.frequency_penalty, a.max_sequences, a.n_ctx, a.threads, a.seed, a.step_tokens, a.temperature) == (
+        MODEL, "hi", 7, "S", 8, 0.5, 0.25, 3, 128, 2, 5, 64, 0.3)
+    assert _parse("generate", MODEL, "hi", "--predict", "4").max_tokens == 4
+    a = _parse("chat", "-m", MODEL, "--system-prompt", "Be brief.", "--parallel", "2")
+    assert a.system == "Be brief." and a.max_sequences == 2
+    a = _parse("serve", "-m", MODEL, "--alias", "qwen", "-np", "4", "-c", "256", "--port", "0")
+    assert (a.served_model_name, a.max_sequences, a.n_ctx) == ("qwen", 4, 256)
+    assert _parse("info", "-hf", "Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M").hf_repo == "Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M"
+    capsys.readouterr()
+    # what has no meaning here is accepted, with one line saying why
+    a = _parse("generate", MODEL, "hi", "-ngl", "99", "--mlock", "-fa", "on", "--no-mmap", "--jinja")
+    err = capsys.readouterr().err
+    for flag in ("-ngl", "--mlock", "-fa", "--no-mmap", "--jinja"):
+        assert f"clutor: note: {flag} ignored: " in err, flag
+    assert a.prompt == "hi" and a.max_tokens == 128  # -ngl did not become -n gl
+    _parse("serve", MODEL, "-cb", "--metrics", "--n-gpu-layers", "99")
+    assert "-cb ignored: always on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", MODEL, "hi", "-ngx", "3"], "unknown option -ngx"),
+    (["generate", MODEL, "hi", "-n32"], "for -n 32, write it so"),     # never glued: -n32 is not -n 32
+    (["chat", MODEL, "-sysx", "a"], "unknown option -sysx"),
+    (["generate", MODEL, "hi", "--max-tok", "3"], "unrecognized arguments: --max-tok"),  # no abbreviations
+    (["generate", MODEL, "hi", "-n", "gl"], "invalid int value: 'gl'"),
+    (["serve", MODEL, "--port"], "expected one argument"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["generate", "-m", MODEL, "-hf", "a/b", "hi"], "give the model once"),
+    (["info"], "no model given"),
+])
+def test_a_parse_error_is_one_line_and_exit_1(argv, says, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err)
+    assert says in err and "--help" in err or says in err, err
+
+
+def test_the_first_run_compile_is_said_before_and_after(monkeypatch, capsys, caplog):
+    """Everywhere: a logging record for API users (and `clutor serve`'s log), a line from the CLI, on a
+    terminal or not. (The compile itself is faked: compiled() says the cache is empty.)"""
+    import logging
+
+    from clutor.model import kernels
+
+    monkeypatch.setattr(kernels, "compiled", lambda: False)
+    with caplog.at_level(logging.INFO, logger="clutor.kernels"):
+        kernels.warmup()
+    said = [r.getMessage() for r in caplog.records if r.name == "clutor.kernels"]
+    assert len(said) == 2 and said[0].startswith("compiling the compute kernels") and "ready in" in said[1]
+    assert "clutor warmup" in said[0] and str(kernels.cache_dir()) in said[0]
+    caplog.clear()
+    assert main(["generate", MODEL, "hi", *FAST]) == 0  # stderr is not a terminal here
+    err = capsys.readouterr().err
+    assert err.index("clutor: compiling the compute kernels") < err.index("clutor: compute kernels ready in") < err.index("generated")
+    monkeypatch.setattr(kernels, "compiled", lambda: True)
+    assert main(["warmup"]) == 0
+    assert "already compiled" in capsys.readouterr().err
+
+
 def test_generate_api_prompt_fits_but_not_max_tokens():
     import clutor
     from conftest import run

@@ -100,15 +100,18 @@ def _log_to_stderr() -> None:
     on a terminal or not: a long pause always says why."""
     import logging
 
+    class Stderr(logging.StreamHandler):
+        """Writes to sys.stderr as it is when a record comes (a test or a caller may have replaced it)."""
+
+        stream = property(lambda self: sys.stderr, lambda self, _value: None)
+
     log = logging.getLogger("clutor")
-    if any(getattr(h, "_clutor_cli", False) for h in log.handlers):
-        return
-    handler = logging.StreamHandler()  # sys.stderr as it is when a record is written
-    handler.setFormatter(logging.Formatter("clutor: %(message)s"))
-    handler._clutor_cli = True
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    if not any(isinstance(h, logging.StreamHandler) and type(h).__name__ == "Stderr" for h in log.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("clutor: %(message)s"))
+        log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
 
 
 def _error(message: str) -> None:
