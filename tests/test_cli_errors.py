@@ -307,6 +307,13 @@ class _Pty:
         seen, self.out = self.out[:i], self.out[i:]
         return seen
 
+    def more(self, timeout: float = 240) -> None:
+        """Wait until the program writes something more."""
+        while not self.out:
+            r, _, _ = select.select([self.master], [], [], timeout)
+            assert r, "nothing more was written"
+            self.out += os.read(self.master, 4096)
+
     def send(self, data: bytes) -> None:
         os.write(self.master, data)
 
@@ -362,6 +369,45 @@ def test_ctrl_c_at_the_idle_chat_prompt_is_not_remembered(tmp_path, loop):
     t.send(b"\x04")                     # Ctrl-D: leave, after a newline
     assert t.proc.wait(timeout=60) == 0
     assert t.rest().startswith(b"\r\n"), t.out  # the shell's prompt starts on a line of its own
+    t.close()
+
+
+@pytest.mark.timeout(600)
+def test_chat_at_a_terminal_says_what_it_drops_and_keeps_one_stats_line(tmp_path):
+    args = _clutor("chat", MODEL, "-c", "96", "-n", "30", "--temperature", "0", "--ignore-eos")
+    t = _Pty(args, _env(HOME=str(tmp_path)))
+    assert b"the file's chat template" in t.expect(b"> ")  # which template renders the conversation
+    t.send(b"one two three four five six seven eight nine ten\r")
+    first = t.expect(b"> ")
+    assert first.count(b"generated") == 1 and b"/stats for more]" in first and b"dropped" not in first, first
+    assert b"peak RSS" not in first  # one short line per reply ...
+    t.send(b"alpha beta gamma delta epsilon zeta eta theta\r")
+    second = t.expect(b"> ")
+    assert b"dropped the 2 oldest messages to fit the 96-token context" in second, second
+    t.send(b"/stats\r")
+    assert b"peak RSS" in t.expect(b"> ")  # ... and the rest on asking
+    t.send(b"/exit\r")
+    assert t.proc.wait(timeout=60) == 0
+    t.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("when", ["while it streams", "with the message"])
+def test_ctrl_d_during_a_reply_leaves_after_it(tmp_path, when):
+    args = _clutor("chat", MODEL, "-n", "300", "--temperature", "0", "--ignore-eos")
+    t = _Pty(args, _env(HOME=str(tmp_path)))
+    t.expect(b"> ")
+    if when == "with the message":  # typed ahead before the reply began
+        t.send(b"Tell me a story\r\x04")
+    else:
+        t.send(b"Tell me a story\r")
+        t.expect(b"Tell me a story\r\n")
+        t.more()  # the reply has begun
+        t.send(b"\x04")
+    assert t.proc.wait(timeout=240) == 0
+    rest = t.rest()
+    assert b"300 generated" in rest and b"[stopped]" not in rest, rest  # the reply ran to its end ...
+    assert not rest.rstrip().endswith(b">"), rest                    # ... and no prompt came after it
     t.close()
 
 
