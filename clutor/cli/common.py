@@ -234,8 +234,8 @@ def print_stats(stats: GenerationStats, file=None) -> None:
         lines += [
             f"[experts: {io.backend} {io.mode}, cache {format_bytes(io.cache_bytes)} ({stats.cache_note}) | "
             f"hit rate {io.hit_rate:.1%}" + (
-                f", prefetch accuracy {io.prefetch_accuracy:.1%} ({io.prefetch_issued} prefetched, "
-                f"{io.prefetch_wasted} wasted = {format_bytes(io.bytes_wasted)})" if io.prefetch_issued else "") + "]",
+                f", {io.prefetch_accuracy:.1%} with prefetches in flight ({io.prefetch_issued} prefetched, "
+                f"{io.prefetch_wasted} unused = {format_bytes(io.bytes_wasted)})" if io.prefetch_issued else "") + "]",
             f"[read {format_bytes(io.bytes_read)} = {format_bytes(stats.bytes_per_token)}/token | "
             f"time: waiting on disk {io.wait_seconds:.2f}s ({io.wait_seconds / total:.0%}), "
             f"computing {io.compute_seconds:.2f}s | peak RSS {format_bytes(stats.peak_rss)}]"
