@@ -102,7 +102,7 @@ def test_a_quant_names_its_files_as_llama_cpp_resolves_them():
     assert not incomplete.complete and incomplete.parts == 2 and incomplete.quant == "Q6_K"
 
 
-def test_names_on_the_command_line(tmp_path):
+def test_names_on_the_command_line(tmp_path, monkeypatch):
     assert hub.parse_ref("Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M") == hub.HubRef("Qwen/Qwen3-30B-A3B-GGUF", "Q4_K_M")
     assert hub.parse_ref("a/b") == hub.HubRef("a/b")
     for bad in ("justaname", "a/b/c", "a/b:", "/b", "a/:x"):
@@ -112,11 +112,8 @@ def test_names_on_the_command_line(tmp_path):
     assert not hub.looks_like_ref("models/x.gguf")  # a missing file stays a file, and its error names it
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "b").write_bytes(b"")
-    os.chdir(tmp_path)
-    try:
-        assert not hub.looks_like_ref("a/b")  # a file that exists is a file
-    finally:
-        os.chdir(Path(__file__).parent)
+    monkeypatch.chdir(tmp_path)
+    assert not hub.looks_like_ref("a/b")  # a file that exists is a file
 
 
 # -- pull ------------------------------------------------------------------------------------------
