@@ -152,7 +152,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
+                   logprobs: int | None = None, checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -162,6 +162,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
+    checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
+        later prompt that shares only that prefix reuses it (the prompt's end is always kept).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -185,7 +187,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     io_before = model.io_stats()
     t0 = time.perf_counter()
     req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              None if logprobs is None else _with_logprobs(logprobs))
+                              None if logprobs is None else _with_logprobs(logprobs), checkpoints)
     n_gen, reason = 0, "length"
     try:
         while True:

@@ -236,8 +236,11 @@ def _gen_route(state: ServerState, kind: str):
             _ready(state)
             body = await _json_body(request, state.max_body)
             check_model(body, state.name)
-            parse = parse_chat if kind == "chat" else parse_completion
-            req = await asyncio.to_thread(parse, body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            args = (body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            if kind == "chat":
+                req = await asyncio.to_thread(parse_chat, *args, state.model.config.recurrent_bytes > 0)
+            else:
+                req = await asyncio.to_thread(parse_completion, *args)
         except APIError as e:
             state.metrics.requests[(request.url.path, e.status)] += 1
             log.info("%s %s %d %s", rid, request.url.path, e.status, e.message)

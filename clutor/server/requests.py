@@ -59,15 +59,21 @@ def check_model(body: dict, served: str) -> None:
         raise bad_request("model", f"'model' must be a string, got {_kind(name)}")
 
 
-def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
+def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
+    """recurrent: the model has recurrent layers, which keep their state where the next turn of this
+    conversation will depart from this one (clutor.model.chat.chat_turn)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
     messages = [_message(m, i) for i, m in enumerate(msgs)]
-    from ..model.chat import chat_ids
+    from ..model.chat import chat_ids, chat_turn
 
+    keep: tuple[int, ...] = ()
     try:
-        ids = chat_ids(tokenizer, messages)
+        if recurrent:
+            ids, keep = chat_turn(tokenizer, messages)
+        else:
+            ids = chat_ids(tokenizer, messages)
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
     logprobs = None
@@ -85,7 +91,10 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
     name = "max_completion_tokens"
     if limit is None:
         limit, name = body.get("max_tokens"), "max_tokens"
-    return _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req = _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    if keep:
+        req.options["checkpoints"] = keep
+    return req
 
 
 def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
