@@ -288,9 +288,10 @@ def test_bounded_rendering_gives_what_the_stock_sandbox_gives():
 
     from clutor.model.chat import _tojson
 
-    templates = sorted((REPO.parent / "shared" / "data" / "templates").glob("*.jinja"))
-    if not templates:
-        pytest.skip("../shared/data/templates (real chat templates) is not present")
+    from conftest import shared_data
+
+    templates = sorted(shared_data("templates").glob("*.jinja"))
+    assert templates, "no .jinja file in ../shared/data/templates"
     stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     stock.filters["tojson"] = _tojson
     convo = [{"role": "system", "content": "Be brief."}] + [

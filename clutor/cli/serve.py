@@ -14,6 +14,7 @@ from ..errors import ClutorError
 from ..model.sampling import SamplingParams
 from ..server.limits import Limits
 from .common import add_command, add_model_args, model_kwargs
+from .source import add_model_source
 
 
 def add_parser(sub):
@@ -21,10 +22,12 @@ def add_parser(sub):
                     "clutor serve olmoe.gguf --expert-cache 3GiB --port 8000",
                     "curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
                     "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name stem)")
+    p.add_argument("-a", "--alias", "--served-model-name", dest="served_model_name", default=None, metavar="NAME",
+                   help="the model's id in /v1/models and in responses (default: the file's name, clutor-demo for "
+                        "the demo model); requests may name any model: the one served answers")
     p.add_argument("--api-key", default=os.environ.get("CLUTOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -62,8 +65,25 @@ def add_parser(sub):
     g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
     g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
     g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty)
+    g.add_argument("--repeat-last-n", type=int, default=SamplingParams.repeat_last_n)
+    g.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty)
     add_model_args(p)
     return p
+
+
+def model_id(path: str) -> str:
+    """The id a served file gets by default: its name without .gguf and without a split suffix
+    (-00001-of-00003); the demo model's (demo-FINGERPRINT.gguf in Clutor's cache) is clutor-demo."""
+    import re
+
+    from .demo_model import DEMO
+
+    name = os.path.basename(path)
+    if re.fullmatch(rf"{re.escape(DEMO.name)}-[0-9a-f]{{16}}\.gguf", name):
+        return "clutor-demo"
+    name = re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", name)
+    return name[:-5] if name.endswith(".gguf") else name
 
 
 def _server_modules():
@@ -118,9 +138,11 @@ async def run(args) -> int:
         except OSError as e:
             raise ClutorError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repeat_penalty=args.repeat_penalty, reasoning_format=args.reasoning_format,
-                        chat_template=template)
-    app = create_app(open_model(), served_model_name=args.served_model_name, api_key=args.api_key or None,
+                        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        reasoning_format=args.reasoning_format, chat_template=template)
+    app = create_app(open_model(), served_model_name=args.served_model_name or model_id(args.model),
+                     api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, defaults=defaults,
                      cors_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host), limits=limits,
                      pooling=args.pooling, web_ui=not args.no_webui)

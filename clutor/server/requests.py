@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..model.sampling import SamplingParams
-from .errors import APIError, bad_request
+from .errors import bad_request
 from .labels import shown
 
 __all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model",
@@ -36,6 +36,9 @@ class Defaults:
     top_p: float = SamplingParams.top_p
     min_p: float = SamplingParams.min_p
     repeat_penalty: float = SamplingParams.repeat_penalty
+    repeat_last_n: int = SamplingParams.repeat_last_n
+    frequency_penalty: float = SamplingParams.frequency_penalty
+    presence_penalty: float = SamplingParams.presence_penalty
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
     reasoning_format: str = "auto"   # --reasoning-format: reasoning apart (auto, deepseek) or left in content (none)
     chat_template: str | None = None  # --chat-template: the file's own template when None
@@ -78,13 +81,9 @@ def _no_constant(name: str):
 
 
 def check_model(body: dict, served: str) -> None:
-    """A request naming another model is a 404, as OpenAI answers it (no name = the served model)."""
-    name = _text(body, "model")
-    if name is None:
-        return
-    if name != served:
-        raise APIError(404, f"The model {shown(name)} does not exist; this server serves {shown(served)}",
-                       param="model", code="model_not_found")
+    """Any model name is answered by the one model served, as llama-server does (clients and front-ends
+    send a name of their own); the response's "model" says which it is. Only its type is checked."""
+    _text(body, "model")
 
 
 def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
@@ -188,12 +187,11 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         top_k=_int(body, "top_k", d.top_k, 0, None),
         min_p=_num(body, "min_p", d.min_p, 0.0, 1.0),
         repeat_penalty=_num(body, "repeat_penalty", d.repeat_penalty, 0.0, None, open_low=True),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_num(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0),
+        presence_penalty=_num(body, "presence_penalty", d.presence_penalty, -2.0, 2.0),
+        repeat_last_n=_int(body, "repeat_last_n", d.repeat_last_n, -1, None),
         seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
     )
-    if "repeat_last_n" in body:
-        options["repeat_last_n"] = _int(body, "repeat_last_n", 64, -1, None)
     user = _text(body, "user")
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
 
