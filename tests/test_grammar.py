@@ -16,7 +16,9 @@ from clutor.model.tokenizer import Tokenizer  # noqa: E402
 from conftest import SHARED_DATA, fixture_path, run  # noqa: E402
 
 MODEL = fixture_path("qwen3moe", "Q8_0")
-OPEN = dict(io="threads", n_ctx=512)
+# (an f32 KV cache: the greedy replies of this random-weight model, and so whether a free-text JSON string
+# closes within max_tokens, are those these tests were written against)
+OPEN = dict(io="threads", n_ctx=512, kv_type="f32")
 
 # Ten schemas: nested objects, arrays, enums, required fields, numbers with ranges. Strings and arrays
 # carry bounds so that even a random-weight model's reply ends within the token budget.
