@@ -9,6 +9,7 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import expert_layout
 from clutor.model.options import slot_bytes
 from conftest import ACTIVATIONS, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
 
@@ -33,7 +34,7 @@ def test_prefill_equals_incremental_decode(arch, activations):
 def _slot(path) -> tuple[int, int]:
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
 
 
 async def _streamed(path, prompt, **opts):
@@ -164,7 +165,7 @@ def test_gptoss_expert_biases_travel_with_the_expert():
     path = fixture_path("gptoss", "Q8_0")
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, read_arch(f))
         bias_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.bias"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
         weight_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
     assert layout.n_parts == 6 and layout.expert_bytes(0) == weight_bytes + bias_bytes

@@ -110,19 +110,26 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
 # ---- tensors ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class T:
-    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "vector"
-    (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store)."""
+    """One tensor of an architecture's files. kind: "weight" (a matrix kept in its file type),
+    "vector" (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert
+    store; ``part`` says which slab of each expert it holds: "gate", "up", "down", "gate+up" (both,
+    fused), "gate bias", "up bias", "down bias"), "unread" (in the file, not computed: MTP layers).
+
+    The table of these (``Arch.file_tensors``) is the one statement of an architecture's tensors:
+    the loader reads it, the expert layout is built from its expert entries, the fixture writers
+    (tools/synth.py, tools/make_bench_model.py) write it."""
 
     name: str
     shape: tuple[int, ...]  # numpy order
     kind: str = "weight"
     required: bool = True
+    part: str = ""
 
     @property
     def resident(self) -> bool:
         """Read into memory at open: every tensor but the routed experts, which the expert store streams.
         The one place that decides what is dense."""
-        return self.kind != "expert"
+        return self.kind in ("weight", "vector")
 
 
 class Arch:
@@ -181,11 +188,11 @@ class Arch:
         if l in cfg.moe_layers:
             want["router"] = T(b + "ffn_gate_inp.weight", (E, D), "vector")
             if self.fused_gate_up:  # gate and up of each expert in one tensor (llama.cpp's ffn_gate_up_exps)
-                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert")
+                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert", part="gate+up")
             else:
-                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert"),
-                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert")}
-            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert")
+                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert", part="gate"),
+                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert", part="up")}
+            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert", part="down")
             if cfg.n_ff_shexp:
                 S = cfg.n_ff_shexp
                 want |= {"sh_gate": T(b + "ffn_gate_shexp.weight", (S, D)), "sh_up": T(b + "ffn_up_shexp.weight", (S, D)),
