@@ -22,7 +22,7 @@ from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MA
 from ..layers import KVCache, Rope, attention, gate, rmsnorm, silu
 from ..quants import apply_all
 
-__all__ = ["Arch", "T", "read_int", "read_float", "read_common"]
+__all__ = ["Arch", "T", "TableView", "read_int", "read_float", "read_common"]
 
 
 # ---- metadata -----------------------------------------------------------------------------------
@@ -111,9 +111,9 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
 @dataclass(frozen=True)
 class T:
     """One tensor of an architecture's files. kind: "weight" (a matrix kept in its file type),
-    "vector" (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert
-    store; ``part`` says which slab of each expert it holds: "gate", "up", "down", "gate+up" (both,
-    fused), "gate bias", "up bias", "down bias"), "unread" (in the file, not computed: MTP layers).
+    "vector" (read as float32), "expert" (a routed-expert tensor: checked here, streamed by the
+    expert store; ``part`` says which slab of each expert it holds: "gate", "up", "down", "gate+up"
+    (both, fused), "gate bias", "up bias", "down bias").
 
     The table of these (``Arch.file_tensors``) is the one statement of an architecture's tensors:
     the loader reads it, the expert layout is built from its expert entries, the fixture writers
@@ -130,6 +130,35 @@ class T:
         """Read into memory at open: every tensor but the routed experts, which the expert store streams.
         The one place that decides what is dense."""
         return self.kind in ("weight", "vector")
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+class TableView:
+    """A file that is not written yet, as an architecture reads it: its metadata, and the numpy
+    shapes of the tensors whose presence the architecture decides by (``token_embd``, an untied
+    ``output``, fused experts, a selection bias). A writer builds the Arch from this (``read_arch``)
+    and writes the Arch's ``file_tensors()``: the names, shapes and expert parts are never restated."""
+
+    def __init__(self, arch: str, metadata: dict, shapes: dict[str, tuple[int, ...]], path: str = "<writer>"):
+        self.arch, self.path = arch, path
+        self.metadata = {"general.architecture": arch, **metadata}
+        self.tensors = {name: _Shape(shape) for name, shape in shapes.items()}
+
+    def get(self, key: str, default=_MISSING):
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is _MISSING:
+            raise ModelFileError(self.path, key, "present", "absent")
+        return default
+
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ModelFileError(self.path, f"tensor {name}", "present", "absent")
+        return self.tensors[name]
 
 
 class Arch:
@@ -202,6 +231,20 @@ class Arch:
             want |= {"ffn_gate": T(b + "ffn_gate.weight", (Fd, D)), "ffn_up": T(b + "ffn_up.weight", (Fd, D)),
                      "ffn_down": T(b + "ffn_down.weight", (D, Fd))}
         return want
+
+    def unread_tensors(self) -> list[T]:
+        """Tensors a file of this architecture carries that the forward pass does not read (MTP layers)."""
+        return []
+
+    def file_tensors(self) -> list[T]:
+        """Every tensor a file of this architecture holds (optional ones marked so), in the order
+        llama.cpp's converter writes them: the embedding, each layer's, the unread (MTP) layers,
+        then the output norm and matrix."""
+        glob = self.global_tensors()
+        out = [t for t in glob.values() if t.name == "token_embd.weight"]
+        for l in range(self.cfg.n_layers):
+            out += self.layer_tensors(l).values()
+        return out + self.unread_tensors() + [t for t in glob.values() if t.name != "token_embd.weight"]
 
     def prepare(self, lw) -> None:
         """Rearrange a layer's freshly loaded tensors (deepseek2 splits its older attn_kv_b)."""
@@ -291,6 +334,22 @@ class Arch:
             "layer_kinds": [self.layer_kind(l) for l in range(cfg.n_layers)],
             "recurrent_bytes": cfg.recurrent_bytes,
         }
+
+
+def mtp_layer_tensors(arch: Arch, l: int) -> list[T]:
+    """An MTP (nextn) layer l as llama.cpp's converter writes it for glm4moe and deepseek2: a MoE
+    layer's tensors plus its own projection and norms (not read: the forward pass skips it)."""
+    from dataclasses import replace
+
+    saved = arch.cfg
+    arch.cfg = replace(saved, moe_layers=saved.moe_layers + (l,))
+    try:
+        out = list(arch.layer_tensors(l).values())
+    finally:
+        arch.cfg = saved
+    b, D = f"blk.{l}.", saved.n_embd
+    return out + [T(b + "nextn.eh_proj.weight", (D, 2 * D)), T(b + "nextn.enorm.weight", (D,), "vector"),
+                  T(b + "nextn.hnorm.weight", (D,), "vector"), T(b + "nextn.shared_head_norm.weight", (D,), "vector")]
 
 
 def refuse_tensor(f, name: str, why: str) -> None:
