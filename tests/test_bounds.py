@@ -66,3 +66,15 @@ def test_expert_read_bytes_are_the_stores_aligned_reads(tmp_path):
     for e in range(2):
         want = sum(widen(s.offset, s.nbytes, 4096)[1] for s in layout.slabs(0, e))
         assert got[0, e] == want and want % 4096 == 0 and want >= 5000 + 5024 + 7008
+
+
+def test_step_unions_are_what_a_batched_step_asks_the_store():
+    from clutor.bench.bounds import step_unions
+
+    rows = [(5, 0, [1, 2]), (6, 0, [2, 3]), (5, 1, [4, 0]), (6, 1, [4, 5]), (7, 0, [1, 0])]
+    t = Trace(tuple(TraceRecord(p, l, tuple(es), None, (9,) if l == 0 else None) for p, l, es in rows),
+              TraceHeader(2, 10, 2))
+    got = [(r.token, r.layer, r.experts, r.next) for r in step_unions(t).records]
+    assert got == [(5, 0, (1, 2, 3), (9,)), (5, 1, (4, 0, 5), None), (7, 0, (1, 0), (9,))]
+    one_layer = _trace([(0, [0]), (1, [1])])
+    assert step_unions(one_layer) is one_layer

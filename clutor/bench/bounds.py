@@ -26,9 +26,9 @@ import numpy as np
 from ..io.arena import widen
 from ..io.backend import DEFAULT_ALIGN
 from ..io.layout import ExpertLayout
-from ..io.trace import Trace
+from ..io.trace import Trace, TraceRecord
 
-__all__ = ["expert_read_bytes", "WindowReplay", "replay_window", "Bounds", "bounds"]
+__all__ = ["expert_read_bytes", "step_unions", "WindowReplay", "replay_window", "Bounds", "bounds"]
 
 
 def expert_read_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> np.ndarray:
@@ -38,6 +38,25 @@ def expert_read_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> np.nd
         for e in range(layout.n_experts):
             out[l, e] = sum(widen(s.offset, s.nbytes, align)[1] for s in layout.slabs(l, e))
     return out
+
+
+def step_unions(trace: Trace) -> Trace:
+    """The trace as the store saw it: a batched step writes one record per row for each layer, back to back,
+    and asks the store once for their union, so consecutive records of one layer become one record of
+    their distinct experts (in first-asked order; the first record's position and hint). With a single
+    MoE layer consecutive steps cannot be told apart, so such a trace is returned as it is."""
+    recs = trace.records
+    n_layers = trace.header.n_layers if trace.header else len({r.layer for r in recs})
+    if n_layers < 2:
+        return trace
+    out: list[TraceRecord] = []
+    for r in recs:
+        if out and out[-1].layer == r.layer:
+            last = out[-1]
+            out[-1] = TraceRecord(last.token, last.layer, tuple(dict.fromkeys(last.experts + r.experts)), None, last.next)
+        else:
+            out.append(TraceRecord(r.token, r.layer, r.experts, None, r.next))
+    return Trace(tuple(out), trace.header, trace.path)
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,9 @@ class WindowReplay:
 
 def replay_window(trace: Trace, n_slots: int, read_bytes: np.ndarray, first_position: int,
                   policy: str | None = None) -> WindowReplay:
-    """Belady (and ``policy``, if given) over the whole trace, counted at positions >= first_position."""
+    """Belady (and ``policy``, if given) over the whole trace as the store saw it (``step_unions``: a
+    step's distinct experts per layer, so hit rates compare with the store's), counted at positions >=
+    first_position; ``tokens`` counts the window's per-token records."""
     from ..io.simulate import simulate
 
     def counted(rec) -> bool:
@@ -83,6 +104,7 @@ def replay_window(trace: Trace, n_slots: int, read_bytes: np.ndarray, first_posi
 
     n_layers = trace.header.n_layers if trace.header else len({r.layer for r in trace.records})
     n_window = sum(1 for r in trace.records if counted(r))
+    trace = step_unions(trace)
     opt = simulate(trace, n_slots, "belady", counted=counted, expert_bytes=cost)
     own = simulate(trace, n_slots, policy, counted=counted, expert_bytes=cost) if policy else None
     return WindowReplay(n_slots, n_window // n_layers, opt.accesses, opt.misses, opt.miss_bytes,
