@@ -289,7 +289,7 @@ CONCURRENCY_HEADERS = ("streams", "tok/s", "vs 1", "in RAM", "disk bound", "boun
 BOUNDS_LEGEND = """\
 tok/s: tokens all streams generated per second while every stream was decoding (aggregate); vs 1: over 1 stream's
 in RAM: the same workload with every expert in memory, same run (the compute bound)
-disk bound: fio's O_DIRECT bandwidth just before the row over Belady's bytes per token (the fewest a cache of
+disk bound: fio's O_DIRECT bandwidth around the row (the faster of before and after) over Belady's bytes per token (the fewest a cache of
   this size must read for the row's own routing: its trace replayed); bound: min(in RAM, disk bound); of bound:
   tok/s / bound; own bound: min(in RAM, fio / the row's own bytes per token); of own: tok/s / own bound
 MiB/token: expert bytes the row read per generated token (demand + prefetch); Belady: Belady's, same window
@@ -342,10 +342,10 @@ def render_concurrency(report: dict) -> str:
             (f"whole process capped at {format_bytes(cap)}" if cap else "uncapped") +
             (f"; disk {bps / 2**30:.2f} GiB/s (fio, at the start)" if bps else f"; {report.get('disk', {}).get('note', 'disk not measured')}"))
     parts = [head, "", format_table(CONCURRENCY_HEADERS, rows)]
-    fio = [f"{row['streams']}: {row['disk']['bytes_per_second'] / 2**30:.2f}" for row in c["rows"]
-           if (row.get("disk") or {}).get("bytes_per_second")]
+    fio = [f"{row['streams']}: " + " / ".join(f"{x / 2**30:.2f}" for x in row["disk"]["samples"] if x) for row in c["rows"]
+           if (row.get("disk") or {}).get("samples")]
     if fio:
-        parts += ["", "fio before each row, GiB/s (streams: bandwidth): " + ", ".join(fio)]
+        parts += ["", "fio before / after each row, GiB/s (the disk bound takes the faster): " + ", ".join(fio)]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]
     parts += ["", BOUNDS_LEGEND]
