@@ -289,7 +289,8 @@ CONCURRENCY_HEADERS = ("streams", "tok/s", "vs 1", "in RAM", "disk bound", "boun
 BOUNDS_LEGEND = """\
 tok/s: tokens all streams generated per second while every stream was decoding (aggregate); vs 1: over 1 stream's
 in RAM: the same workload with every expert in memory, same run (the compute bound)
-disk bound: fio's O_DIRECT bandwidth around the row (the faster of before and after) over Belady's bytes per token (the fewest a cache of
+disk bound: fio's O_DIRECT bandwidth around the row (the fastest of 4 MiB x 8 and slab-sized x 32 reads, before
+  and after) over Belady's bytes per token (the fewest a cache of
   this size must read for the row's own routing: its trace replayed); bound: min(in RAM, disk bound); of bound:
   tok/s / bound; own bound: min(in RAM, fio / the row's own bytes per token); of own: tok/s / own bound
 MiB/token: expert bytes the row read per generated token (demand + prefetch); Belady: Belady's, same window
@@ -345,7 +346,8 @@ def render_concurrency(report: dict) -> str:
     fio = [f"{row['streams']}: " + " / ".join(f"{x / 2**30:.2f}" for x in row["disk"]["samples"] if x) for row in c["rows"]
            if (row.get("disk") or {}).get("samples")]
     if fio:
-        parts += ["", "fio before / after each row, GiB/s (the disk bound takes the faster): " + ", ".join(fio)]
+        parts += ["", "fio around each row, GiB/s (before: 4 MiB x 8, slab x 32; after: the same; the disk bound takes "
+                      "the fastest): " + ", ".join(fio)]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]
     parts += ["", BOUNDS_LEGEND]
