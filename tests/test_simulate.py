@@ -334,3 +334,15 @@ def test_forecast_learns_which_experts_follow():
     # Random routing: nothing to learn; Forecast must not fall behind LRFU there.
     tr = synthetic_trace(400, 4, 16, 2, skew=1.0, reuse=0.4, seed=5)
     assert simulate(tr, 16, "forecast").hits >= simulate(tr, 16, "lrfu").hits
+
+
+def test_belady_keeps_its_place_in_the_future_across_a_bypass():
+    """A request larger than the cache reads one expert past it (bypass). Belady must still count that
+    access, or the expert looks needed at once ever after and is never evicted. Two slots over
+    [0 1 2] [2] [0] [1] [0] [1]: 2 is bypassed, then read into a slot (evicting 1, used later than 0),
+    then evicted for 1 (never used again): 5 misses. Without the bypass counted, 2 stays and 0 and 1
+    thrash: 7."""
+    recs = records((0, 0, [0, 1, 2]), (1, 0, [2]), (2, 0, [0]), (3, 0, [1]), (4, 0, [0]), (5, 0, [1]))
+    r = simulate(recs, 2, "belady")
+    assert (r.accesses, r.misses, r.bypass, r.hits) == (8, 5, 1, 3)
+    assert r.misses <= simulate(recs, 2, "lru").misses

@@ -66,6 +66,10 @@ class Policy:
         """A prediction: ``keys`` (resident or not) are expected at ``layer``'s next request. The
         policies that do not predict ignore it."""
 
+    def on_bypass(self, key: Key) -> None:
+        """``key`` was demanded but got no slot (every slot pinned): read past the cache. Online policies
+        do not count it; Belady must, to keep its place in the future it was built from."""
+
     def victims(self) -> Generator[Key, None, None]:
         """Resident keys, best victim first, as a generator. Lazy: the caller stops at the first key it
         may evict, removes it, then close()s the generator; no other policy call happens in between."""
@@ -696,6 +700,15 @@ class Belady(_ScoredPolicy):
         self._ptr[key] = i + 1
         self._t += 1
         self._touch(key)
+
+    def on_bypass(self, key: Key) -> None:
+        # Without this a bypassed key's next use would stay at the access just served: Belady would
+        # then see it as needed at once, keep it forever, and stop being optimal.
+        i = self._ptr.get(key, 0)
+        if i >= len(self._positions.get(key, ())):
+            raise ValueError(f"Belady replay out of sync: {key!r} accessed more often than the future sequence says")
+        self._ptr[key] = i + 1
+        self._t += 1
 
     def next_use(self, key: Key) -> float:
         pos = self._positions.get(key, ())

@@ -101,6 +101,7 @@ def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | P
             grant = cache.acquire(key)
             if grant is None:
                 bypass += count
+                pol.on_bypass(key)
                 continue
             pinned.append(grant.slot)
             cache.complete(grant.slot)
