@@ -25,16 +25,16 @@ COST = np.array([[100, 200, 300]])
 
 
 def test_belady_in_the_window_by_hand():
-    # Two slots over 0 1 | 2 0 1 0. Belady: 0, 1 miss (prompt); 2 misses and evicts 1 (next use farther
-    # than 0's); 0 hits; 1 misses and evicts 2 (never used again); 0 hits. Window: 4 accesses, misses on
-    # 2 and 1: 500 bytes over 4 tokens. LRU: 2 evicts 0, 0 evicts 1, 1 evicts 2, 0 hits: 3 misses, 600 bytes.
+    # Two slots over 0 1 | 2 0 1 0. The minimum: 0, 1 miss (prompt); 2 misses and is read past the cache
+    # (never needed again, while 0 and 1 are); 0, 1, 0 hit. Window: 4 accesses, one miss: 300 bytes over
+    # 4 tokens. LRU: 2 evicts 0, 0 evicts 1, 1 evicts 2, 0 hits: 3 misses, 600 bytes.
     w = replay_window(TRACE, 2, COST, first_position=2, policy="lru")
-    assert (w.tokens, w.accesses, w.belady_misses, w.belady_bytes) == (4, 4, 2, 500)
-    assert w.belady_bytes_per_token == 125 and w.belady_hit_rate == 0.5
+    assert (w.tokens, w.accesses, w.belady_misses, w.belady_bytes) == (4, 4, 1, 300)
+    assert w.belady_bytes_per_token == 75 and w.belady_hit_rate == 0.75
     assert (w.policy_hits, w.policy_bytes, w.policy_hit_rate) == (1, 600, 0.25)
     # counting everything instead: the prompt's two compulsory misses come in
     whole = replay_window(TRACE, 2, COST, first_position=0)
-    assert (whole.tokens, whole.belady_misses, whole.belady_bytes, whole.policy) == (6, 4, 800, None)
+    assert (whole.tokens, whole.belady_misses, whole.belady_bytes, whole.policy) == (6, 3, 600, None)
     # a cache that holds every expert misses only the first use of each
     assert replay_window(TRACE, 3, COST, first_position=2).belady_bytes == 300
 

@@ -11,8 +11,10 @@ A pipeline that overlaps reads with compute perfectly runs at min(compute, disk)
 same with the row's own bytes per token in place of Belady's is the bound for the bytes the row chose to read
 (``own``): achieved / own says how well the pipeline uses what it reads, whatever its cache policy.
 
-Belady here is the simulator's (clutor.io.simulate: the store's own cache code, a request's experts pinned
-together), replayed over the whole trace (warm-up, prefill and decode, as the live cache saw them) and
+Belady here is the simulator's "opt" (clutor.io.simulate: the store's own cache code, a request's experts
+pinned together; Belady's farthest-next-use eviction, and a miss read past the cache when it is needed later
+than every evictable expert, as the store can into a spare buffer: the fewest misses possible), replayed over
+the whole trace (warm-up, prefill and decode, as the live cache saw them) and
 counted over the decode records only: positions at or after the prompt's end. Its bytes are each missed
 expert's reads as the store issues them (every slab widened to the O_DIRECT alignment).
 """
@@ -105,7 +107,7 @@ def replay_window(trace: Trace, n_slots: int, read_bytes: np.ndarray, first_posi
     n_layers = trace.header.n_layers if trace.header else len({r.layer for r in trace.records})
     n_window = sum(1 for r in trace.records if counted(r))
     trace = step_unions(trace)
-    opt = simulate(trace, n_slots, "belady", counted=counted, expert_bytes=cost)
+    opt = simulate(trace, n_slots, "opt", counted=counted, expert_bytes=cost)
     own = simulate(trace, n_slots, policy, counted=counted, expert_bytes=cost) if policy else None
     return WindowReplay(n_slots, n_window // n_layers, opt.accesses, opt.misses, opt.miss_bytes,
                         policy, None if own is None else own.hits, None if own is None else own.miss_bytes)

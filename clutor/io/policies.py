@@ -678,6 +678,12 @@ class LRU2(_ScoredPolicy):
 class Belady(_ScoredPolicy):
     """Belady's OPT for offline replay: evict the key whose next use is farthest in the future.
 
+    ``bypass=True`` ("opt" in the simulator): also read a missed key past the cache, evicting nothing, when
+    it is needed again later than every evictable key. With bypass allowed (the store reads into a spare
+    buffer when it must) that is the fewest misses any cache of the size can have; plain Belady inserts
+    every miss, and a batched step's many misses can then make it lose to an online policy whose bypasses
+    happened to help.
+
     Built from the complete sequence of demand accesses the replay will make. Each key's accesses
     must come in that order; keys of one request may be accessed in any order (the simulator, like
     the store, touches a request's present keys before its misses).
@@ -685,8 +691,11 @@ class Belady(_ScoredPolicy):
 
     name = "belady"
 
-    def __init__(self, future: Sequence[Key]) -> None:
+    def __init__(self, future: Sequence[Key], bypass: bool = False) -> None:
         super().__init__()
+        self.bypass = bypass
+        if bypass:
+            self.name = "opt"
         self._future = list(future)
         self._positions: dict[Key, list[int]] = {}
         for i, key in enumerate(self._future):
@@ -713,6 +722,12 @@ class Belady(_ScoredPolicy):
     def next_use(self, key: Key) -> float:
         pos = self._positions.get(key, ())
         i = self._ptr.get(key, 0)
+        return pos[i] if i < len(pos) else math.inf
+
+    def use_after_next(self, key: Key) -> float:
+        """For a key about to be accessed: the access after that one."""
+        pos = self._positions.get(key, ())
+        i = self._ptr.get(key, 0) + 1
         return pos[i] if i < len(pos) else math.inf
 
     def _score(self, key: Key) -> tuple:

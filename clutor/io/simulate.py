@@ -69,16 +69,18 @@ def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | P
              expert_bytes: Callable[[int, int], int] | None = None) -> SimResult:
     """Replay ``trace`` through an ExpertCache of ``n_slots`` slots under ``policy``.
 
-    ``policy`` is a registry name, ``"belady"``, or a fresh Policy instance (it is consumed).
+    ``policy`` is a registry name, ``"belady"`` (offline optimum, every miss inserted), ``"opt"`` (Belady
+    with bypass: the fewest misses possible), or a fresh Policy instance (it is consumed).
     ``counted(record)``: which records the counts cover (default all); the others are replayed all the
     same, so a window (a run's decode steps) is counted from the cache state the whole run left it in.
     ``expert_bytes(layer, expert)``: what one miss reads, summed into ``miss_bytes``.
     """
     records = _records(trace)
-    if policy == "belady":
-        policy = Belady(Trace(tuple(records)).accesses())
+    if policy in ("belady", "opt"):
+        policy = Belady(Trace(tuple(records)).accesses(), bypass=policy == "opt")
     pol = make_policy(policy, n_slots)
     cache = ExpertCache(n_slots, pol)
+    optimal = isinstance(pol, Belady) and pol.bypass
     accesses = hits = misses = bypass = nbytes = 0
     for rec in records:
         if rec.next is not None:
@@ -98,6 +100,13 @@ def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | P
             if count:
                 misses += 1
                 nbytes += expert_bytes(*key) if expert_bytes is not None else 0
+            if optimal:
+                # Belady's choice between evicting the farthest-used key and caching nothing (class doc).
+                victim = cache.victim_key()
+                if victim is not None and pol.use_after_next(key) >= pol.next_use(victim):
+                    bypass += count
+                    pol.on_bypass(key)
+                    continue
             grant = cache.acquire(key)
             if grant is None:
                 bypass += count
