@@ -644,6 +644,10 @@ def test_open_backend_choices_and_direct_fallback(data, monkeypatch):
         b = open_backend([path], bufs, io="threads", direct=False)
         assert (b.name, b.direct, b.align, b.fallback_reason) == ("threads", False, 1, None)
         await b.aclose()
+        # buffered reads are page-cache copies: auto gives them to the pool's workers, not the loop
+        b = open_backend([path], bufs, io="auto", direct=False)
+        assert (b.name, b.direct) == ("threads", False)
+        await b.aclose()
         b = open_backend([path], bufs, io="auto")
         assert b.name == ("threads" if uring_unavailable() and sys_uring_unavailable() else "uring")
         if b.name == "uring":

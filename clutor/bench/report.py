@@ -284,12 +284,12 @@ def render_report(report: dict) -> str:
 # ---- concurrency -----------------------------------------------------------------------------
 
 CONCURRENCY_HEADERS = ("streams", "tok/s", "vs 1", "in RAM", "disk bound", "bound", "of bound", "own bound", "of own",
-                       "MiB/token", "Belady", "hit rate", "sim", "pf acc", "pf waste", "lag p99", "peak")
+                       "MiB/token", "Belady", "hit rate", "sim", "pf acc", "pf waste", "lag p99", "loop/tok", "peak")
 
 BOUNDS_LEGEND = """\
 tok/s: tokens all streams generated per second while every stream was decoding (aggregate); vs 1: over 1 stream's
 in RAM: the same workload with every expert in memory, same run (the compute bound)
-disk bound: fio's O_DIRECT bandwidth around the row (the fastest of 4 MiB x 8 and slab-sized x 32 reads, before
+disk bound: fio's O_DIRECT bandwidth around the row (the fastest of slab-sized reads 32 and 128 deep, before
   and after) over Belady's bytes per token (the fewest a cache of
   this size must read for the row's own routing: its trace replayed); bound: min(in RAM, disk bound); of bound:
   tok/s / bound; own bound: min(in RAM, fio / the row's own bytes per token); of own: tok/s / own bound
@@ -297,7 +297,8 @@ MiB/token: expert bytes the row read per generated token (demand + prefetch); Be
 hit rate: the store's (distinct experts a step asked for, found in the cache); sim: the row's policy replayed
   on its own trace by the simulator, same window (a live cache should reach it)
 pf acc: prefetched experts that served a demand; pf waste: MiB per token prefetched and never used
-lag p99: event-loop lag of a 5 ms ticker beside the streams; peak: the cgroup's peak charge (capped) or RSS"""
+lag p99: event-loop lag of a 5 ms ticker beside the streams; loop/tok: the event-loop thread's CPU time per token
+  (expert I/O submission and completion, scheduling, the readers); peak: the cgroup's peak charge (capped) or RSS"""
 
 
 def _mib(x: float | None, digits: int = 1) -> str:
@@ -336,7 +337,9 @@ def render_concurrency(report: dict) -> str:
                      _mib(io.get("bytes_per_token", r.get("bytes_per_token"))), _mib(rp.get("belady_bytes_per_token")),
                      _pct(io.get("hit_rate", r.get("hit_rate"))), _pct(rp.get("policy_hit_rate")),
                      _pct(io.get("prefetch_accuracy")), _mib(io.get("prefetch_wasted_bytes_per_token"), 2),
-                     f"{1e3 * r['loop_lag_p99']:.1f} ms", _bytes(peak)])
+                     f"{1e3 * r['loop_lag_p99']:.1f} ms",
+                     "-" if r.get("loop_cpu_per_token") is None else f"{1e3 * r['loop_cpu_per_token']:.2f} ms",
+                     _bytes(peak)])
     cap = c["cap"]
     head = (f"{report['model']['path']}: expert cache {c['budget']}, prefetch {_onoff(c['prefetch'])}, policy "
             f"{c['policy']}, workload {c.get('workload', 'ids')}, " +
@@ -346,7 +349,7 @@ def render_concurrency(report: dict) -> str:
     fio = [f"{row['streams']}: " + " / ".join(f"{x / 2**30:.2f}" for x in row["disk"]["samples"] if x) for row in c["rows"]
            if (row.get("disk") or {}).get("samples")]
     if fio:
-        parts += ["", "fio around each row, GiB/s (before: 4 MiB x 8, slab x 32; after: the same; the disk bound takes "
+        parts += ["", "fio around each row, GiB/s (before: slab x 32, slab x 128; after: the same; the disk bound takes "
                       "the fastest): " + ", ".join(fio)]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]

@@ -219,7 +219,7 @@ class DiskBandwidth:
 def disk_bandwidth(path: str, seconds: float, on_start: Callable[[str], None] | None = None, *,
                    block: int = FIO_BLOCK, depth: int = FIO_DEPTH) -> DiskBandwidth:
     """Random ``block`` O_DIRECT reads of the model file, ``depth`` in flight, for ``seconds`` with fio
-    (io_uring); by default 4 MiB x 8, near the most this disk gives an expert-streaming reader.
+    (io_uring); by default 4 MiB x 8 (the run's headline figure; each streamed row measures its own, deeper).
     ``on_start(message)`` just before fio runs."""
     if seconds <= 0:
         return DiskBandwidth(None, "disk not measured (--fio-seconds 0)")

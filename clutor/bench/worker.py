@@ -271,6 +271,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
             await _generate(model, warm, 1, samplings[0])
         # per stream: (engine step that produced the token, when its reader got it)
         stamps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        loop_cpu: dict[int, float] = {}  # engine step -> the event-loop thread's CPU time when a reader saw it
         io_at: dict[int, object] = {}  # engine step -> the store's counters just after it
         lags: list[float] = []
         running = True
@@ -281,6 +282,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
                     step = model.engine_stats().steps
                     stamps[i].append((step, time.perf_counter()))
                     io_at.setdefault(step, model.io_stats())
+                    loop_cpu.setdefault(step, time.thread_time())
 
         async def ticker():
             while running:
@@ -324,6 +326,8 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
         "bytes_per_token": None if read is None or not tokens else read / tokens,
         "hit_rate": None if not acc else (iob.hits - ioa.hits) / acc,
         "decode_io": io,
+        # what the event loop (expert I/O submission and completion, scheduling, the readers) cost per token
+        "loop_cpu_per_token": (loop_cpu[sb] - loop_cpu[sa]) / tokens if tokens else None,
         "prompt_digests": [prompt_digest(p) for p in prompts],
         "loop_lag_p99": float(np.percentile(lag, 99)),
         "loop_lag_max": float(lag.max()),
