@@ -312,35 +312,3 @@ def test_default_prefetch_reads_ahead_only_in_batched_decode_steps():
 
     alone, together = run(go())
     assert alone == 0 and together > 0, (alone, together)
-
-
-def test_prefetch_reads_the_first_layer_ahead_from_the_embedding():
-    """With prefetch on, each decode step asks for layer 0's predicted experts (its router on the new
-    token's embedding) before that layer's attention has run, so before its get; a prefill does not."""
-    async def go():
-        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="threads", expert_cache="40%",
-                                     prefetch=True, prefix_cache=0) as model:
-            store, log = model._experts, []
-            prefetch, get_ready = store.prefetch, store.get_ready
-
-            def logged_prefetch(layer, experts):
-                log.append(("prefetch", layer, model.engine_stats().steps))
-                return prefetch(layer, experts)
-
-            def logged_get_ready(layer, experts):
-                log.append(("get", layer, model.engine_stats().steps))
-                return get_ready(layer, experts)
-
-            store.prefetch, store.get_ready = logged_prefetch, logged_get_ready
-            n = len(await _tokens(model, "Hello there", 6, {"temperature": 0}))
-            return log, n
-
-    log, n = run(go())
-    steps = sorted({s for _, _, s in log})
-    assert len(steps) == n  # one prefill step, then n - 1 decode steps
-    for s in steps:
-        first = [(kind, layer) for kind, layer, at in log if at == s][:2]
-        if s == steps[0]:  # the prompt: every layer demanded, nothing predicted from the embedding
-            assert first[0] == ("get", 0), first
-        else:
-            assert first == [("prefetch", 0), ("get", 0)], (s, first)

@@ -6,7 +6,6 @@ disk-streaming ExpertStore elsewhere) and never knows which one it has.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -98,9 +97,6 @@ class _Step:
     ids: np.ndarray  # [R] the segments' ids back to back
     pos: np.ndarray  # [R] each row's position in its own sequence
     need: list[bool]  # per segment: compute its logits
-    # prefetch(layer, experts) callable from the compute thread (it runs on the event loop soon after);
-    # None when this step does not prefetch
-    prefetch_soon: Callable[[int, list[int]], None] | None = None
 
     def commit(self) -> None:
         """The step's positions count as filled: only once every layer has written them."""
@@ -296,10 +292,6 @@ class Model:
                 # Experts mapped from the file never wait for a read: the whole step is one trip to
                 # the compute thread instead of two per layer.
                 return await compute(self._forward_now, step, all_logits, head)
-            if phase == "decode" and self._prefetching(len(step.segments)):
-                loop = asyncio.get_running_loop()
-                step = dataclasses.replace(
-                    step, prefetch_soon=lambda layer, ids: loop.call_soon_threadsafe(self._prefetch_now, layer, ids))
             x = h = ys = None
             for l in range(self.config.n_layers):
                 # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
@@ -354,13 +346,6 @@ class Model:
         if l == 0:
             with prof.span("embed"):
                 x = self._w.tok_embd.rows(step.ids)  # [R, D]
-            if step.prefetch_soon is not None and 0 in self._moe_index:
-                # The first layer's experts as its router picks them from the embedding alone, read
-                # while this layer's attention computes (the only prediction there is for them: the
-                # token is known only now). Layer 0 only: a first MoE layer behind dense ones is
-                # predicted less well by the embedding, and not measured.
-                with prof.span("predict"):
-                    step.prefetch_soon(self._moe_index[0], self._predict(0, x))
         else:
             with prof.span("shared + sum"):
                 x = self._moe_add(l - 1, x, h, ys)  # [R, D]
@@ -481,14 +466,6 @@ class Model:
         return _by_votes(sel)[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------
-    def _prefetch_now(self, layer: int, experts: list[int]) -> None:
-        """A prefetch the compute thread asked for (step.prefetch_soon), now on the event loop."""
-        if not self._closed:
-            try:
-                self._experts.prefetch(layer, experts)
-            except ClosedError:  # the store closed between the request and now: nothing to read for
-                pass
-
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                               step: "_Step", nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
