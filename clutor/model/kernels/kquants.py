@@ -11,7 +11,7 @@ Layouts (bytes per super-block of 256):
   32-element chunks i = 0..3 take low(ql[l]), low(ql[l+32]), high(ql[l]), high(ql[l+32]) with bits
   2i..2i+1 of qh[l] on top.
 
-The int8 path rounds activations with one scale per 256 (llama.cpp's Q8_K). The per-sub-block
+The int8 path takes ggml's Q8_K activations (one scale per 256, sums per 16: activations.py). The per-sub-block
 integer scales multiply the int16 pair sums inside ``vpmaddwd``, so a whole super-block stays in
 integer vectors: Q4_K/Q5_K give d*dx*sum_j sc_j dot_j - dmin*dx*sum_j m_j sum(x_j); Q6_K gives
 d*dx*(sum_i sc_i dot_i - 32 sum_i sc_i sum(x_i)). The sums of x come per 16 elements (xs16).
@@ -108,7 +108,8 @@ def _k4_format(name: str, five: bool) -> Format:
         # mins: sum_j m_j * (xs16[2j] + xs16[2j+1]) in one vpmaddwd
         mvec = _ir.madd(bld, _x_sums16(bld, env), mins)
         dx = _ir.xscale(bld, env, 256)
-        return [(acc, d, dx), (mvec, bld.fneg(dmin), dx)], None
+        # ggml: d = dx * d(weight), dmin = -dx * dmin(weight), each times its integer sum
+        return [(acc, bld.fmul(dx, d)), (mvec, bld.fneg(bld.fmul(dx, dmin)))], None
 
     return Format(name, *_geometry(name), 1, fvals, iprep, itok)
 
@@ -152,7 +153,7 @@ def _q6_itok(bld, state, env: IEnv):
     acc = _group_dots(bld, env, qs, lanes)  # q <= 63
     # the -32 offset: 32 * sum_i sc_i * sum(x over group i)
     acc = bld.sub(acc, _ir.shl(bld, _ir.madd(bld, scales, _x_sums16(bld, env)), 5))
-    return [(acc, d, _ir.xscale(bld, env, 256))], None
+    return [(acc, bld.fmul(d, _ir.xscale(bld, env, 256)))], None  # ggml: d(weight) * dx, times the sum
 
 
 def _geometry(name: str) -> tuple[int, int]:
