@@ -110,7 +110,8 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
 # ---- tensors ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class T:
-    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "vector"
+    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "heads" (a
+    matrix per head [H, R, K] kept in its file type, as one Weight of H * R rows), "vector"
     (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store)."""
 
     name: str

@@ -66,7 +66,8 @@ from ...errors import ClutorError
 from ..kernel_settings import DEFAULT, KernelSettings
 from ..weight_types import QT, TYPES, type_name
 
-__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize", "mode", "info", "KernelInfo"]
+__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize", "mode", "info", "KernelInfo",
+           "ggml_activations"]
 
 # The types are weight_types.TYPES; the ids this module names itself.
 F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba would type an IntEnum apart
@@ -452,6 +453,23 @@ def _q8_1_sums(w: np.ndarray, n_rows: int, rb: int, blocks: tuple[np.ndarray, ..
     gap = xs1 - xd * xq.reshape(T, nb, 32).sum(axis=2, dtype=np.int32)  # [T, nb]
     mins = w.reshape(n_rows, nb, rb // nb)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, nb]
     out2 += gap @ mins.T
+
+
+def ggml_activations(x: np.ndarray, qtype: int, settings: KernelSettings = DEFAULT) -> np.ndarray:
+    """x f32 [T, K] as a product with a `qtype` weight sees it in this mode (a new array): in q8 mode
+    ggml's activation blocks of that type as floats (d * q) or x rounded to half / bfloat16 for F16 /
+    BF16; x itself for F32 and in f32 mode. For a computation that multiplies in float what llama.cpp
+    multiplies as a quantised product (MLA's latents through the absorbed key projection)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    qtype = int(qtype)
+    if mode(settings) != "q8" or x.size == 0:
+        return x.copy()
+    if qtype in _ROUNDED:
+        return _ROUNDED[qtype](x, np.empty_like(x))
+    if qtype in _Q8_BLOCK and x.shape[-1] % _Q8_BLOCK[qtype] == 0:
+        x2 = x.reshape(-1, x.shape[-1])
+        return _q8_floats(x2, _Q8_BLOCK[qtype])[0].copy().reshape(x.shape)
+    return x.copy()
 
 
 def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
