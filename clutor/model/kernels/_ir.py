@@ -271,12 +271,14 @@ class Format:
     fvals(bld, wptr, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
         dequantises it, 32 elements per vector.
     iprep(bld, wptr, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
-    itok(bld, state, env) -> ([(ivec <8 x i32>, scale f32), ...], corr f32 | None): ...
-        with one token's activations: sum(hsum(ivec) * scale) + corr, where scale is the product of
+    itok(bld, state, env) -> ([(ivec <8 x i32>, scale f32 | <8 x float>[, "side"]), ...], corr f32 | None): ...
+        with one token's activations: sum(hsum(ivec * scale)) + corr, where scale is the product of
         the weight's and the activation's scales computed as ggml's dot product computes it (its
         rounding is part of the result) and ivec an exact integer sum. Each part is accumulated as
-        float(ivec) * scale + acc (one fused multiply-add per lane, as ggml's x86 code does); corr
-        sums per block in block order (Q4_1/Q5_1's m * s). The horizontal sums happen once per row.
+        float(ivec) * scale + acc (one fused multiply-add per lane, as ggml's x86 code does), into a
+        second accumulator for parts marked "side" (ggml's separate sum of Q4_K's mins); corr sums per
+        block in block order (Q4_1/Q5_1's m * s). The horizontal sums happen once per row: that of the
+        main accumulator, plus that of the side one, plus corr.
         None when the type has no int8 kernel.
     """
     name: str
@@ -388,19 +390,22 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
             accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
                     for _ in range(ntok)]
             corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
+            sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
 
             def case(fmt: Format) -> None:
+                # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
+                # sums its blocks in order into one accumulator, as ggml does)
                 def body(blk, k):
                     off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                     state = fmt.iprep(bld, wptr, off)
-                    for x_start, chains, corr in zip(starts, accs, corrs):
+                    for x_start, chains, corr, side in zip(starts, accs, corrs, sides):
                         env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
                         parts, block_corr = fmt.itok(bld, state, env)
                         acc = chains[k % n_chains]
-                        total = bld.load(acc)
-                        for ivec, scale in parts:
-                            total = fma(bld, bld.sitofp(ivec, V8f), splat(bld, scale, V8f), total)
-                        bld.store(total, acc)
+                        for ivec, scale, *where in parts:
+                            to = side if where and where[0] == "side" else acc
+                            sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
+                            bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
                         if block_corr is not None:
                             bld.store(bld.fadd(bld.load(corr), block_corr), corr)
 
@@ -410,11 +415,12 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
 
             _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
             vals = []
-            for chains, corr in zip(accs, corrs):
+            for chains, corr, side in zip(accs, corrs, sides):
                 total = bld.load(chains[0])
                 for acc in chains[1:]:
                     total = bld.fadd(total, bld.load(acc))
-                vals.append(bld.fadd(hsum_f(bld, total), bld.load(corr)))
+                # (a side accumulator nobody used is zeros: adding it changes no bit)
+                vals.append(bld.fadd(bld.fadd(hsum_f(bld, total), hsum_f(bld, bld.load(side))), bld.load(corr)))
             return _result(context, bld, vals, rtype)
 
         return sig, codegen

@@ -100,16 +100,27 @@ def _k4_format(name: str, five: bool) -> Format:
         scm = _scales_mins(bld, wptr, off)  # [16] i16
         scales = [_lane(bld, scm, [j] * 16) for j in range(8)]
         mins = _lane(bld, scm, [8 + j // 2 for j in range(16)])  # m_j twice: pairs of 16-sums
-        return d, dmin, scales, mins, _k4_quants(bld, wptr, off, five)
+        msub = _lane(bld, scm, list(range(8, 16)))  # m_0..m_7
+        return d, dmin, scales, mins, msub, _k4_quants(bld, wptr, off, five)
 
     def itok(bld, state, env: IEnv):
-        d, dmin, scales, mins, qs = state
+        d, dmin, scales, mins, msub, qs = state
         acc = _group_dots(bld, env, qs, scales)  # q <= 31
         # mins: sum_j m_j * (xs16[2j] + xs16[2j+1]) in one vpmaddwd
         mvec = _ir.madd(bld, _x_sums16(bld, env), mins)
         dx = _ir.xscale(bld, env, 256)
-        # ggml: d = dx * d(weight), dmin = -dx * dmin(weight), each times its integer sum
-        return [(acc, bld.fmul(dx, d)), (mvec, bld.fneg(bld.fmul(dx, dmin)))], None
+        if five:
+            # ggml's Q5_K dot (x86): acc += (dx * d) * float(lanes), summs += (-dx * dmin) * float(sum of mins)
+            return [(acc, bld.fmul(dx, d))], bld.fmul(bld.fmul(bld.fneg(dx), dmin), bld.sitofp(_ir.hsum_i(bld, mvec), _ir.f32))
+        # Q4_K: ggml repacks it on x86 (8 rows interleaved) and its one-token product (gemv: decode and
+        # every expert) sums each super-block's integers whole: acc += float(sum) * (d * dx), accm +=
+        # float(sum of mins) * (dmin * dx), the result acc - accm. Lane 0 of the side accumulator carries
+        # acc, lane 1 -accm, the rest zeros (exact), so the result rounds as ggml's.
+        totals = bld.insert_element(bld.insert_element(ir.Constant(_ir.V8i32, None), _ir.hsum_i(bld, acc),
+                                                       ir.Constant(_ir.i32, 0)), _ir.hsum_i(bld, mvec), ir.Constant(_ir.i32, 1))
+        sc = bld.insert_element(bld.insert_element(ir.Constant(_ir.V8f, None), bld.fmul(d, dx), ir.Constant(_ir.i32, 0)),
+                                bld.fneg(bld.fmul(dmin, dx)), ir.Constant(_ir.i32, 1))
+        return [(totals, sc, "side")], None
 
     return Format(name, *_geometry(name), 1, fvals, iprep, itok)
 
