@@ -26,7 +26,7 @@ from clutor.model.kernels import activations as act
 from clutor.model.kernel_settings import KernelSettings as KS
 
 TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
-TYPES_256 = ("Q4_K", "Q5_K", "Q6_K")
+TYPES_256 = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
 TYPES_FLOAT = ("F16", "BF16", "F32")
 TOKENS = (1, 2, 3, 5, 6, 7, 16, 33)  # q8 remainders: two, two + one, one, the overlapped four
 ROWS = (1, 3, 17, 255)
@@ -61,7 +61,8 @@ def weight(name: str, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]
         blocks = rng.integers(0, 256, size=(n_rows * n_cols // block, nbytes), dtype=np.uint8)
         if name == "MXFP4":  # E8M0 exponents: values 2^(e-128) * up to 12, kept near 1e-2
             blocks[:, 0] = rng.integers(118, 124, size=len(blocks))
-        f16_at = {"IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
+        f16_at = {"IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82),
+                  "Q3_K": (108,), "IQ4_XS": (0,)}[name]
         for at in f16_at:
             d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16)
             blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
@@ -251,12 +252,12 @@ def test_concurrent_callers() -> None:
 
 
 def test_unsupported_and_bad_arguments() -> None:
-    for qt in (QT.Q2_K, QT.Q3_K, QT.IQ4_XS, 99):
+    for qt in (QT.TQ1_0, QT.TQ2_0, 99):  # ternary types: no kernel (Clutor does not read them)
         assert not kernels.has_kernel(int(qt))
     raw, _ = weight("Q8_0", 3, 256)
     x = activations(1, 256, seed=4)
-    with pytest.raises(ClutorError, match="Q2_K"):
-        kernels.matmul(raw, int(QT.Q2_K), 3, 256, x)
+    with pytest.raises(ClutorError, match="TQ2_0"):
+        kernels.matmul(raw, int(QT.TQ2_0), 3, 256, x)
     with pytest.raises(ClutorError, match="bytes"):
         kernels.matmul(raw[:-1], int(QT.Q8_0), 3, 256, x)
     with pytest.raises(ClutorError, match="multiple of 32"):
@@ -341,8 +342,8 @@ def test_dump_prints_one_kernel_for_one_type(op, name, asm, want, capsys) -> Non
     assert ("define " in out) != asm and out.count("define ") <= 1  # one function ...
     assert set(re.findall(r"\bqt\.([A-Z0-9_]+)", out)) <= {name}  # ... holding one type's code
     with pytest.raises(SystemExit):
-        dump.main(["tile1", "--type", "Q2_K"])  # no kernel: a usage error naming the kernel types
-    assert "Q2_K has no kernel" in capsys.readouterr().err
+        dump.main(["tile1", "--type", "TQ2_0"])  # no kernel: a usage error naming the kernel types
+    assert "TQ2_0 has no kernel" in capsys.readouterr().err
 
 
 @pytest.mark.slow
