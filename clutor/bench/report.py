@@ -113,14 +113,16 @@ def _wait_share(result: dict) -> float | None:
 
 # ---- sections --------------------------------------------------------------------------------
 
-SWEEP_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "hit rate",
-                 "prefetch acc", "read/token", "wait", "peak RSS", "disk limit", "of limit")
+SWEEP_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "runs", "hit rate",
+                 "hit or in flight", "read/token", "wait", "peak RSS", "disk limit", "of limit")
 
 SWEEP_LEGEND = """\
 budget/cache: expert-cache budget asked for, and the bytes the cache really held
 prefill/decode tok/s: prompt tokens per second of the batched prefill; generated tokens per second after the
-  first (which comes from the prefill's logits)
-hit rate: routed-expert lookups served from the cache; prefetch acc: prefetched experts that were then used
+  first (which comes from the prefill's logits); with --repeat, the row's median run
+runs: how many runs the row is the median of, and the lowest-highest decode tok/s among them
+hit rate: routed-expert lookups served from the cache; hit or in flight: those plus the lookups whose
+  prefetch read was already under way (the difference is what prefetching saved from a full wait)
 read/token: expert bytes read from disk per token (Clutor's own count; OS counter when it reports none)
 wait: share of prefill+decode time spent waiting for expert reads
 peak RSS: the worker's peak resident set (ru_maxrss), including file pages it mapped and touched
@@ -140,7 +142,7 @@ def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
         per_tok = decode_read_per_token(r)
         limit = disk_limit_tps(per_tok, disk_bps)
         rows.append(head + [
-            _rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _pct(io.get("hit_rate")),
+            _rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _runs(run), _pct(io.get("hit_rate")),
             _pct(io.get("prefetch_accuracy")), _bytes(per_tok), _pct(_wait_share(r)), _bytes(_peak(run)),
             _rate(limit), _pct(s["decode_tps"] / limit if limit else None),
         ])
@@ -213,21 +215,47 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _decode_runs(row: dict) -> list[float]:
+    return row.get("decode_runs") or [row["result"]["stats"]["decode_tps"]]
+
+
+def _runs(row: dict) -> str:
+    runs = _decode_runs(row)
+    failed = row.get("failed_runs") or 0
+    text = str(len(runs)) if len(runs) < 2 else f"{len(runs)}: {_rate(min(runs))}-{_rate(max(runs))}"
+    return text + (f" ({failed} failed)" if failed else "")
+
+
 def _summary(sweep: Sequence[dict], disk_bps: float | None) -> str | None:
-    """One sentence on the fastest row: its decode speed against the disk-bound limit."""
+    """One sentence on the row with the highest (median) decode: against the disk-bound limit, and whether
+    it is really the fastest: only when every one of its runs beat every run of every other row."""
     ok = [r for r in sweep if r.get("ok") and r.get("result")]
     if not ok:
         return "no run succeeded"
     best = max(ok, key=lambda r: r["result"]["stats"]["decode_tps"])
     tps = best["result"]["stats"]["decode_tps"]
-    text = (f"fastest: budget {best['budget']}, prefetch {_onoff(best['prefetch'])}, policy {best['policy']}: "
-            f"{_rate(tps)} tok/s decode")
+
+    def label(r: dict) -> str:
+        return f"budget {r['budget']}, prefetch {_onoff(r['prefetch'])}, policy {r['policy']}"
+
+    text = f"{label(best)}: {_rate(tps)} tok/s decode"
     per_tok = decode_read_per_token(best["result"])
     limit = disk_limit_tps(per_tok, disk_bps)
     if limit:
         text += (f", {100 * tps / limit:.0f}% of the disk-bound limit ({_rate(limit)} tok/s = "
                  f"{format_bytes(disk_bps)}/s / {format_bytes(per_tok)} per token)")
-    return text
+    others = [r for r in ok if r is not best]
+    if not others:
+        return text
+    n = min(len(_decode_runs(r)) for r in ok)
+    if n < 2:
+        return (f"highest decode: {text}. One run per row names no fastest: runs of one configuration here "
+                f"differ by 10% and more (--repeat 3 to find out)")
+    close = [r for r in others if max(_decode_runs(r)) >= min(_decode_runs(best))]
+    if not close:
+        return f"fastest, every one of its {n}+ runs above every run of the other rows: {text}"
+    return (f"no clear fastest: the runs of {label(best)} overlap those of " + "; ".join(label(r) for r in close)
+            + f". Highest median: {text}")
 
 
 def render_report(report: dict) -> str:

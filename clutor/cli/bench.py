@@ -17,6 +17,7 @@ import sys
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from .common import add_command
+from .source import add_model_source
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
@@ -109,7 +110,7 @@ def add_parser(sub):
                     __doc__, "clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off",
                     "clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB",
                     "clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     g = p.add_argument_group("configurations (every combination is one run)")
     g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
                    help="expert-cache budgets: shares of the expert bytes (25%%), sizes (256MiB) or auto")
@@ -137,6 +138,9 @@ def add_parser(sub):
                    help="runtime memory (interpreter, libraries, scratch) counted in an auto cap")
     m = p.add_argument_group("measurement")
     m.add_argument("--drop-caches", action="store_true", help="drop the page cache before every run (root)")
+    m.add_argument("--repeat", type=_positive, default=1,
+                   help="run each configuration N times, rounds interleaved; rows show the median, and a fastest "
+                        "is named only when its runs all beat every other row's (needs N >= 2)")
     m.add_argument("--fio-seconds", type=float, default=5.0, help="fio disk measurement length (0: skip)")
     m.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is abandoned")
     m.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
@@ -264,7 +268,7 @@ def run(args) -> int:
         combos = [(Budget("none (io memory)"), "-", "-")]
     else:
         combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
-    progress = _Progress(len(combos) + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
+    progress = _Progress(len(combos) * args.repeat + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
     report["sweep"] = sweep = _sweep(args, desc, common, combos, progress)
     report["comparison"] = (_compare(args, common, file_bytes, sweep, plan, skip_note, progress)
                             if args.vs_llama_cpp else None)
@@ -305,26 +309,34 @@ def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
 
 
 def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress) -> list[dict]:
-    """One uncapped Clutor run per (budget, prefetch, policy)."""
+    """--repeat uncapped Clutor runs per (budget, prefetch, policy), in interleaved rounds (a slow spell of
+    the machine then lands on every row alike); each row is its median run, with every run's decode tok/s."""
     from ..bench.runner import cache_bytes_for, preload, run_worker
 
+    runs: list[list] = [[] for _ in combos]
+    for _ in range(args.repeat):
+        for i, (budget, prefetch, policy) in enumerate(combos):
+            progress.start(f"clutor budget {budget.text}, prefetch {_onoff(prefetch)}, policy {policy}")
+            if args.io == "memory" and not args.drop_caches:
+                # The same warm page cache llama.cpp's unconstrained row gets: fio's O_DIRECT reads
+                # (and earlier rows) can leave part of the file uncached, which the run would then
+                # read from disk and count as compute time.
+                preload(args.model)
+            o = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy),
+                           drop_caches=args.drop_caches, timeout=args.timeout)
+            progress.done(o)
+            runs[i].append(o)
     sweep: list[dict] = []
-    for budget, prefetch, policy in combos:
-        progress.start(f"clutor budget {budget.text}, prefetch {_onoff(prefetch)}, policy {policy}")
+    for (budget, prefetch, policy), outcomes in zip(combos, runs):
         try:
             cache = None if args.io == "memory" else cache_bytes_for(args.model, desc, budget)
         except ClutorError:
-            cache = None  # the worker will say why
-        if args.io == "memory" and not args.drop_caches:
-            # The same warm page cache llama.cpp's unconstrained row gets: fio's O_DIRECT reads
-            # (and earlier rows) can leave part of the file uncached, which the run would then
-            # read from disk and count as compute time.
-            preload(args.model)
-        o = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy),
-                       drop_caches=args.drop_caches, timeout=args.timeout)
-        progress.done(o)
+            cache = None  # the worker says why
+        ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.result["stats"]["decode_tps"])
+        row = ok[(len(ok) - 1) // 2] if ok else outcomes[0]  # the median run (the lower one of an even count)
         sweep.append({"budget": budget.text, "cache_bytes": cache, "prefetch": prefetch, "policy": policy,
-                      **o.to_json()})
+                      **row.to_json(), "decode_runs": [o.result["stats"]["decode_tps"] for o in ok],
+                      "failed_runs": len(outcomes) - len(ok)})
     return sweep
 
 
@@ -347,7 +359,8 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
     o = run_worker(args.model, "llama.cpp", common, timeout=args.timeout)
     progress.done(o)
     rows.append({"setting": "unconstrained", "cap": None,
-                 "clutor_config": _config_text(best) + " (fastest sweep row)" if best else "no successful run",
+                 "clutor_config": _config_text(best) + " (the sweep's highest median decode)" if best
+                 else "no successful run",
                  "clutor": best, "llama_config": "mmap, page cache warm", "llama": o.to_json()})
     if plan is None:
         notes.append(skip_note)
