@@ -74,7 +74,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes "
-                        "(default: auto = when several sequences decode together)")
+                        "(default: auto = off: on real routing it did not win, see docs/benchmarks.md)")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
