@@ -25,7 +25,7 @@ from widen import WIDE_PRESETS, default_source, widen_model  # noqa: E402
 
 # llama.cpp's llama_ftype values for the mixes we make.
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
-                "MXFP4_MOE": 38}
+                "MXFP4_MOE": 38, "Q2_K": 10, "Q3_K_M": 12, "IQ4_XS": 30}
 
 
 def llama_quantize(master: Path, out: Path, ftype: str, nthread: int = 2) -> None:
