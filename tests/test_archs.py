@@ -9,8 +9,9 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import _squeezed, expert_layout
 from clutor.model.options import slot_bytes
-from conftest import ACTIVATIONS, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
+from conftest import ACTIVATIONS, FIXTURES, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
@@ -33,7 +34,7 @@ def test_prefill_equals_incremental_decode(arch, activations):
 def _slot(path) -> tuple[int, int]:
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
 
 
 async def _streamed(path, prompt, **opts):
@@ -152,6 +153,50 @@ _BASE = {"block_count": 2, "context_length": 64, "embedding_length": 32, "attent
          "attention.layer_norm_rms_epsilon": 1e-5, "feed_forward_length": 32}
 
 
+def test_gptoss_rope_dimension_count_defaults_to_the_head_size(tmp_path):
+    """llama.cpp reads rope.dimension_count for every architecture with the key's head size
+    (attention.key_length, itself defaulting to n_embd / n_head) as its default: a gpt-oss file
+    without the key opens and computes exactly what the file with it computes."""
+    from gguf_util import copy_gguf
+
+    src, dst = fixture_path("gptoss", "Q8_0"), tmp_path / "no-rope-dims.gguf"
+    copy_gguf(src, dst, drop=frozenset({"gpt-oss.rope.dimension_count"}))
+    with GGUFFile.open(src) as f:
+        want = read_arch(f).cfg
+    with GGUFFile.open(dst) as f:
+        assert "gpt-oss.rope.dimension_count" not in f.metadata
+        cfg = read_arch(f).cfg
+    assert cfg == want and cfg.n_rot == cfg.head_dim
+
+    async def logits(path):
+        async with clutor.Model.open(path) as model:
+            return await model.logits(golden("gptoss", "Q8_0")["prompt_ids"].tolist()[:12])
+
+    np.testing.assert_array_equal(run(logits(dst)), run(logits(src)))
+
+
+def test_qwen2moe_expert_sizes_default_as_in_llama_cpp(tmp_path):
+    """llama.cpp's defaults for Qwen2-MoE (and Qwen3-MoE): expert_feed_forward_length =
+    feed_forward_length / expert_used_count, expert_shared_feed_forward_length = feed_forward_length
+    (the fixture's keys equal those defaults, as in Qwen1.5-MoE-A2.7B: 5632 / 4 = 1408)."""
+    from gguf_util import copy_gguf
+
+    src = fixture_path("qwen2moe", "Q8_0")
+    with GGUFFile.open(src) as f:
+        want = read_arch(f).cfg
+    for drop in ("qwen2moe.expert_feed_forward_length", "qwen2moe.expert_shared_feed_forward_length"):
+        dst = tmp_path / f"{drop}.gguf"
+        copy_gguf(src, dst, drop=frozenset({drop}))
+        with GGUFFile.open(dst) as f:
+            assert drop not in f.metadata
+            assert read_arch(f).cfg == want, drop
+    dst = tmp_path / "neither.gguf"  # no size at all: the error names the expert size's key
+    copy_gguf(src, dst, drop=frozenset({"qwen2moe.expert_feed_forward_length", "qwen2moe.feed_forward_length"}))
+    with GGUFFile.open(dst) as f, pytest.raises(clutor.ModelFileError) as e:
+        read_arch(f)
+    assert e.value.field == "qwen2moe.expert_feed_forward_length"
+
+
 @pytest.mark.parametrize("arch, keys, field", [
     ("llama", {}, "llama.expert_count"),                                     # a dense llama: nothing to stream
     ("deepseek2", {"expert_count": 6, "expert_used_count": 2, "expert_group_count": 4,
@@ -177,7 +222,7 @@ def test_gptoss_expert_biases_travel_with_the_expert():
     path = fixture_path("gptoss", "Q8_0")
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, read_arch(f))
         bias_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.bias"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
         weight_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
     assert layout.n_parts == 6 and layout.expert_bytes(0) == weight_bytes + bias_bytes
@@ -222,3 +267,20 @@ def test_prefix_reuse_with_the_arch_kv_layout(arch):
     (tokens, cached), (want, cached_fresh) = run(go())
     assert cached >= 29 and cached_fresh == 0
     assert tokens == want
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.gguf")), ids=lambda p: p.stem)
+def test_each_file_holds_exactly_its_architectures_table(path):
+    """The architecture's tensor table is the one statement of its tensors: every tensor of a file
+    (llama.cpp's converter or quantiser wrote it) is in the table with its shape, every required
+    entry is in the file, and the expert layout names every routed-expert tensor of the file."""
+    with GGUFFile.open(path) as f:
+        arch = read_arch(f)
+        table = {t.name: t for t in arch.file_tensors()}
+        assert len(table) == len(arch.file_tensors())  # no name stated twice
+        assert sorted(set(f.tensors) - set(table)) == []
+        assert sorted(n for n, t in table.items() if t.required and n not in f.tensors) == []
+        # (the loader's rule: leading 1s squeezed, as llama.cpp's converter writes some vectors as [1, D])
+        assert [n for n in f.tensors if _squeezed(f.tensors[n].shape, len(table[n].shape)) != table[n].shape] == []
+        experts = {n for n, t in table.items() if t.kind == "expert" and n in f.tensors}
+        assert experts and experts == {n for n in f.tensors if "_exps." in n}

@@ -68,7 +68,11 @@ def test_bench_concurrency_table(tiny, capsys):
     out = capsys.readouterr().out
     lines = [l for l in out.splitlines() if l[:1].isdigit()]
     assert [l.split()[0] for l in lines] == ["1", "2"], out
-    assert "1.00x" in lines[0] and "aggregate tok/s" in out
+    assert "1.00x" in lines[0] and "in RAM" in out and "Belady" in out
+    # each row has its in-RAM twin's tok/s (the compute bound) and Belady's bytes from its own trace
+    for line in lines:
+        cells = line.split()
+        assert float(cells[3]) > 0 and cells[10] != "-", line
 
 
 # ---- workers ---------------------------------------------------------------------------------

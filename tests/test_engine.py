@@ -307,16 +307,20 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     assert len(after) == 4 and st.live_sequences == 0
 
 
-def test_default_prefetch_reads_ahead_only_in_batched_decode_steps():
-    """prefetch=None (the default): a single sequence decodes with demand reads only; several
-    sequences decoding together read the next layer's predicted experts ahead."""
-    async def go():
+def test_default_prefetch_is_off_and_true_reads_ahead_alone_and_batched():
+    """prefetch=None (the default): decode reads on demand only, alone and batched; prefetch=True reads the next
+    layer's predicted experts ahead in both."""
+    async def issued(prefetch):
         async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="threads", expert_cache="40%",
-                                     prefix_cache=0) as model:
+                                     prefix_cache=0, prefetch=prefetch) as model:
             await _tokens(model, "Hello there", 10, {"temperature": 0})
             alone = model.io_stats().prefetch_issued
             await asyncio.gather(*(_tokens(model, p, 10, {"temperature": 0}) for p in REQUESTS[0][:1] + ("Hi", "So")))
             return alone, model.io_stats().prefetch_issued - alone
 
-    alone, together = run(go())
-    assert alone == 0 and together > 0, (alone, together)
+    async def go():
+        return await issued(None), await issued(True)
+
+    (alone, together), (alone_on, together_on) = run(go())
+    assert alone == 0 and together == 0, (alone, together)
+    assert alone_on > 0 and together_on > 0, (alone_on, together_on)

@@ -119,8 +119,10 @@ def test_metrics_labels_are_a_fixed_set_whatever_the_paths(api_key, caplog):
         assert len(text) < 10_000
         for line in text.splitlines():  # every line is a comment or one sample
             assert line.startswith("#") or len(line.split(" ")) == 2, line
-        # a newline in a model name cannot forge a log line
-        httpx.post(s.url + "/v1/completions", json={"model": "x\nclutor.server forged line", "prompt": "hi"},
+        # a newline in what a client sends cannot forge a log line: the model name (answered by the one
+        # model served) and a bad value, which the refusal's log line quotes
+        httpx.post(s.url + "/v1/completions", json={"model": "x\nclutor.server forged line", "prompt": "hi",
+                                                     "n": "x\nclutor.server forged line"},
                    headers={"authorization": f"Bearer {api_key}"} if api_key else {})
         msgs = [r.getMessage() for r in caplog.records if r.name == "clutor.server"]
         assert msgs and not any("\n" in m for m in msgs), msgs

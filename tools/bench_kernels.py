@@ -42,7 +42,8 @@ SHAPES = {  # name -> (n_rows, n_cols) in numpy order
 }
 # byte offsets of the f16 scales inside a block, set to small finite values in random blocks
 _F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (),
+           "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
 
 
 def random_weight(name: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -197,6 +197,7 @@ async def run(args) -> int:
                     **{k: v for k, v in asdict(r).items() if k != "samples_gbps"},
                     "requested_backend": io, "requested_mode": mode,
                     "gbps": round(r.gbps, 4), "iops": round(r.iops, 1), "samples_gbps": list(r.samples_gbps),
+                    "loop_cpu_ms_per_gib": None if r.loop_cpu_ms_per_gib is None else round(r.loop_cpu_ms_per_gib, 2),
                     "fio_gbps": round(ref.gbps, 4) if ref else None,
                     "fio_iops": round(ref.iops, 1) if ref else None,
                     "fio_samples_gbps": list(ref.samples_gbps) if ref else None,
@@ -216,11 +217,11 @@ async def run(args) -> int:
 
 
 async def _uring_unavailable() -> str | None:
-    from clutor.io.uring import UringBackend, UringUnavailable
+    from clutor.io.open_backend import open_backend
 
     try:
-        backend = UringBackend([], [], direct=False, entries=1)
-    except UringUnavailable as e:
+        backend = open_backend([], [], io="uring", direct=False, entries=1)
+    except ClutorError as e:
         return str(e)
     await backend.aclose()
     return None
@@ -232,15 +233,19 @@ def _print_table(rows: list[dict], notes: list[str]) -> None:
     reasons = sorted({r["fallback_reason"] for r in rows if r["fallback_reason"]})
     for reason in reasons:
         print(f"# fallback: {reason}")
-    head = f"{'backend':<8} {'mode':<9} {'block':>9} {'depth':>5} {'GB/s':>7} {'IOPS':>9} {'fio GB/s':>9} {'ratio':>6}"
+    head = (f"{'backend':<16} {'mode':<9} {'block':>9} {'depth':>5} {'GB/s':>7} {'IOPS':>9} {'fio GB/s':>9} {'ratio':>6}"
+            f" {'loop CPU ms/GiB':>15}")
     print(head)
     print("-" * len(head))
     for r in rows:
         fio = f"{r['fio_gbps']:9.3f}" if r["fio_gbps"] is not None else f"{'-':>9}"
         ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
         backend = r["backend"] if r["backend"] == r["requested_backend"] else f"{r['backend']}*"
-        print(f"{backend:<8} {r['mode']:<9} {format_bytes(r['block']):>9} {r['depth']:>5} "
-              f"{r['gbps']:7.3f} {r['iops']:9.0f} {fio} {ratio}")
+        if r.get("driver"):
+            backend += f" ({r['driver']})"
+        cpu = f"{r['loop_cpu_ms_per_gib']:15.1f}" if r.get("loop_cpu_ms_per_gib") is not None else f"{'-':>15}"
+        print(f"{backend:<16} {r['mode']:<9} {format_bytes(r['block']):>9} {r['depth']:>5} "
+              f"{r['gbps']:7.3f} {r['iops']:9.0f} {fio} {ratio} {cpu}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes "
-                        "(default: auto = when several sequences decode together)")
+                        "(default: auto = off: on real routing it did not win, see docs/benchmarks.md)")
     g.add_argument("--policy", default=DEFAULTS.policy, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=IO_CHOICES, default=DEFAULTS.io,
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")

@@ -66,6 +66,10 @@ class Policy:
         """A prediction: ``keys`` (resident or not) are expected at ``layer``'s next request. The
         policies that do not predict ignore it."""
 
+    def on_bypass(self, key: Key) -> None:
+        """``key`` was demanded but got no slot (every slot pinned): read past the cache. Online policies
+        do not count it; Belady must, to keep its place in the future it was built from."""
+
     def victims(self) -> Generator[Key, None, None]:
         """Resident keys, best victim first, as a generator. Lazy: the caller stops at the first key it
         may evict, removes it, then close()s the generator; no other policy call happens in between."""
@@ -710,6 +714,12 @@ class LRU2(_ScoredPolicy):
 class Belady(_ScoredPolicy):
     """Belady's OPT for offline replay: evict the key whose next use is farthest in the future.
 
+    ``bypass=True`` ("opt" in the simulator): also read a missed key past the cache, evicting nothing, when
+    it is needed again later than every evictable key. With bypass allowed (the store reads into a spare
+    buffer when it must) that is the fewest misses any cache of the size can have; plain Belady inserts
+    every miss, and a batched step's many misses can then make it lose to an online policy whose bypasses
+    happened to help.
+
     Built from the complete sequence of demand accesses the replay will make. Each key's accesses
     must come in that order; keys of one request may be accessed in any order (the simulator, like
     the store, touches a request's present keys before its misses).
@@ -717,8 +727,11 @@ class Belady(_ScoredPolicy):
 
     name = "belady"
 
-    def __init__(self, future: Sequence[Key]) -> None:
+    def __init__(self, future: Sequence[Key], bypass: bool = False) -> None:
         super().__init__()
+        self.bypass = bypass
+        if bypass:
+            self.name = "opt"
         self._future = list(future)
         self._positions: dict[Key, list[int]] = {}
         for i, key in enumerate(self._future):
@@ -733,9 +746,24 @@ class Belady(_ScoredPolicy):
         self._t += 1
         self._touch(key)
 
+    def on_bypass(self, key: Key) -> None:
+        # Without this a bypassed key's next use would stay at the access just served: Belady would
+        # then see it as needed at once, keep it forever, and stop being optimal.
+        i = self._ptr.get(key, 0)
+        if i >= len(self._positions.get(key, ())):
+            raise ValueError(f"Belady replay out of sync: {key!r} accessed more often than the future sequence says")
+        self._ptr[key] = i + 1
+        self._t += 1
+
     def next_use(self, key: Key) -> float:
         pos = self._positions.get(key, ())
         i = self._ptr.get(key, 0)
+        return pos[i] if i < len(pos) else math.inf
+
+    def use_after_next(self, key: Key) -> float:
+        """For a key about to be accessed: the access after that one."""
+        pos = self._positions.get(key, ())
+        i = self._ptr.get(key, 0) + 1
         return pos[i] if i < len(pos) else math.inf
 
     def _score(self, key: Key) -> tuple:

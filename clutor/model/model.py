@@ -31,7 +31,7 @@ from .runner import Runner
 from .source import ExpertSource, InMemoryExperts
 from .state import SequenceState
 from .tokenizer import Tokenizer
-from .weights import DenseWeights, load_dense, resident_bytes
+from .weights import DenseWeights, expert_layout, load_dense, resident_bytes
 
 if TYPE_CHECKING:
     from .generate import GenerationChunk
@@ -64,12 +64,11 @@ class Model:
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
         for w in dense.matrices():
             w.kernels = self.kernels
-        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README,
-        # "prefetch"): in steps of several sequences, whose union of experts is predicted well and whose
-        # compute hides the reads; not for one alone, where its wrong guesses cost more reads than it
-        # saves. None = that rule; True/False = always/never.
-        prefetch = "off" if options.io == "memory" or options.prefetch is False else (
-            "always" if options.prefetch is True else "batched")
+        # Prefetch (decode steps only) only when asked for: on real routing (docs/benchmarks.md, "Streaming
+        # on real routing") it lost at 4 streams in three runs of three (its wrong guesses add 37% to the
+        # bytes of a disk-bound step), was slower at 16, and at 1 won twice and lost once within the noise, at 1.6x
+        # the bytes; it had won at 16 streams on random-weight routing only. None/False = never, True = every decode step.
+        prefetch = options.io != "memory" and options.prefetch is True
         self.runner = Runner(arch, dense, experts, kv, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
                              profile=self.profile, trace=trace)
         self.engine = Engine(self.runner, kv, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
@@ -90,9 +89,9 @@ class Model:
         n_ctx: context length (default min(model's, 4096)).
         expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
             half of the memory available after the dense weights (capped at what all experts need).
-        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes. None
-            (default): in steps that decode several sequences at once, where it measured a win, not for
-            a single one, where it did not (README); True: always; False: never.
+        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes. True:
+            every decode step; None (default) or False: never (on real routing it lost more than it won,
+            docs/benchmarks.md).
         policy: cache replacement policy (see clutor.io.policies.POLICIES).
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).
@@ -145,7 +144,7 @@ class Model:
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
-                layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+                layout = expert_layout(f, arch)
                 if opts.trace:
                     check_output(opts.trace, f.paths)  # refused before the dense read, not after
                 ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)

@@ -53,7 +53,7 @@ class Runner:
     """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
 
     def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
-                 kernels_: "KernelSettings", prefetch: str, profile: Profile = NO_PROFILE,
+                 kernels_: "KernelSettings", prefetch: bool, profile: Profile = NO_PROFILE,
                  trace: "TraceWriter | None" = None):
         cfg = arch.cfg
         self.arch = arch
@@ -66,8 +66,8 @@ class Runner:
         self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
         self._rope = arch.make_rope(n_ctx)
         self._trace = trace
-        # "off" | "always" | "batched": read layer l+1's predicted experts while layer l computes, in
-        # decode steps (see Model.open's prefetch option for why "batched" is the default).
+        # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
+        # prefetch option for why it is off unless asked for).
         self._prefetch = prefetch
         self._hints = experts.wants_hints
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
@@ -263,7 +263,7 @@ class Runner:
         return out
 
     def _prefetching(self, n_seq: int) -> bool:
-        return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
+        return self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode

@@ -27,8 +27,8 @@ from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import Rope, Yarn, gate, rmsnorm
 from ..state import LatentKV
-from ..quants import apply_all
-from .common import _MISSING, Arch, T, read_bool, read_common, read_float, read_int
+from ..quants import apply_all, dequantize, ggml_activations, matmul_heads
+from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common, read_float, read_int
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
@@ -111,12 +111,16 @@ class DeepSeek2(Arch):
                      "wq_b": T(b + "attn_q_b.weight", (H * hk, self.q_lora))}
         else:
             want["wq"] = T(b + "attn_q.weight", (H * hk, D))
-        if self.split:
-            want |= {"wk_b": T(b + "attn_k_b.weight", (H, C, self.nope), "vector"),
-                     "wv_b": T(b + "attn_v_b.weight", (H, hv, C), "vector")}
+        if self.split:  # products of their own, as llama.cpp computes them (quantised, per head)
+            want |= {"wk_b": T(b + "attn_k_b.weight", (H, C, self.nope), "heads"),
+                     "wv_b": T(b + "attn_v_b.weight", (H, hv, C), "heads")}
         else:
-            want["wkv_b"] = T(b + "attn_kv_b.weight", (H * (self.nope + hv), C), "vector")
+            want["wkv_b"] = T(b + "attn_kv_b.weight", (H * (self.nope + hv), C))
         return want
+
+    def unread_tensors(self):
+        n = self.cfg.n_layers
+        return [t for l in range(n, n + self.n_nextn) for t in mtp_layer_tensors(self, l)]
 
     def ffn_tensors(self, l):
         want = super().ffn_tensors(l)
@@ -125,12 +129,16 @@ class DeepSeek2(Arch):
         return want
 
     def prepare(self, lw) -> None:
-        """The older attn_kv_b split into the per-head key and value up-projections."""
+        """The older attn_kv_b split into the per-head key and value up-projections, in float32 for
+        the absorbed products; its type is kept (kv_b_type): llama.cpp multiplies the latents by it
+        as a quantised product, so the cached latents are rounded as that product rounds them."""
         if lw.wkv_b is not None:
             cfg = self.cfg
-            kv = lw.wkv_b.reshape(cfg.n_head, self.nope + cfg.head_dim_v, self.kv_lora)  # [H, nope + v, C]
+            w = lw.wkv_b
+            kv = dequantize(w.raw, w.qtype, w.shape).reshape(cfg.n_head, self.nope + cfg.head_dim_v, self.kv_lora)
             lw.wk_b = np.ascontiguousarray(kv[:, : self.nope].transpose(0, 2, 1))  # [H, C, nope]
             lw.wv_b = np.ascontiguousarray(kv[:, self.nope :])  # [H, v, C]
+            lw.kv_b_type = w.qtype
             lw.wkv_b = None
 
     # -- compute ------------------------------------------------------------------------------------
@@ -152,14 +160,23 @@ class DeepSeek2(Arch):
             q, kv = apply_all((lw.wq, lw.wkv_a), h)
         q = q.reshape(R, H, cfg.head_dim)
         c = rmsnorm(kv[:, :C], lw.kv_a_norm, cfg.eps)  # [R, C]
-        # q_nope absorbed into latent space: per head, W_kb [C, nope] @ q_nope [nope]
-        q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
+        if self.split:
+            # q_nope absorbed into latent space: per head, W_kb [C, nope] @ q_nope [nope], a quantised product
+            q_lat = matmul_heads(lw.wk_b, q[..., :nope])  # [R, H, C]
+        else:
+            # llama.cpp expands each latent through attn_kv_b (k = W_kb c, v = W_vb c, c rounded as that
+            # product rounds its input): the same as caching c so rounded and absorbing W_kb into q in float
+            c = ggml_activations(c, lw.kv_b_type, lw.wo.kernels)
+            q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
         q_pe = step.rope(rope, np.ascontiguousarray(q[..., nope:]))  # [R, H, r]
         k_pe = step.rope(rope, kv[:, None, C:])  # [R, 1, r]
         # the cache holds (latent, rope key) per position; the values are the latent (v=None)
         o_lat = step.attend(l, np.concatenate([q_lat, q_pe], axis=-1), np.concatenate([c[:, None, :], k_pe], axis=-1),
                             None, self.kq_scale).reshape(R, H, C)  # [R, H, C]: attention-weighted latents
-        o = np.einsum("hvc,rhc->rhv", lw.wv_b, o_lat, optimize=True).astype(np.float32)  # [R, H, v]
+        if self.split:
+            o = matmul_heads(lw.wv_b, o_lat)  # [R, H, v]
+        else:
+            o = np.einsum("hvc,rhc->rhv", lw.wv_b, o_lat, optimize=True).astype(np.float32)  # [R, H, v]
         return lw.wo(o.reshape(R, -1))
 
     def route(self, lw, h):
