@@ -319,3 +319,17 @@ def test_32_concurrent_600_token_requests_fit_a_cgroup_sized_to_the_kv_budget(tm
     assert r.peak <= cap
     # without the budget the requests' KV alone would not fit the cap
     assert 32 * 600 * out["per_token"] > cap - path.stat().st_size
+
+
+def test_f16_pages_widen_as_numpy_does():
+    """The page gather's half -> float table is numpy's conversion for every half (subnormals, infinities,
+    NaNs), and it lays the pages out as attention reads them (heads, positions, width)."""
+    from clutor.model.kernels.kvpages import HALF_TO_FLOAT, gather_f16
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    assert np.array_equal(HALF_TO_FLOAT.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 65536, (6, 3, 2, PAGE, 5), dtype=np.uint16).view(np.float16)  # [pages, L, H, PAGE, W]
+    pages, n = np.array([4, 1, 3]), 2 * PAGE + 3
+    want = data[pages, 2].transpose(1, 0, 2, 3).reshape(2, 3 * PAGE, 5)[:, :n].astype(np.float32)
+    assert np.array_equal(gather_f16(data, 2, pages, n).view(np.uint32), want.view(np.uint32))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .kernels.kvpages import gather_f16
 from .kv import PAGE
 from .layers import attention
 
@@ -110,13 +111,17 @@ def _write(g, li: int, pages: np.ndarray, offs: np.ndarray, k: np.ndarray, v: np
 
 def _gather(g, li: int, pages: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n positions of these pages of layer li as float32 K [Hkv, n, dk], V [Hkv, n, dv]."""
-    blk = g.data[pages, li]  # [n_pages, H, PAGE, width] (a copy)
-    np_, H, P, W = blk.shape
-    if g.scales is None:
+    if g.scales is None and g.data.dtype == np.float16:
+        full = gather_f16(g.data, li, np.asarray(pages, np.int64), n)  # [H, n, width], one pass
+    elif g.scales is None:
+        blk = g.data[pages, li]  # [n_pages, H, PAGE, width] (a copy)
+        np_, H, P, W = blk.shape
         full = blk.transpose(1, 0, 2, 3).reshape(H, np_ * P, W)[:, :n]
         if full.dtype != np.float32:
             full = full.astype(np.float32)
     else:
+        blk = g.data[pages, li]  # [n_pages, H, PAGE, width] (a copy)
+        np_, H, P, W = blk.shape
         sc = g.scales[pages, li].astype(np.float32)  # [n_pages, H, PAGE, width / 32]
         vals = blk.reshape(np_, H, P, W // _Q8, _Q8).astype(np.float32) * sc[..., None]
         full = vals.reshape(np_, H, P, W).transpose(1, 0, 2, 3).reshape(H, np_ * P, W)[:, :n]
