@@ -30,6 +30,9 @@ TYPES = ("F16", "Q8_0", "Q4_K_M", "Q6_K")
 NEW_ARCHS = ("mixtral", "glm4moe", "deepseek2", "deepseek2-lite", "gptoss")
 NEW_TYPES = ("F16", "Q8_0", "Q4_K_M")
 NEW_FIXTURES = [(a, q) for a in NEW_ARCHS for q in NEW_TYPES] + [("gptoss", "MXFP4_MOE")]
+# The recurrent hybrids (tests/test_hybrid.py), made through llama.cpp's converter (tools/make_hf_fixture.py).
+HYBRID_ARCHS = ("qwen35moe", "qwen3next", "nemotron_h_moe")
+HYBRID_TYPES = ("F16", "Q4_K_M")
 
 # The same positions computed two ways (a batched prefill vs one token at a time, a batched step vs
 # each sequence alone), as a share of max|logit|, per activation mode. f32: float rounding only. q8:

@@ -236,7 +236,7 @@ def test_mounted_in_another_asgi_app():
     (dict(max_tokens=0), "max_tokens"),
     (dict(stop=[1, 2]), "stop"),
     (dict(extra_body={"top_k": 1.5}), "top_k"),
-    (dict(extra_body={"tools": [{"type": "function"}]}), "tools"),
+    (dict(extra_body={"tools": [{"type": "function"}]}), "tools[0]"),
     (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages[0].content[0]"),

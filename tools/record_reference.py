@@ -102,6 +102,11 @@ class _Hparams:
     yarn: tuple | None = None   # (factor, original context)
     kq_scale: float = 0.0
     window: int = 0             # gpt-oss: sliding window of the even layers
+    recurrent: tuple = ()       # qwen35moe / qwen3next: which layers are Gated DeltaNet
+    ssm: tuple = ()             # (conv kernel, head size, k heads, v heads)
+    still: tuple = ()           # qwen35moe: rotary pairs that text leaves at position 0 (M-RoPE's 4th section)
+    kinds: tuple = ()           # nemotron_h_moe: per layer "ssm", "attention" or "moe"
+    mamba: tuple = ()           # (conv kernel, d_inner, d_state, groups, heads)
 
 
 def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
@@ -133,6 +138,26 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
         n_rot = kv(f"{arch}.rope.dimension_count")
         return {"head_dim": n_rot, "n_rot": n_rot, "gating": "softmax_chosen", "window": kv(f"{arch}.attention.sliding_window"),
                 "yarn": (f, kv(f"{arch}.rope.scaling.original_context_length")) if f else None}
+    if arch in ("qwen35moe", "qwen3next"):
+        n_layer = kv(f"{arch}.block_count") - kv(f"{arch}.nextn_predict_layers", 0)
+        rec = kv(f"{arch}.attention.recurrent_layers")
+        every = kv(f"{arch}.full_attention_interval", 4)
+        recurrent = tuple(rec[:n_layer]) if rec is not None else tuple((l + 1) % every != 0 for l in range(n_layer))
+        n_rot = kv(f"{arch}.rope.dimension_count")
+        still = ()
+        if arch == "qwen35moe":  # interleaved M-RoPE (ggml's imrope sectors); text gives the 4th section position 0
+            sec = kv(f"{arch}.rope.dimension_sections")
+            still = tuple(not ((i % sum(sec)) < 3 * sec[(i % sum(sec)) % 3]) for i in range(n_rot // 2))
+        return {"n_layer": n_layer, "n_rot": n_rot, "recurrent": recurrent, "still": still, "norm_w": True,
+                "ssm": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.state_size"), kv(f"{arch}.ssm.group_count"),
+                        kv(f"{arch}.ssm.time_step_rank"))}
+    if arch == "nemotron_h_moe":
+        hkv, ff = kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.feed_forward_length")
+        kinds = tuple("ssm" if h == 0 and f == 0 else "attention" if f == 0 else "moe" for h, f in zip(hkv, ff))
+        return {"kinds": kinds, "n_head_kv": max(hkv), "gating": "sigmoid", "eps": kv(f"{arch}.attention.layer_norm_epsilon"),
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
+                "mamba": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.inner_size"), kv(f"{arch}.ssm.state_size"),
+                          kv(f"{arch}.ssm.group_count"), kv(f"{arch}.ssm.time_step_rank"))}
     return {}
 
 
@@ -151,6 +176,8 @@ class Reference:
                 return default
             if f.types[0].name == "STRING":
                 return bytes(f.parts[-1]).decode()
+            if f.types[0].name == "ARRAY":
+                return [f.parts[i][0].item() for i in f.data]
             return f.parts[f.data[0]][0].item()
 
         arch = kv("general.architecture")
@@ -168,9 +195,11 @@ class Reference:
         if self.hp.arch in ("glm4moe", "deepseek2"):  # MTP layers are not part of the forward pass
             self.hp = dataclasses.replace(self.hp, n_layer=self.hp.n_layer - kv(f"{arch}.nextn_predict_layers", 0))
         self.w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64) for t in r.tensors}
+        self.w = {k: v.reshape(v.shape[1:]) if v.ndim == 2 and v.shape[0] == 1 else v for k, v in self.w.items()}
         self.w.setdefault("output.weight", self.w["token_embd.weight"])  # tied
         self.k: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]  # [L][t] -> [Hkv, hd]
         self.v: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]
+        self.states: list[dict] = [{}]  # Gated DeltaNet layers: after each token, {layer: (conv, S)}
 
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hp.eps) * w
@@ -181,6 +210,8 @@ class Reference:
         n = self.hp.n_rot or x.shape[-1]  # glm4moe rotates the first n_rot dims only
         half = n // 2
         freq = self.hp.rope_base ** (-2.0 * np.arange(half) / n)
+        if self.hp.still:
+            freq = np.where(self.hp.still, 0.0, freq)
         mag = 1.0
         if self.hp.yarn:  # gpt-oss: YaRN frequencies, and cos/sin scaled by 1 + 0.1 ln(factor)
             freq = self._yarn(freq, n)
@@ -260,6 +291,110 @@ class Reference:
         out = np.einsum("ht,thd->hd", p / den, V).reshape(-1)
         return out
 
+    def _gated_delta_net(self, il: int, h: np.ndarray, state: dict) -> np.ndarray:
+        """One token through Gated DeltaNet layer il (shared/notes/archs.md), one step of the plain
+        recurrence S <- e^g S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(dk)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        K, hd, nk, nv = hp.ssm
+        qkv, z = w[b + "attn_qkv.weight"] @ h, w[b + "attn_gate.weight"] @ h
+        if hp.arch == "qwen35moe":
+            beta, a = w[b + "ssm_beta.weight"] @ h, w[b + "ssm_alpha.weight"] @ h
+        else:  # fused: per k head, its group's b then its group's a
+            ba = (w[b + "ssm_ba.weight"] @ h).reshape(nk, 2, nv // nk)
+            beta, a = ba[:, 0].reshape(-1), ba[:, 1].reshape(-1)
+        beta = 1 / (1 + np.exp(-beta))
+        g = w[b + "ssm_a"] * np.logaddexp(0, a + w[b + "ssm_dt.bias"])
+        conv, S = state.get(il, (np.zeros((len(qkv), K - 1)), np.zeros((nv, hd, hd))))
+        window = np.concatenate([conv, qkv[:, None]], axis=1)  # [C, K]
+        y = np.sum(window * w[b + "ssm_conv1d.weight"], axis=1)
+        y = y / (1 + np.exp(-y))
+        q, k, v = y[: nk * hd].reshape(nk, hd), y[nk * hd : 2 * nk * hd].reshape(nk, hd), y[2 * nk * hd :].reshape(nv, hd)
+        q = q / np.sqrt(np.sum(q * q, -1, keepdims=True) + hp.eps)
+        k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + hp.eps)
+        kmap = np.arange(nv) % nk if hp.arch == "qwen35moe" else np.arange(nv) // (nv // nk)
+        q, k = q[kmap], k[kmap]
+        S = S * np.exp(g)[:, None, None]
+        d = (v - np.einsum("hkv,hk->hv", S, k)) * beta[:, None]
+        S = S + k[:, :, None] * d[:, None, :]
+        o = np.einsum("hkv,hk->hv", S, q) / np.sqrt(hd)
+        state[il] = (window[:, 1:], S)
+        o = self._rms(o, w[b + "ssm_norm.weight"]) * (z.reshape(nv, hd) / (1 + np.exp(-z.reshape(nv, hd))))
+        return w[b + "ssm_out.weight"] @ o.reshape(-1)
+
+    def _mamba2(self, il: int, h: np.ndarray, state: dict) -> np.ndarray:
+        """One token through a Mamba-2 layer: conv window + bias + silu over xBC, then the plain scan
+        h <- exp(dt A) h + dt x B^T, y = h C + D x, y * silu(z), RMS norm per group, out."""
+        w, b = self.w, f"blk.{il}."
+        K, di, N, G, H = self.hp.mamba
+        hd = di // H
+        zxbcdt = w[b + "ssm_in.weight"] @ h
+        z, xbc, dt = zxbcdt[:di], zxbcdt[di : 2 * di + 2 * G * N], zxbcdt[2 * di + 2 * G * N :]
+        conv, S = state.get(il, (np.zeros((len(xbc), K - 1)), np.zeros((H, hd, N))))
+        window = np.concatenate([conv, xbc[:, None]], axis=1)
+        y = np.sum(window * w[b + "ssm_conv1d.weight"], axis=1) + w[b + "ssm_conv1d.bias"]
+        y = y / (1 + np.exp(-y))
+        x, B, C = y[:di].reshape(H, hd), y[di : di + G * N].reshape(G, N), y[di + G * N :].reshape(G, N)
+        g = np.arange(H) // (H // G)
+        dt = np.logaddexp(0, dt + w[b + "ssm_dt.bias"])
+        A = w[b + "ssm_a"].reshape(H)
+        S = S * np.exp(dt * A)[:, None, None] + (dt[:, None] * x)[:, :, None] * B[g][:, None, :]
+        state[il] = (window[:, 1:], S)
+        out = np.einsum("hdn,hn->hd", S, C[g]) + x * w[b + "ssm_d"].reshape(H, 1)
+        out = out * (z.reshape(H, hd) / (1 + np.exp(-z.reshape(H, hd))))
+        out = self._rms(out.reshape(G, di // G), w[b + "ssm_norm.weight"]).reshape(-1)
+        return w[b + "ssm_out.weight"] @ out
+
+    def _nope_attention(self, il: int, h: np.ndarray) -> np.ndarray:
+        """Nemotron-H's attention: GQA with no positional encoding."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        hd = hp.head_dim
+        q = (w[b + "attn_q.weight"] @ h).reshape(hp.n_head, hd)
+        self.k[il].append((w[b + "attn_k.weight"] @ h).reshape(hp.n_head_kv, hd))
+        self.v[il].append((w[b + "attn_v.weight"] @ h).reshape(hp.n_head_kv, hd))
+        K = np.repeat(np.stack(self.k[il]), hp.n_head // hp.n_head_kv, axis=1)
+        V = np.repeat(np.stack(self.v[il]), hp.n_head // hp.n_head_kv, axis=1)
+        s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hd)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), V).reshape(-1)
+        return w[b + "attn_output.weight"] @ o + w.get(b + "attn_output.bias", 0.0)
+
+    def _nemotron_layer(self, il: int, x: np.ndarray, state: dict) -> tuple[np.ndarray, float]:
+        """x + the layer's one mixer (Mamba-2, attention or MoE) of rms_norm(x)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        h = self._rms(x, w[b + "attn_norm.weight"])
+        kind = hp.kinds[il]
+        if kind != "attention":
+            self.k[il].append(None)
+            self.v[il].append(None)
+        if kind == "ssm":
+            return x + self._mamba2(il, h, state), np.inf
+        if kind == "attention":
+            return x + self._nope_attention(il, h), np.inf
+        sel, gate, m = self._route(b, h)
+        relu2 = lambda a: np.maximum(a, 0) ** 2  # noqa: E731
+        y = sum(g * (w[b + "ffn_down_exps.weight"][e] @ relu2(w[b + "ffn_up_exps.weight"][e] @ h)) for e, g in zip(sel, gate))
+        y = y + w[b + "ffn_down_shexp.weight"] @ relu2(w[b + "ffn_up_shexp.weight"] @ h)
+        return x + y, m
+
+    def _gated_attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
+        """Full attention of qwen35moe / qwen3next: attn_q rows per head [q | gate], per-head q/k norms,
+        partial NEOX RoPE, the output times sigmoid(gate)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        hd = hp.head_dim
+        qg = (w[b + "attn_q.weight"] @ h).reshape(hp.n_head, 2 * hd)
+        q, gate = self._rms(qg[:, :hd], w[b + "attn_q_norm.weight"]), qg[:, hd:]
+        k = self._rms((w[b + "attn_k.weight"] @ h).reshape(hp.n_head_kv, hd), w[b + "attn_k_norm.weight"])
+        v = (w[b + "attn_v.weight"] @ h).reshape(hp.n_head_kv, hd)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        self.k[il].append(k)
+        self.v[il].append(v)
+        K = np.repeat(np.stack(self.k[il]), hp.n_head // hp.n_head_kv, axis=1)
+        V = np.repeat(np.stack(self.v[il]), hp.n_head // hp.n_head_kv, axis=1)
+        s = np.einsum("hd,thd->ht", q, K) / np.sqrt(hd)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        o = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), V)
+        return w[b + "attn_output.weight"] @ (o * (1 / (1 + np.exp(-gate)))).reshape(-1)
+
     def _route(self, b: str, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
         """(experts, weights, margin): margin = how far (in router-logit units) the k-th choice is from
         the next, so that a rounding error of that size could flip it."""
@@ -316,13 +451,27 @@ class Reference:
         pos = len(self.k[0])
         x = w["token_embd.weight"][token].copy()  # [D]
         margin = np.inf
+        state = {l: (c.copy(), s.copy()) for l, (c, s) in self.states[-1].items()}
         for il in range(hp.n_layer):
             b = f"blk.{il}."
+            if hp.kinds:
+                x, m = self._nemotron_layer(il, x, state)
+                margin = min(margin, m)
+                continue
             h = self._rms(x, w[b + "attn_norm.weight"])
-            x = x + w[b + "attn_output.weight"] @ self._attention(il, h, pos)
+            if hp.recurrent:
+                if hp.recurrent[il]:
+                    self.k[il].append(None)
+                    self.v[il].append(None)
+                    x = x + self._gated_delta_net(il, h, state)
+                else:
+                    x = x + self._gated_attention(il, h, pos)
+            else:
+                x = x + w[b + "attn_output.weight"] @ self._attention(il, h, pos)
             if b + "attn_output.bias" in w:
                 x = x + w[b + "attn_output.bias"]
-            h2 = self._rms(x, w[b + ("post_attention_norm.weight" if hp.arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight")])
+            h2 = self._rms(x, w[b + ("post_attention_norm.weight" if hp.arch in ("glm4moe", "gpt-oss", "qwen35moe", "qwen3next")
+                                      else "ffn_norm.weight")])
             if il < hp.n_dense:
                 a = w[b + "ffn_gate.weight"] @ h2
                 x = x + w[b + "ffn_down.weight"] @ (a / (1 + np.exp(-a)) * (w[b + "ffn_up.weight"] @ h2))
@@ -347,10 +496,11 @@ class Reference:
                 a = w[b + "ffn_gate_shexp.weight"] @ h2
                 u = w[b + "ffn_up_shexp.weight"] @ h2
                 shared = w[b + "ffn_down_shexp.weight"] @ (a / (1 + np.exp(-a)) * u)
-                if hp.arch == "qwen2moe":  # gated by sigmoid(w . h)
+                if hp.arch in ("qwen2moe", "qwen35moe", "qwen3next"):  # gated by sigmoid(w . h)
                     shared = shared / (1 + np.exp(-(w[b + "ffn_gate_inp_shexp.weight"] @ h2)))
                 y += shared
             x = x + y
+        self.states.append(state)
         logits = w["output.weight"] @ self._rms(x, w["output_norm.weight"])
         return logits, float(margin)
 
@@ -358,11 +508,13 @@ class Reference:
         for il in range(self.hp.n_layer):
             self.k[il].pop()
             self.v[il].pop()
+        self.states.pop()
 
     def reset(self) -> None:
         for il in range(self.hp.n_layer):
             self.k[il].clear()
             self.v[il].clear()
+        self.states = [{}]
 
     def run(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Logits [T, V] and router margins [T] of ``ids`` from an empty cache."""

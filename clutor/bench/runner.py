@@ -112,11 +112,14 @@ def cache_bytes_for(path: str, describe: dict, budget: Budget) -> int:
 
 def kv_bytes(describe: dict, n_ctx: int) -> int:
     """Clutor's KV cache: float32, as the architecture lays it out (keys and values, or MLA's latent),
-    for every layer and position."""
+    for every layer that has one (a hybrid's attention layers) and position, plus a recurrent model's
+    fixed state (one sequence's, and as much again for its checkpoint at the prompt's end)."""
     c = describe["config"]
+    n_layers = c["n_layers"] if c.get("kv_layers") is None else len(c["kv_layers"])
+    state = 2 * c.get("recurrent_bytes", 0)
     if "kv_floats" in c:
-        return c["n_layers"] * c["kv_floats"] * n_ctx * 4
-    return c["n_layers"] * c["n_head_kv"] * n_ctx * (c["head_dim"] + c["head_dim_v"]) * 4
+        return n_layers * c["kv_floats"] * n_ctx * 4 + state
+    return n_layers * c["n_head_kv"] * n_ctx * (c["head_dim"] + c["head_dim_v"]) * 4 + state
 
 
 def estimate_footprint(describe: dict, cache_bytes: int, n_ctx: int, allowance: int) -> int:

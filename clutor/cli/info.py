@@ -63,6 +63,20 @@ def suggestions(layout, top_k: int, dense: int) -> dict[str, int]:
     return out
 
 
+def _kinds(kinds: list[str]) -> str:
+    """Layer kinds in order, runs collapsed: "3 linear attention, 1 attention, ... (4 attention, 12 linear
+    attention in all)"."""
+    runs: list[list] = []
+    for k in kinds:
+        if runs and runs[-1][1] == k:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, k])
+    shown = ", ".join(f"{n} {k}" for n, k in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    totals = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    return shown + (" (" + ", ".join(f"{n} {k}" for k, n in totals.items()) + " in all)" if len(runs) > len(totals) else "")
+
+
 def _fmt(n: int) -> str:
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
@@ -88,7 +102,12 @@ def run(args) -> int:
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
         f"attention       {a['attention']}, RoPE {a['rope']}"
         + (f", sliding window {a['sliding_window']}" if a["sliding_window"] else ""),
-        f"KV cache        {_fmt(a['kv_bytes_per_token'])} per token (float32)",
+        f"layer kinds     {_kinds(a['layer_kinds'])}",
+        f"KV cache        {_fmt(a['kv_bytes_per_token'])} per token (float32)"
+        + (f" in {len(c['kv_layers'])} of {c['n_layers']} layers" if c.get("kv_layers") is not None else ""),
+        (f"recurrent state {_fmt(a['recurrent_bytes'])} per sequence (float32, fixed: conv + "
+         f"{'SSM' if 'SSM' in a['layer_kinds'] else 'delta-rule'} states, whatever the context)")
+        if a.get("recurrent_bytes") else "",
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"context         {c['n_ctx_train']}",

@@ -1,4 +1,5 @@
-"""clutor serve MODEL: an OpenAI-compatible HTTP server (chat and text completions, streaming or not).
+"""clutor serve MODEL: an OpenAI-compatible HTTP server (chat and text completions, tool calls,
+structured output, the Responses and Anthropic Messages APIs, embeddings; a chat page at /).
 
 The port is open at once; /health answers 503 until the model is loaded, then 200. SIGINT/SIGTERM
 drains the requests in flight (at most --drain-timeout seconds), then exits. Needs the server extra:
@@ -33,6 +34,14 @@ def add_parser(sub):
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds requests in flight may still run")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--reasoning-format", default="auto", choices=("auto", "deepseek", "none"),
+                   help="auto/deepseek: a thinking model's reasoning goes in reasoning_content, apart from the "
+                        "content; none: left in the content as the model wrote it (as llama-server's)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model file's own")
+    p.add_argument("--pooling", default="mean", choices=("mean", "last"),
+                   help="how /v1/embeddings pools a text's final hidden states")
+    p.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     g = p.add_argument_group("defaults for requests that omit a sampling field")
     g.add_argument("--temperature", type=float, default=SamplingParams.temperature)
     g.add_argument("--top-k", type=int, default=SamplingParams.top_k)
@@ -76,11 +85,20 @@ async def run(args) -> int:
             server.should_exit = True
             raise
 
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ClutorError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repeat_penalty=args.repeat_penalty)
+                        repeat_penalty=args.repeat_penalty, reasoning_format=args.reasoning_format,
+                        chat_template=template)
     app = create_app(open_model(), served_model_name=args.served_model_name, api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, max_body=args.max_body,
-                     defaults=defaults, cors_origins=tuple(args.allow_origin))
+                     defaults=defaults, cors_origins=tuple(args.allow_origin), pooling=args.pooling,
+                     web_ui=not args.no_webui)
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
     host, port = sock.getsockname()[:2]
     logging.getLogger("clutor.server").info(

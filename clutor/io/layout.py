@@ -3,7 +3,8 @@
 clutor.io knows nothing about GGUF: the model side builds an ExpertLayout from the file's tensor
 table and hands it to the store. One expert = three slabs (gate, up, down), each a contiguous run of
 bytes, possibly in different files of a split model, and for models whose experts have biases (gpt-oss)
-three more (the gate, up and down biases): what belongs to an expert is read with it.
+three more (the gate, up and down biases): what belongs to an expert is read with it. Ungated experts
+(Nemotron-H's relu^2 ones) have two slabs, up and down.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class ExpertTensor:
 class ExpertLayout:
     n_experts: int
     layers: tuple[tuple[ExpertTensor, ...], ...]  # [layer] -> (gate, up, down[, gate bias, up bias, down bias])
+    gated: bool = True  # False: each expert is (up, down), no gate slab
 
     @property
     def n_layers(self) -> int:
@@ -50,7 +52,7 @@ class ExpertLayout:
 
     @property
     def n_parts(self) -> int:
-        """Slabs per expert: 3, or 6 with biases (the same in every layer)."""
+        """Slabs per expert: 3, or 6 with biases, or 2 ungated (the same in every layer)."""
         return len(self.layers[0])
 
     def slabs(self, layer: int, expert: int) -> tuple[Slab, ...]:

@@ -771,8 +771,6 @@ class ExpertStore:
 
     def _view(self, layer: int, expert: int, buffer: int) -> ExpertView:
         arena, geo = self._arena, self._geo
-        g, u, d, *b = (
-            arena.region_array(buffer, geo.start[p] + part.skip, part.nbytes)
-            for p, part in enumerate(self._parts_of((layer, expert)))
-        )
-        return ExpertView(layer, expert, g, u, d, tuple(b))
+        return ExpertView.of(layer, expert, [arena.region_array(buffer, geo.start[p] + part.skip, part.nbytes)
+                                             for p, part in enumerate(self._parts_of((layer, expert)))],
+                             self.layout.gated)

@@ -13,10 +13,19 @@ __all__ = ["ExpertView", "ExpertBatch"]
 class ExpertView:
     layer: int
     expert: int
-    gate: np.ndarray  # uint8 [slab_bytes] exactly the gate slab as stored in the file
+    gate: np.ndarray | None  # uint8 [slab_bytes] exactly the gate slab as stored in the file (None: ungated)
     up: np.ndarray    # uint8 [slab_bytes]
     down: np.ndarray  # uint8 [slab_bytes]
     biases: tuple[np.ndarray, ...] = ()  # uint8 slabs of the gate, up and down biases (gpt-oss), else empty
+
+    @classmethod
+    def of(cls, layer: int, expert: int, slabs, gated: bool = True) -> "ExpertView":
+        """From an expert's slabs in layout order: (gate,) up, down, then any biases."""
+        if gated:
+            g, u, d, *b = slabs
+        else:
+            g, (u, d, *b) = None, slabs
+        return cls(layer, expert, g, u, d, tuple(b))
 
 
 class ExpertBatch:

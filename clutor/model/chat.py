@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ClutorError
 
-__all__ = ["render_chat", "chat_prompt", "chat_ids", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "chat_prompt", "chat_ids", "chat_turn", "CHATML_TEMPLATE"]
 
 _FIELD = "tokenizer.chat_template"
 
@@ -308,3 +308,17 @@ def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = T
     BOS/EOS added per the file, special tokens parsed."""
     return tokenizer.encode(chat_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra),
                             special=True)
+
+
+def chat_turn(tokenizer, messages: list[dict], **extra: object) -> tuple[list[int], tuple[int, ...]]:
+    """(the prompt ids of this turn, where a model with recurrent layers should keep its state).
+
+    The next turn renders this conversation as it is now and then the reply; a template may render the
+    reply's turn differently from this turn's generation prompt (Qwen3.5's drops the thinking once
+    another user message follows), so what the next turn surely shares is the conversation without
+    the assistant's header: its length, when its ids are a prefix of the prompt's. A recurrent state
+    cannot be cut back from the prompt's end, so it is kept there too (clutor.model.engine)."""
+    ids = chat_ids(tokenizer, messages, **extra)
+    base = chat_ids(tokenizer, messages, add_generation_prompt=False, **extra)
+    keep = (len(base),) if 0 < len(base) < len(ids) and ids[: len(base)] == base else ()
+    return ids, keep

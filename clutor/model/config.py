@@ -41,6 +41,8 @@ class ModelConfig:
     moe_layers: tuple[int, ...]  # layers with routed experts; the expert store's layer i is moe_layers[i]
     kv_floats: int         # float32 values the KV cache holds per position per layer
     tied_output: bool      # no `output` tensor: logits reuse token_embd
+    kv_layers: tuple[int, ...] | None = None  # layers with a KV cache (None: all; hybrids: their attention layers)
+    recurrent_bytes: int = 0  # fixed state one sequence keeps in recurrent layers (conv + SSM / delta-rule)
 
     @property
     def group(self) -> int:
@@ -50,4 +52,5 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one position of one sequence takes over all layers (float32)."""
-        return self.n_layers * self.kv_floats * 4
+        n = self.n_layers if self.kv_layers is None else len(self.kv_layers)
+        return n * self.kv_floats * 4

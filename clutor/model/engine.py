@@ -32,7 +32,8 @@ __all__ = ["Engine", "EngineStats", "Request"]
 class EngineStats:
     live_sequences: int      # in the batch now
     queued: int              # submitted, waiting for a place in the batch
-    kv_bytes: int            # KV cache held by live sequences (positions filled x bytes per position)
+    kv_bytes: int            # KV cache held by live sequences (positions filled x bytes per position),
+                             # plus their recurrent states and checkpoints
     prefix_entries: int      # idle sequences kept for prefix reuse
     prefix_bytes: int        # their KV bytes (<= the prefix budget)
     steps: int               # forward steps run so far
@@ -48,6 +49,7 @@ class Request:
     max_new: int                # tokens to generate at most (max_tokens, bounded by the context)
     stop_ids: frozenset[int]    # end-of-generation tokens (empty when ignoring them)
     sample: Callable | None = None  # sample(req, logits [V]) -> (token, extra); None = sampler.sample
+    checkpoints: tuple[int, ...] = ()  # prompt positions whose recurrent state is kept for reuse (hybrids)
     seq: "SequenceState | None" = None
     held: list[int] = field(default_factory=list)   # ids whose positions the KV cache holds
     todo: list[int] = field(default_factory=list)   # ids still to feed: the prompt's rest, or the last token
@@ -80,14 +82,18 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        # every position ever written stays resident, not only the prefix that is reusable
-        return sum(seq.kv.high for seq, _ in self._entries.values()) * self.bytes_per_token
+        # every position ever written stays resident, not only the prefix that is reusable; recurrent
+        # states and their checkpoints are a fixed size per sequence
+        return sum(self._bytes(seq) for seq, _ in self._entries.values())
+
+    def _bytes(self, seq: "SequenceState") -> int:
+        return seq.kv.high * self.bytes_per_token + seq.state_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, seq: "SequenceState", held: list[int]) -> None:
-        if not held or seq.kv.high * self.bytes_per_token > self.budget:
+        if not held or self._bytes(seq) > self.budget:
             return
         self._entries[self._next] = (seq, held)
         self._next += 1
@@ -99,18 +105,19 @@ class PrefixCache:
         positions: the last prompt token is always computed, its logits are the first sample's)."""
         best, best_n = None, 0
         want = np.asarray(ids, dtype=np.int64)
-        for key, (_, held) in self._entries.items():
+        for key, (seq, held) in self._entries.items():
             n = min(len(held), len(want) - 1)
             if n <= best_n:
                 continue
             diff = np.nonzero(np.asarray(held[:n], dtype=np.int64) != want[:n])[0]
             n = int(diff[0]) if len(diff) else n
+            n = seq.reusable(n)  # a recurrent state goes back only to a checkpoint
             if n > best_n:
                 best, best_n = key, n
         if best is None:
             return None
         seq, held = self._entries.pop(best)
-        seq.kv.n = best_n  # positions past the shared prefix are overwritten as the new prompt fills them
+        seq.rewind(best_n)  # positions past the shared prefix are overwritten as the new prompt fills them
         return seq, held[:best_n]
 
 
@@ -135,10 +142,14 @@ class Engine:
 
     # -- the generation side ---------------------------------------------------------------------
     def submit(self, prompt: list[int], sampler: "Sampler", max_new: int, stop_ids: frozenset[int],
-               sample: Callable | None = None) -> Request:
+               sample: Callable | None = None, checkpoints: Sequence[int] = ()) -> Request:
+        """checkpoints: prompt positions (besides its end) where a recurrent model keeps its state, so
+        that a later prompt sharing only that much can start from there (chat: where the next turn's
+        rendering departs from this one's, clutor.model.chat.chat_turn)."""
         if self._closed:
             raise ClosedError(f"{self.model.path}: model is closed")
-        req = Request(list(prompt), sampler, max_new, stop_ids, sample)
+        req = Request(list(prompt), sampler, max_new, stop_ids, sample,
+                      tuple(sorted(p for p in set(checkpoints) if 0 < p < len(prompt))))
         req.history = list(prompt)
         self._waiting.append(req)
         if self._task is None or self._task.done():
@@ -159,7 +170,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(
             live_sequences=len(self._active), queued=len(self._waiting),
-            kv_bytes=sum(r.seq.kv.high for r in self._active if r.seq is not None) * self.bytes_per_token,
+            kv_bytes=sum(self.prefix._bytes(r.seq) for r in self._active if r.seq is not None),
             prefix_entries=len(self.prefix), prefix_bytes=self.prefix.nbytes,
             steps=self._steps, step_rows=self._rows)
 
@@ -227,6 +238,9 @@ class Engine:
         for r in self._active:
             if r.n_gen == 0 and room > 0:
                 n = min(len(r.todo), room)
+                if r.seq.rs is not None:  # stop at a checkpoint: the state is kept between steps only
+                    at = len(r.held)
+                    n = min([n] + [p - at for p in r.checkpoints if at < p < at + n])
                 batch.append((r, n))
                 room -= n
         return batch
@@ -257,6 +271,8 @@ class Engine:
         for r, f, out in zip(reqs, feeds, results):
             r.held.extend(f)
             del r.todo[: len(f)]
+            if r.n_gen == 0 and (len(r.held) == len(r.prompt) or len(r.held) in r.checkpoints):
+                r.seq.checkpoint()  # a recurrent state at the prompt's end or a requested position
             if out is not None and not r.released:
                 token, extra = out
                 r.n_gen += 1

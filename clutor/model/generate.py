@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
+
+import numpy as np
 
 from .._util import proc_bytes
 from ..errors import ClutorError
@@ -152,7 +154,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
-                   logprobs: int | None = None) -> AsyncIterator[GenerationChunk]:
+                   logprobs: int | None = None, logits_processor: Callable | None = None,
+                   show_tokens: Sequence[int] = (), checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -162,6 +165,13 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
+    logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
+        thread before each sampling (a grammar's mask, clutor.grammar.Matcher: disallowed tokens set
+        to -inf); what it returns is sampled from.
+    show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
+        Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
+    checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
+        later prompt that shares only that prefix reuses it (the prompt's end is always kept).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -180,12 +190,12 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
-    stream = tok.stream()
+    stream = tok.stream(show=show_tokens)
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
     req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              None if logprobs is None else _with_logprobs(logprobs))
+                              _sample_hook(logprobs, logits_processor), checkpoints)
     n_gen, reason = 0, "length"
     try:
         while True:
@@ -215,12 +225,21 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     yield GenerationChunk(tail, None, stats)
 
 
-def _with_logprobs(n: int):
-    """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
-    most likely from the raw logits, before any penalty (as OpenAI and llama.cpp's server report them)."""
+def _sample_hook(logprobs: int | None, processor: Callable | None):
+    """The engine's per-request sample hook (run on the compute thread), or None for plain sampling: the
+    logits processor applied before sampling, and the chosen token's logprob and the n most likely taken
+    from the raw logits, before any processing or penalty (as OpenAI and llama.cpp's server report them)."""
+    if logprobs is None and processor is None:
+        return None
 
     def sample(req, row):
-        token = req.sampler.sample(row, req.history)
-        return token, token_logprobs(row, token, n)
+        masked = row
+        if processor is not None:
+            masked = np.asarray(processor(req.history, np.array(row, dtype=np.float32, copy=True)),
+                                dtype=np.float32)  # [V]
+            if masked.shape != row.shape:
+                raise ClutorError(f"logits_processor returned shape {masked.shape}, expected {row.shape}")
+        token = req.sampler.sample(masked, req.history)
+        return token, (token_logprobs(row, token, logprobs) if logprobs is not None else None)
 
     return sample

@@ -565,14 +565,17 @@ class GGUFFile:
         """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight),
         for the layers 0..n-1 or the listed ones (the MoE layers of a model with leading dense
         layers); the layout's layer i is the i-th of them. Where the file has per-expert biases
-        (blk.L.ffn_{gate,up,down}_exps.bias, gpt-oss) each expert has three more slabs, its biases."""
+        (blk.L.ffn_{gate,up,down}_exps.bias, gpt-oss) each expert has three more slabs, its biases; where
+        it has no gate (ffn_up_exps and ffn_down_exps only: Nemotron-H), two, up and down."""
         layers = []
         ls = list(range(layers_) if isinstance(layers_, int) else layers_)
         biased = bool(ls) and f"blk.{ls[0]}.ffn_gate_exps.bias" in self.tensors
+        gated = not ls or any(f"blk.{ls[0]}.{t}.weight" in self.tensors for t in ("ffn_gate_exps", "ffn_gate_up_exps"))
         kinds = ("weight",) + (("bias",) if biased else ())
+        names = ("gate", "up", "down") if gated else ("up", "down")
         for l in ls:
             parts = []
-            for kind, part in ((k, p) for k in kinds for p in ("gate", "up", "down")):
+            for kind, part in ((k, p) for k in kinds for p in names):
                 fused = f"blk.{l}.ffn_gate_up_exps.weight"
                 if kind == "weight" and part in ("gate", "up") and fused in self.tensors:
                     # one tensor [E, 2F, D]: each expert's gate rows, then its up rows
@@ -596,7 +599,7 @@ class GGUFFile:
                     )
                 parts.append(ExpertTensor(t.path, t.offset, t.nbytes // n_experts))
             layers.append(tuple(parts))
-        return ExpertLayout(n_experts, tuple(layers))
+        return ExpertLayout(n_experts, tuple(layers), gated)
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -59,7 +59,8 @@ class Rope:
     """Rotary embedding of the first n_rot dims of each head, by pos * base^(-2i/n_rot).
 
     style "neox" rotates the pairs (x[i], x[i + n_rot/2]) (olmoe, qwen, glm4moe); "norm" the
-    adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through.
+    adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through, and so do the
+    pairs ``still`` marks (qwen35moe's interleaved M-RoPE gives text a zero position in some of them).
 
     The angles are computed for the positions of each call, not tabled for the whole context: a
     table of n_ctx x n_rot/2 would let the context length (or a file's key_length) decide an
@@ -67,13 +68,15 @@ class Rope:
     """
 
     def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox", yarn: "Yarn | None" = None,
-                 mscale: float = 1.0):
+                 mscale: float = 1.0, still: np.ndarray | None = None):
         self.half = n_rot // 2
         self.n_ctx = n_ctx
         self.style = style
         self.mscale = np.float32(mscale)  # magnitude applied to cos and sin (YaRN's, where an arch keeps it)
         inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
         self.inv = yarn.frequencies(inv, n_rot, base) if yarn is not None else inv
+        if still is not None:  # pairs [n_rot/2] that do not turn (their position is 0: M-RoPE's unused sections)
+            self.inv = np.where(still, 0.0, self.inv)
         self._memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (p0, T) -> (cos, sin)
         self._memo_floats = 0
 

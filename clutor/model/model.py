@@ -38,15 +38,47 @@ __all__ = ["Model", "SequenceState"]
 
 
 class SequenceState:
-    """One sequence's state: its KV cache (laid out as its architecture stores it) and how many
-    positions it holds."""
+    """One sequence's state: its KV cache (laid out as its architecture stores it), the recurrent
+    layers' states of a hybrid model (``rs``, clutor.model.recurrent; None when it has none), and
+    how many positions it holds.
+
+    A KV cache can be cut back to any shorter prefix; a recurrent state only to a checkpoint, so
+    prefix reuse asks ``reusable(n)`` how far back this sequence can go and ``rewind`` goes there."""
 
     def __init__(self, arch: Arch, n_ctx: int):
         self.kv = arch.new_kv(n_ctx)
+        self.rs = arch.new_recurrent()
 
     @property
     def n(self) -> int:
         return self.kv.n
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held besides the KV cache: recurrent states and their checkpoints."""
+        return 0 if self.rs is None else self.rs.nbytes
+
+    def commit(self, n: int) -> None:
+        """Positions up to n are filled (every layer has written them)."""
+        self.kv.n = n
+        if self.rs is not None:
+            self.rs.n = n
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent states at the current position, for prefix reuse."""
+        if self.rs is not None:
+            self.rs.save()
+
+    def reusable(self, n: int) -> int:
+        """The longest prefix of at most n positions this sequence can be cut back to."""
+        n = min(n, self.kv.n)
+        return n if self.rs is None else self.rs.reusable(n)
+
+    def rewind(self, n: int) -> None:
+        """Keep the first n positions (n from reusable); later ones are overwritten as new tokens come."""
+        if self.rs is not None:
+            self.rs.restore(n)
+        self.kv.n = n
 
 
 @dataclass(frozen=True)
@@ -69,7 +101,7 @@ class _Step:
     def commit(self) -> None:
         """The step's positions count as filled: only once every layer has written them."""
         for seg in self.segments:
-            seg.seq.kv.n = seg.p0 + len(seg.ids)
+            seg.seq.commit(seg.p0 + len(seg.ids))
 
 
 class Model:
@@ -357,10 +389,14 @@ class Model:
             picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
             rows = picked // K  # [S], S = rows summed over experts
             xg = h[rows]  # [S, D]
-            gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
-            matmul_jobs([job for v, t0, n in zip(views, starts, counts)
-                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))], D, xg, gu,
-                        self.kernels)
+            if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
+                gu = np.empty((len(xg), F), np.float32)
+                jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
+            else:
+                gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+                jobs = [job for v, t0, n in zip(views, starts, counts)
+                        for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))]
+            matmul_jobs(jobs, D, xg, gu, self.kernels)
             biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
             if biased:
                 for v, t0, n in zip(views, starts, counts):
@@ -478,10 +514,13 @@ class Model:
         """Stream the assistant's reply to messages ([{"role": ..., "content": ...}]) through the file's
         chat template; options as for generate. The next turn's prompt starts with this one's tokens,
         so its KV cache is reused (GenerationStats.cached_tokens says how many)."""
-        from .chat import chat_ids
+        from .chat import chat_ids, chat_turn
 
         self._check_open()
-        return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+        if not self.config.recurrent_bytes:
+            return self.generate(chat_ids(self.tokenizer, list(messages)), **options)
+        ids, keep = chat_turn(self.tokenizer, list(messages))  # where the next turn departs (recurrent state)
+        return self.generate(ids, **{"checkpoints": keep, **options})
 
     def engine_stats(self):
         """Live and queued sequences, KV bytes held, prefix cache (clutor.model.engine.EngineStats)."""

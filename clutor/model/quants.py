@@ -39,7 +39,7 @@ def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     from . import kernels  # late: kernels import numba, which is slow to import
 
     t0 = time.perf_counter()
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = _rounded_as_llama(np.ascontiguousarray(x, dtype=np.float32), (qtype,), settings)
     if kernels.has_kernel(qtype):
         y = kernels.matmul(raw, qtype, n_rows, n_cols, x, settings=settings)
     else:
@@ -53,7 +53,8 @@ def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: Ker
     one kernel launch when every type has a kernel, else one product at a time."""
     from . import kernels
 
-    if all(kernels.has_kernel(j.qtype) for j in jobs):
+    if all(kernels.has_kernel(j.qtype) for j in jobs) and len({j.qtype == QT.F16 for j in jobs}) == 1:
+        x = _rounded_as_llama(x, (jobs[0].qtype,), settings)
         t0 = time.perf_counter()
         kernels.matmul_jobs(jobs, n_cols, x, out, settings)
         kernel_done(t0)
@@ -62,6 +63,16 @@ def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: Ker
         rows = slice(j.t0, j.t0 + j.n_tok)
         out[rows, j.col : j.col + j.n_rows] = matmul(j.w, j.qtype, j.n_rows, n_cols, x[rows], settings)
     return out
+
+
+def _rounded_as_llama(x: np.ndarray, qtypes, settings: KernelSettings) -> np.ndarray:
+    """x as llama.cpp multiplies it by F16 weights: rounded to F16 first (ggml's dot-product type for
+    F16 rows), in the q8 mode, whose point is llama.cpp's arithmetic (f32 keeps x exact)."""
+    if QT.F16 not in qtypes or settings.activations == "f32":
+        return x
+    from . import kernels
+
+    return x.astype(np.float16).astype(np.float32) if kernels.mode(settings) == "q8" else x
 
 
 @dataclass(eq=False)
@@ -94,7 +105,7 @@ class Weight:
         """Apply as a linear layer: x float32 [T, n_cols] -> [T, n_rows]."""
         if self._f32 is not None:
             t0 = time.perf_counter()
-            y = np.ascontiguousarray(x, dtype=np.float32) @ self._f32.T
+            y = _rounded_as_llama(np.ascontiguousarray(x, dtype=np.float32), (self.qtype,), self.kernels) @ self._f32.T
             kernel_done(t0)
             return y
         return matmul(self.raw, self.qtype, self.shape[0], self.shape[1], x, self.kernels)

@@ -113,8 +113,8 @@ class InMemoryExperts:
             self._check(path)  # before any page of the mapping is touched (see the class docstring)
         views = []
         for e in experts:
-            g, u, d, *b = (self._slab(s) for s in self.layout.slabs(layer, int(e)))
-            views.append(ExpertView(layer, int(e), g, u, d, tuple(b)))
+            views.append(ExpertView.of(layer, int(e), [self._slab(s) for s in self.layout.slabs(layer, int(e))],
+                                       self.layout.gated))
         return views
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:

@@ -87,11 +87,20 @@ def check_tensors(f, arch) -> None:
             if t.name not in f.tensors and not t.required:
                 continue
             info = f.tensor(t.name)  # raises ModelFileError naming a missing tensor
-            if tuple(info.shape) != t.shape:
+            if _squeezed(info.shape, len(t.shape)) != t.shape:
                 raise ModelFileError(f.path, f"tensor {t.name} shape", f"{t.shape} (numpy order)", tuple(info.shape))
             if info.qtype not in SUPPORTED:
                 raise ModelFileError(f.path, f"tensor {t.name} type", "a supported type", type_name(info.qtype))
     arch.check_file(f)
+
+
+def _squeezed(shape, n: int) -> tuple[int, ...]:
+    """A file's numpy shape without leading 1s beyond n dims (ggml's trailing ne of 1: llama.cpp's
+    converter writes a [n_embd] gate as ne {n_embd, 1}, which llama.cpp reads as {n_embd})."""
+    shape = tuple(shape)
+    while len(shape) > n and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseWeights:
@@ -110,7 +119,7 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
             progress(raw.nbytes)
         if t.kind == "weight":
             return Weight(t.name, raw, info.qtype, tuple(info.shape))
-        return np.ascontiguousarray(dequantize(raw, info.qtype, tuple(info.shape)), dtype=np.float32)
+        return np.ascontiguousarray(dequantize(raw, info.qtype, tuple(info.shape)), dtype=np.float32).reshape(t.shape)
 
     glob, *layer_tables = _tables(arch)
     glob = {k: load(t) for k, t in glob.items()}

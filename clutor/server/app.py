@@ -17,24 +17,32 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ..errors import ClutorError, ClutorIOError
 from .admission import Admission, QueueFull
+from .embeddings import embeddings_route
 from .errors import APIError, bad_request, error_body
 from .metrics import Metrics, watch_loop_lag
+from ..formats import Delta, Message
 from .requests import Defaults, GenRequest, check_model, parse_chat, parse_completion
+from .messages_api import MessagesShaper, anthropic_error, parse_messages
 from .responses import Shaper
+from .responses_api import ResponsesShaper, parse_responses
 
 __all__ = ["create_app", "ServerState"]
 
 log = logging.getLogger("clutor.server")
+
+STATIC = Path(__file__).parent / "static"  # the chat page: HTML, CSS and JS, served as they are
 
 
 @dataclass
@@ -76,7 +84,8 @@ class ServerState:
 
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
                max_sequences: int | None = None, max_queue: int = 64, max_body: int = 8 << 20,
-               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = ()) -> Starlette:
+               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (), pooling: str = "mean",
+               web_ui: bool = True) -> Starlette:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -87,6 +96,8 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         max_queue: requests waiting beyond those (then 429).
     max_body: largest request body in bytes (then 413).
     cors_origins: browser origins allowed to call the API ("*" = any); none by default.
+    pooling: how /v1/embeddings pools a text's final hidden states ("mean" or "last").
+    web_ui: serve the chat page at / (static files, no build step, nothing fetched from elsewhere).
     """
     state = ServerState(served_model_name, api_key, Admission(max_sequences or 1, max_queue),
                         defaults or Defaults(), max_body, batch_from_model=max_sequences is None)
@@ -112,11 +123,17 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
     routes = [
         Route("/v1/chat/completions", _gen_route(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _gen_route(state, "completion"), methods=["POST"]),
+        Route("/v1/responses", _gen_route(state, "responses"), methods=["POST"]),
+        Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
+        Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
     ]
+    if web_ui:
+        routes += [Route("/", _page, methods=["GET"]),
+                   Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, APIError: _api_error})
     app.state.clutor = state
@@ -146,7 +163,8 @@ async def _load(state: ServerState, opener: Awaitable) -> None:
 
 
 class _Auth:
-    """With an API key, every /v1 route needs ``Authorization: Bearer KEY``; /health and /metrics stay open."""
+    """With an API key, every /v1 route needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``);
+    /health and /metrics stay open."""
 
     def __init__(self, app: Starlette, state: ServerState):
         self.app = app
@@ -160,8 +178,11 @@ class _Auth:
         if root and path.startswith(root):  # mounted: Starlette keeps the mount prefix in path
             path = path[len(root):]
         if key and scope["type"] == "http" and path.startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            # Anthropic's clients send the key as x-api-key
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
+                "latin-1").strip()
             if not hmac.compare_digest(given.encode(), key.encode()):
                 self._server.metrics.requests[(scope["path"], 401)] += 1
                 log.info("- %s %s 401 (missing or wrong API key)", scope["method"], scope["path"])
@@ -187,8 +208,11 @@ def _ready(state: ServerState) -> None:
 def _models(state: ServerState):
     async def models(request: Request) -> Response:
         _ready(state)
+        n_ctx = state.model.n_ctx
+        # the context under the names clients read: vLLM's max_model_len, OpenRouter's context_length
         entry = {"id": state.name, "object": "model", "created": state.created, "owned_by": "clutor",
-                 "meta": {"n_ctx": state.model.n_ctx, "arch": state.model.config.arch}}
+                 "max_model_len": n_ctx, "context_length": n_ctx,
+                 "meta": {"n_ctx": n_ctx, "arch": state.model.config.arch}}
         name = request.path_params.get("name")
         if name is None:
             return JSONResponse({"object": "list", "data": [entry]})
@@ -197,6 +221,12 @@ def _models(state: ServerState):
         return JSONResponse(entry)
 
     return models
+
+
+async def _page(request: Request) -> Response:
+    from starlette.responses import FileResponse
+
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
 
 def _health(state: ServerState):
@@ -229,22 +259,49 @@ async def _http_error(request: Request, e: HTTPException) -> Response:
 
 # -- generation -------------------------------------------------------------------------------------
 def _gen_route(state: ServerState, kind: str):
+    api = _API[kind]
+
     async def route(request: Request) -> Response:
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = api.prefix + uuid.uuid4().hex[:24]
         t0 = time.perf_counter()
         try:
             _ready(state)
             body = await _json_body(request, state.max_body)
             check_model(body, state.name)
-            parse = parse_chat if kind == "chat" else parse_completion
-            req = await asyncio.to_thread(parse, body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            args = (body, state.model.tokenizer, state.model.n_ctx, state.defaults)
+            if api.chat:  # a model with recurrent layers keeps its state where the next turn departs
+                args += (state.model.config.recurrent_bytes > 0,)
+            req = await asyncio.to_thread(api.parse, *args)
         except APIError as e:
             state.metrics.requests[(request.url.path, e.status)] += 1
             log.info("%s %s %d %s", rid, request.url.path, e.status, e.message)
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        return _Generation(state, req, rid, request.url.path, t0)
+            return JSONResponse(api.error(e), status_code=e.status, headers=e.headers)
+        return _Generation(state, req, rid, request.url.path, t0, api)
 
     return route
+
+
+@dataclass(frozen=True)
+class _Api:
+    """One API the generation routes speak: how its requests are read, its replies and errors shaped."""
+
+    prefix: str                 # of its ids
+    parse: object               # (body, tokenizer, n_ctx, defaults[, recurrent]) -> GenRequest
+    shaper: object              # (req, rid, created, model name, tokenizer) -> a shaper (responses.py)
+    error: object               # APIError -> body
+    chat: bool = True           # a conversation (its parse takes the model's recurrent flag)
+
+
+def _openai_shaper(req, rid, created, name, tok):
+    return Shaper(req.kind, rid, created, name, tok, req.include_usage)
+
+
+_API = {
+    "chat": _Api("chatcmpl-", parse_chat, _openai_shaper, Shaper.error),
+    "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error, chat=False),
+    "responses": _Api("resp_", parse_responses, ResponsesShaper, ResponsesShaper.error),
+    "messages": _Api("msg_", parse_messages, MessagesShaper, anthropic_error),
+}
 
 
 async def _json_body(request: Request, limit: int) -> dict:
@@ -271,13 +328,15 @@ async def _json_body(request: Request, limit: int) -> dict:
 class _Generation(Response):
     """Runs one admitted generation as the response itself (an ASGI callable), watching the connection."""
 
-    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float):
-        self.s, self.req, self.rid, self.path, self.t0 = state, req, rid, path, t0
+    def __init__(self, state: ServerState, req: GenRequest, rid: str, path: str, t0: float, api: _Api):
+        self.s, self.req, self.rid, self.path, self.t0, self.api = state, req, rid, path, t0, api
         self.status = 0
         self.t_first: float | None = None
         self.stats = None
         self.note = ""
         self.background = None
+        self.shaper = None
+        self.matcher = None   # the grammar's, when the request constrains the reply
 
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -303,7 +362,7 @@ class _Generation(Response):
                 if self.status == 0:
                     await self._error(send, err)
                 else:
-                    await _sse(send, {"error": err.body()["error"]}, more=False)
+                    await self._stream_error(send, err)
             self.note = err.message
         self._log()
 
@@ -320,7 +379,10 @@ class _Generation(Response):
             return
         t_admit = time.perf_counter()
         try:
-            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options)
+            plan = req.plan
+            self.matcher = plan.grammar.matcher() if plan is not None and plan.grammar is not None else None
+            extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
+            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
             try:
                 if req.stream:
                     await self._stream(agen, send)
@@ -342,7 +404,7 @@ class _Generation(Response):
                 await self._error(send, err)
             else:  # mid-stream: the status is sent already; end the stream with an error event
                 self.note = err.message
-                await _sse(send, {"error": err.body()["error"]}, more=False)
+                await self._stream_error(send, err)
         finally:
             s.admission.release(time.perf_counter() - t_admit)
 
@@ -355,12 +417,18 @@ class _Generation(Response):
     async def _error(self, send, e: APIError) -> None:
         self.status = e.status
         self.note = e.message
-        resp = JSONResponse(e.body(), status_code=e.status, headers={**e.headers, "x-request-id": self.rid})
+        resp = JSONResponse(self.api.error(e), status_code=e.status, headers={**e.headers, "x-request-id": self.rid})
         await resp({"type": "http"}, _never, send)
 
-    def _shaper(self) -> Shaper:
-        return Shaper(self.req.kind, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer,
-                      self.req.include_usage)
+    async def _stream_error(self, send, e: APIError) -> None:
+        shaper = self.shaper or self._shaper()
+        name, body = shaper.stream_error(e)
+        await _sse(send, body, more=False, event=name)
+
+    def _shaper(self):
+        shaper = self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
+        return shaper
 
     async def _whole(self, agen, send) -> None:
         parts, chunks = [], []
@@ -373,29 +441,40 @@ class _Generation(Response):
             if c.stats is not None:
                 self.stats = c.stats
         self._count()
-        body = self._shaper().whole("".join(parts), chunks, self.stats)
+        text = "".join(parts)
+        plan = self.req.plan
+        # the whole reply parsed at once, off the event loop
+        message = Message(content=text) if plan is None else await asyncio.to_thread(plan.parser().parse, text)
+        body = self._shaper().whole(message, chunks, self.stats)
         await self._start(send, b"application/json")
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
     async def _stream(self, agen, send) -> None:
-        shaper = self._shaper()
+        shaper = self.shaper = self._shaper()
+        parser = self.req.plan.parser() if self.req.plan is not None else None
         async for c in agen:
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
                 await self._start(send, b"text/event-stream")
-                first = shaper.first()
-                if first is not None:
-                    await _sse(send, first)
+                for ev in shaper.open():
+                    await _sse(send, ev[1], event=ev[0])
+            d = None
             if c.token is not None and (c.text or c.logprob is not None):
-                await _sse(send, shaper.delta(c.text, [c]))
-            if c.stats is not None:
+                d = parser.feed(c.text) if parser is not None else Delta(content=c.text)
+                events = shaper.delta(d, [c])
+            elif c.stats is not None:
                 self.stats = c.stats
-                if c.text:
-                    await _sse(send, shaper.delta(c.text, []))
+                d = Delta(content=c.text) if parser is None else parser.feed(c.text).extend(parser.finish())
+                events = shaper.delta(d, [])
+            else:
+                events = []
+            for ev in events:
+                await _sse(send, ev[1], event=ev[0])
         self._count()
-        for body in shaper.last(self.stats):
-            await _sse(send, body)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        shaper.grammar = self.matcher.stats if self.matcher is not None else None
+        for ev in shaper.close(parser.message if parser is not None else None, self.stats):
+            await _sse(send, ev[1], event=ev[0])
+        await send({"type": "http.response.body", "body": shaper.done or b"", "more_body": False})
 
     def _count(self) -> None:
         m, st = self.s.metrics, self.stats
@@ -421,8 +500,9 @@ class _Generation(Response):
                      ttft, time.perf_counter() - self.t0, self.note)
 
 
-async def _sse(send, obj: dict, more: bool = True) -> None:
-    await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+async def _sse(send, obj: dict, more: bool = True, event: str | None = None) -> None:
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    await send({"type": "http.response.body", "body": head + b"data: " + json.dumps(obj).encode() + b"\n\n",
                 "more_body": more})
 
 

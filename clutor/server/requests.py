@@ -1,9 +1,10 @@
 """Read an OpenAI request body into what model.generate needs, refusing anything wrong with a 4xx.
 
 Each field is checked for its type and range and named in the message (``param``), as OpenAI does.
-Fields Clutor cannot honour (n > 1, tools, logit_bias, echo, ...) are refused rather than ignored,
-so a client never silently gets something other than what it asked for. Unknown fields are ignored
-(clients send vendor extras freely).
+Fields Clutor cannot honour (n > 1, logit_bias, echo, ...) are refused rather than ignored, so a
+client never silently gets something other than what it asked for. Unknown fields are ignored
+(clients send vendor extras freely). A chat's tools, tool calls, response format and reasoning are
+read in chat_plan.py.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import ClutorError
 from ..model.sampling import SamplingParams
 from .errors import APIError, bad_request
 
@@ -32,6 +32,8 @@ class Defaults:
     min_p: float = SamplingParams.min_p
     repeat_penalty: float = SamplingParams.repeat_penalty
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
+    reasoning_format: str = "auto"   # --reasoning-format: reasoning apart (auto, deepseek) or left in content (none)
+    chat_template: str | None = None  # --chat-template: the file's own template when None
 
 
 @dataclass
@@ -46,6 +48,8 @@ class GenRequest:
     include_usage: bool = False
     logprobs: int | None = None        # None = off; n = the chosen token's logprob and n alternatives
     user: str | None = None
+    plan: object = None                # a chat's ChatPlan (chat_plan.py): parser, grammar, shown tokens
+    extra: dict = field(default_factory=dict)  # what an API echoes back (the Responses API's settings)
 
 
 def check_model(body: dict, served: str) -> None:
@@ -60,33 +64,29 @@ def check_model(body: dict, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages", "'messages' must be a non-empty array of {role, content} objects")
-    messages = [_message(m, i) for i, m in enumerate(msgs)]
-    from ..model.chat import chat_ids
+def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
+    """recurrent: the model has recurrent layers, which keep their state where the next turn of this
+    conversation will depart from this one (clutor.model.chat.chat_turn)."""
+    from .chat_plan import chat_messages, plan_chat
 
-    try:
-        ids = chat_ids(tokenizer, messages)
-    except ClutorError as e:
-        raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
+    if "functions" in body and body["functions"]:
+        raise bad_request("functions", "'functions' is OpenAI's deprecated form: send 'tools' instead")
+    plan = plan_chat(body, chat_messages(body.get("messages")), tokenizer, reasoning_format=d.reasoning_format,
+                     template=d.chat_template, recurrent=recurrent)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(name, f"'{name}' (tool calling) is not supported by this server")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
     limit = body.get("max_completion_tokens", None)
     name = "max_completion_tokens"
     if limit is None:
         limit, name = body.get("max_tokens"), "max_tokens"
-    return _common(body, "chat", ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req = _common(body, "chat", plan.ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req.plan = plan
+    if plan.keep:
+        req.options["checkpoints"] = plan.keep
+    return req
 
 
 def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
@@ -169,33 +169,6 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
     if user is not None and not isinstance(user, str):
         raise bad_request("user", f"'user' must be a string, got {_kind(user)}")
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
-
-
-def _message(m, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad_request(where, f"'{where}' must be an object with 'role' and 'content', got {_kind(m)}")
-    role = m.get("role")
-    if role == "developer":  # OpenAI's newer name for the system role
-        role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise bad_request(f"{where}.role", f"'{where}.role' must be 'system', 'user' or 'assistant', got {role!r}")
-    content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}.content[{j}]",
-                                  f"'{where}.content[{j}]' must be a text part {{'type': 'text', 'text': ...}} "
-                                  "(this server reads text only)")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise bad_request(f"{where}.content", f"'{where}.content' must be a string or an array of text parts, "
-                                              f"got {_kind(content)}")
-    return {"role": role, "content": content}
 
 
 def _prompt_ids(prompt, tokenizer) -> list[int]:

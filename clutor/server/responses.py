@@ -1,13 +1,27 @@
-"""OpenAI response bodies: whole completions, stream chunks, usage and logprobs, built from GenerationChunks."""
+"""OpenAI response bodies: whole completions, stream chunks, usage, logprobs, tool calls and reasoning.
+
+Every API's shaper (this one; Anthropic's Messages in messages_api.py, OpenAI's Responses in
+responses_api.py) answers the same calls, so one generation loop (app._Generation) serves them all:
+
+    whole(message, chunks, stats) -> the JSON body of a non-streamed reply
+    open() / delta(delta, chunks) / close(message, stats) -> stream events [(event name or None, body)]
+    error(e) -> the body of an error in this API's shape; done: the bytes that end the stream, if any
+
+``message`` and ``delta`` are the reply as its chat format's parser read it (clutor.formats): content,
+reasoning and tool calls apart. A completion (no chat format) is all content.
+"""
 from __future__ import annotations
 
+from ..formats import Delta, Message
 from ..model.generate import GenerationChunk, GenerationStats
 
-__all__ = ["Shaper"]
+__all__ = ["Shaper", "timings", "usage"]
 
 
-def finish_reason(stats: GenerationStats) -> str:
-    return "length" if stats.stop_reason == "length" else "stop"
+def finish_reason(stats: GenerationStats, message: Message | None = None) -> str:
+    if stats.stop_reason == "length":
+        return "length"  # as OpenAI: also when a tool call was cut off
+    return "tool_calls" if message is not None and message.tool_calls else "stop"
 
 
 def usage(stats: GenerationStats) -> dict:
@@ -16,8 +30,26 @@ def usage(stats: GenerationStats) -> dict:
             "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
 
 
+def timings(stats: GenerationStats, grammar=None) -> dict:
+    """llama-server's per-reply ``timings`` (what its web UI shows), plus the expert store's side."""
+    out = {"prompt_n": stats.prompt_tokens - stats.cached_tokens, "cache_n": stats.cached_tokens,
+           "prompt_ms": 1000 * stats.prefill_seconds, "prompt_per_second": stats.prefill_tps,
+           "predicted_n": stats.generated_tokens, "predicted_ms": 1000 * stats.decode_seconds,
+           "predicted_per_second": stats.decode_tps}
+    io = stats.io
+    if io is not None:
+        out["experts"] = {"hit_rate": io.hit_rate, "bytes_read": io.bytes_read, "accesses": io.accesses,
+                          "misses": io.misses, "wait_ms": 1000 * io.wait_seconds, "cache_bytes": io.cache_bytes}
+    if grammar is not None:  # clutor.grammar.MaskStats
+        out["grammar"] = {"masks": grammar.masks, "mask_us": grammar.us_per_mask,
+                          "apply_ms": 1000 * grammar.apply_seconds}
+    return out
+
+
 class Shaper:
-    """Builds the bodies of one request (chat or completion) in OpenAI's shapes."""
+    """Builds the bodies of one OpenAI request (chat or completion)."""
+
+    done = b"data: [DONE]\n\n"
 
     def __init__(self, kind: str, rid: str, created: int, model: str, tokenizer, include_usage: bool):
         self.kind = kind
@@ -27,10 +59,18 @@ class Shaper:
         self.tok = tokenizer
         self.include_usage = include_usage
         self._offset = 0  # completions' text_offset: characters of completion text so far
+        self.grammar = None  # the reply's MaskStats, set by the generation before whole() / close()
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
+
+    @staticmethod
+    def error(e) -> dict:
+        return e.body()
+
+    def stream_error(self, e) -> tuple[None, dict]:
+        return None, {"error": e.body()["error"]}
 
     # -- logprobs -----------------------------------------------------------------------------------
     def _token(self, token: int) -> tuple[str, list[int]]:
@@ -63,17 +103,25 @@ class Shaper:
         return out
 
     # -- whole response -----------------------------------------------------------------------------
-    def whole(self, text: str, chunks: list[GenerationChunk], stats: GenerationStats) -> dict:
+    def whole(self, message: Message, chunks: list[GenerationChunk], stats: GenerationStats) -> dict:
         lp = self.logprobs(chunks)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": finish_reason(stats)}
+            msg = {"role": "assistant", "content": message.content, "refusal": None}
+            if message.reasoning:
+                msg["reasoning_content"] = message.reasoning
+            if message.tool_calls:
+                msg["content"] = message.content or None  # as OpenAI: null beside tool calls when empty
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in message.tool_calls]
+            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish_reason(stats, message)}
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason(stats)}
+            choice = {"index": 0, "text": message.content, "logprobs": lp, "finish_reason": finish_reason(stats)}
             body = self._head("text_completion")
         body["choices"] = [choice]
         body["usage"] = usage(stats)
+        body["timings"] = timings(stats, self.grammar)
         return body
 
     # -- stream chunks ------------------------------------------------------------------------------
@@ -84,28 +132,48 @@ class Shaper:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
         return body
 
-    def first(self) -> dict | None:
+    def open(self) -> list[tuple[str | None, dict]]:
         """Chat streams open with the assistant's role."""
         if self.kind != "chat":
-            return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+            return []
+        return [(None, self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}))]
 
-    def delta(self, text: str, chunks: list[GenerationChunk]) -> dict:
+    def delta(self, d: Delta, chunks: list[GenerationChunk]) -> list[tuple[str | None, dict]]:
         lp = self.logprobs(chunks)
-        if self.kind == "chat":
-            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None})
-        return self._chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": None})
+        if self.kind != "chat":
+            if not d.content and lp is None:
+                return []
+            return [(None, self._chunk({"index": 0, "text": d.content, "logprobs": lp, "finish_reason": None}))]
+        out = []
+        if d.reasoning:
+            out.append({"reasoning_content": d.reasoning})
+        if d.content or (lp is not None and not d.reasoning and not d.calls):
+            out.append({"content": d.content})
+        for c in d.calls:
+            if c.name is not None:  # OpenAI's first delta of a call: id, type, name, arguments so far
+                call = {"index": c.index, "id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}}
+            else:
+                call = {"index": c.index, "function": {"arguments": c.arguments}}
+            out.append({"tool_calls": [call]})
+        events = []
+        for k, delta in enumerate(out):
+            events.append((None, self._chunk({"index": 0, "delta": delta, "logprobs": lp if k == 0 else None,
+                                              "finish_reason": None})))
+        return events
 
-    def last(self, stats: GenerationStats) -> list[dict]:
-        """The chunk carrying finish_reason, then (when asked) the usage chunk with no choices."""
+    def close(self, message: Message | None, stats: GenerationStats) -> list[tuple[str | None, dict]]:
+        """The chunk carrying finish_reason (and the reply's timings), then (when asked) the usage chunk."""
         if self.kind == "chat":
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(stats)}
+            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(stats, message)}
         else:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(stats)}
-        out = [self._chunk(choice)]
+        last = self._chunk(choice)
+        last["timings"] = timings(stats, self.grammar)
+        out = [(None, last)]
         if self.include_usage:
             u = self._chunk(None)
             u["usage"] = usage(stats)
-            out.append(u)
+            out.append((None, u))
         return out

@@ -13,13 +13,17 @@ from .deepseek2 import DeepSeek2
 from .glm4moe import GLM4MoE
 from .gptoss import GptOss
 from .llama import Llama
+from .nemotron_h_moe import NemotronHMoE
 from .olmoe import OLMoE
 from .qwen2moe import Qwen2MoE
+from .qwen35moe import Qwen35MoE
 from .qwen3moe import Qwen3MoE
+from .qwen3next import Qwen3Next
 
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
-ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss)}
+ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss,
+                                                Qwen3Next, Qwen35MoE, NemotronHMoE)}
 
 
 def read_arch(f) -> Arch:

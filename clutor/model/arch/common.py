@@ -55,7 +55,7 @@ def read_bool(f, key: str, default: bool) -> bool:
 
 def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: int = 0, n_ff_shexp: int = 0,
                 n_ff: int = 0, head_dim: int | None = None, head_dim_v: int | None = None,
-                n_head_kv: int | None = None, kv_floats: int | None = None) -> ModelConfig:
+                n_head_kv: int | None = None, kv_floats: int | None = None, eps: float | None = None) -> ModelConfig:
     """The ModelConfig fields every architecture reads the same way; the arguments are what an
     architecture reads its own way (layer count without MTP layers, MLA head sizes, ...)."""
     n_embd = read_int(f, "embedding_length", 1, MAX_DIM)
@@ -95,7 +95,7 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
         n_vocab=tok.shape[0],
         n_ctx_train=read_int(f, "context_length", 1, MAX_CTX),
         rope_base=read_float(f, "rope.freq_base", default=10000.0),
-        eps=read_float(f, "attention.layer_norm_rms_epsilon"),
+        eps=read_float(f, "attention.layer_norm_rms_epsilon") if eps is None else eps,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
         n_ff_exp=read_int(f, ff_key, 1, MAX_DIM),
@@ -210,6 +210,16 @@ class Arch:
         cfg = self.cfg
         return KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
 
+    def new_recurrent(self):
+        """A fresh sequence's recurrent state (clutor.model.recurrent.RecurrentState); None: no
+        recurrent layers."""
+        return None
+
+    def layer_kind(self, l: int) -> str:
+        """What layer l computes besides its FFN: "attention", "window" (sliding-window attention),
+        "linear attention" (Gated DeltaNet) or "SSM" (Mamba-2)."""
+        return "attention"
+
     def qkv(self, lw, h: np.ndarray):
         """Projections of the normed input h [R, D]: q [R, H, hd], k [R, Hkv, hd], v [R, Hkv, hdv]."""
         cfg, R = self.cfg, h.shape[0]
@@ -271,6 +281,8 @@ class Arch:
             "sliding_window": None,
             "fused_gate_up": self.fused_gate_up,
             "kv_bytes_per_token": cfg.kv_bytes_per_token,
+            "layer_kinds": [self.layer_kind(l) for l in range(cfg.n_layers)],
+            "recurrent_bytes": cfg.recurrent_bytes,
         }
 
 

@@ -97,6 +97,9 @@ class GptOss(Arch):
             o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim), window=window, sinks=lw.sinks)
         return lw.wo(o) + lw.bo
 
+    def layer_kind(self, l):
+        return "window" if self.swa[l] else "attention"
+
     def route(self, lw, h):
         return gate(h, lw.router, self.cfg.n_expert_used, func="softmax_weight", logit_bias=lw.router_b,
                     scale=self.w_scale)

@@ -281,9 +281,10 @@ class Tokenizer:
             pieces[0] = pieces[0][1:]
         return b"".join(pieces).decode("utf-8", errors="replace")
 
-    def stream(self, special: bool = False) -> "StreamDecoder":
-        """An incremental decoder for generated tokens (no leading space is dropped: they continue a text)."""
-        return StreamDecoder(self, special)
+    def stream(self, special: bool = False, show: Iterable[int] = ()) -> "StreamDecoder":
+        """An incremental decoder for generated tokens (no leading space is dropped: they continue a text);
+        ``show``: control-token ids whose text is shown even without ``special``."""
+        return StreamDecoder(self, special, show)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -347,16 +348,18 @@ class StreamDecoder:
     ``"".join(push(i) for i in ids) + flush()`` is the text of the ids with nothing stripped.
     """
 
-    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False, show: Iterable[int] = ()):
         self._tokenizer = tokenizer
         self._special = special
+        self._show = frozenset(int(i) for i in show)
         # Python's incremental UTF-8 decoder holds back exactly an incomplete trailing sequence and
         # replaces invalid bytes the same way a one-shot bytes.decode(errors="replace") does.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became complete (maybe "")."""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id, self._special))
+        special = self._special or token_id in self._show
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, special))
 
     def flush(self) -> str:
         """Emit what is held back (an incomplete character becomes U+FFFD) and reset."""

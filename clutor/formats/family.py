@@ -1,0 +1,110 @@
+"""A model family's chat format: how it writes tool calls and reasoning, and how to ask for them.
+
+Each family module (hermes, qwen_xml, glm, deepseek, mistral, harmony) defines one ``Family``:
+- ``detect(template)``: whether a chat template is this family's (by the markup it writes);
+- ``parser(...)``: a fresh StreamParser for one reply;
+- ``call_grammar(tools, parallel, lit)``: a Lark rule ``calls`` admitting exactly this family's
+  well-formed calls to these tools (constrained decoding for tool_choice required / named);
+- ``tools_prompt(tools)``: the system text describing the tools, for templates that do not render
+  ``tools`` themselves (None when the template does);
+- ``render_calls(calls)``: an assistant's calls as this family writes them, for templates that do
+  not render ``tool_calls``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .base import StreamParser, Tool, new_call_id
+
+__all__ = ["Family", "Lit", "json_rule", "text_until"]
+
+# lit(text) -> a Lark term producing exactly this text: the special token when the vocabulary has it
+# as a control token (it cannot be spelled in bytes), else the quoted string.
+Lit = Callable[[str], str]
+
+
+def json_rule(schema: dict) -> str:
+    """An llguidance Lark term for one JSON value matching ``schema`` (bounded whitespace, as every
+    JSON constraint here)."""
+    from ..grammar.constraint import json_term
+
+    return json_term(schema)
+
+
+def text_until(stop: str) -> str:
+    """A Lark regex for any text that does not contain ``stop`` (so ``stop`` ends it). llguidance
+    allows '&' and '~' in terminals only: use it as ``NAME: text_until(...)`` and refer to NAME."""
+    esc = "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in stop).replace("\n", "\\n")
+    return f"/(?s:.*)/ & ~/(?s:.*{esc}.*)/"
+
+
+def raw_text(spec, stop: str, defs: list[str]) -> str:
+    """A string argument written as raw text up to ``stop`` (the XML forms' delimiter): one of its
+    enum's values when it has one; else any text without ``stop``, of the schema's minLength..maxLength
+    and matching its pattern when it gives them. Terminals it needs are appended to ``defs``."""
+    import json
+
+    spec = spec if isinstance(spec, dict) else {}
+    enum = spec.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + ")"
+    lo, hi = spec.get("minLength"), spec.get("maxLength")
+    pattern = spec.get("pattern")
+    if isinstance(pattern, str) and pattern:
+        body = pattern[1:] if pattern.startswith("^") else "(?s:.*)" + pattern
+        body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body + "(?s:.*)"
+        core = "/" + body.replace("/", "\\/") + "/"
+    elif isinstance(lo, int) or isinstance(hi, int):
+        core = "/(?s:.{%d,%s})/" % (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else "")
+    else:
+        core = "/(?s:.*)/"
+    name = f"RAW{len(defs)}"
+    no_stop = text_until(stop).split(" & ", 1)[1]
+    defs.append(f"{name}: {core} & {no_stop}")
+    return name
+
+
+def object_schema(tool: Tool) -> dict:
+    p = tool.parameters if isinstance(tool.parameters, dict) and tool.parameters else {"type": "object"}
+    return p
+
+
+class Family:
+    name = "plain"
+    markers: tuple[str, ...] = ()       # texts the parser reads: shown even when they are control tokens
+    native = True                       # the template renders tools and tool calls itself
+
+    def detect(self, template: str) -> bool:  # pragma: no cover - overridden
+        return False
+
+    def new_id(self) -> str:
+        return new_call_id()
+
+    def parser(self, tools: dict[str, Tool] | None, *, think: tuple[str, str] | None, starts_in_reasoning: bool,
+               prefix: str = "") -> StreamParser:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def tools_prompt(self, tools: Sequence[Tool]) -> str | None:
+        return None
+
+    def render_calls(self, calls: Sequence[tuple[str, dict]]) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<chat format {self.name}>"
+
+
+def alternatives(rules: dict[str, str]) -> str:
+    """Lark text defining one rule per tool and ``call`` as their alternatives."""
+    lines = [f"{name}: {body}" for name, body in rules.items()]
+    lines.append("call: " + " | ".join(rules))
+    return "\n".join(lines)
+
+
+def repeat_calls(parallel: bool, sep: str = "") -> str:
+    if not parallel:
+        return "calls: call"
+    return f"calls: call ({sep} call)*" if sep else "calls: call+"

@@ -1,0 +1,86 @@
+"""GLM-4.5 / 4.6 / 4.7 calls: the name, then each argument as a key and value element:
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+(GLM-4.7 writes the same with no newlines.) Values are taken as written, without trimming.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
+from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
+from .xml_args import kv_arguments
+
+__all__ = ["GLM"]
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+KEY, KEY_END, VAL, VAL_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
+
+
+def make_body(tools: dict[str, Tool]):
+    def body(text: str, final: bool) -> CallBody:
+        cut = [i for i in (text.find("\n", 1 if text.startswith("\n") else 0), text.find(KEY)) if i >= 0]
+        if not cut and not final:
+            return CallBody()
+        name = (text[:min(cut)] if cut else text).strip()
+        if not name:
+            return CallBody()
+        pairs: list[tuple[str, str, bool]] = []
+        pos = 0
+        while (m := _PAIR.search(text, pos)) is not None:
+            key = m.group(1).strip()
+            vend = text.find(VAL_END, m.end())
+            if vend >= 0:
+                pairs.append((key, text[m.end():vend], True))
+                pos = vend + len(VAL_END)
+                continue
+            v = text[m.end():]
+            pairs.append((key, v if final else v[:len(v) - held_suffix(v, [VAL_END])], final))
+            break
+        return CallBody(name, kv_arguments(pairs, tools.get(name), final))
+
+    return body
+
+
+class _GLM(Family):
+    name = "glm-4.5"
+    markers = (OPEN, CLOSE, KEY, KEY_END, VAL, VAL_END)
+
+    def detect(self, template: str) -> bool:
+        return KEY in template
+
+    def parser(self, tools, *, think, starts_in_reasoning, prefix=""):
+        return MarkerParser(reasoning=think, starts_in_reasoning=starts_in_reasoning, prefix=prefix,
+                            openers=[Opener(OPEN, (CLOSE,))] if tools is not None else (), body=make_body(tools or {}))
+
+    def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
+        rules, defs = {}, []
+        for k, t in enumerate(tools):
+            props = (t.parameters or {}).get("properties") or {}
+            required = set((t.parameters or {}).get("required") or ())
+            parts = []
+            for key, spec in props.items():
+                value = raw_text(spec, VAL_END, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+                one = f'{lit(KEY)} "{key}" {lit(KEY_END)} "\\n" {lit(VAL)} {value} {lit(VAL_END)} "\\n"'
+                parts.append(one if key in required else f"({one})?")
+            rules[f"call{k}"] = f'{lit(OPEN)} "{t.name}\\n" {" ".join(parts)} {lit(CLOSE)}'
+        return "\n".join([alternatives(rules), repeat_calls(parallel)] + defs)
+
+    def render_calls(self, calls) -> str:
+        import json
+
+        out = []
+        for name, args in calls:
+            kv = "".join(f"{KEY}{k}{KEY_END}\n{VAL}{v if isinstance(v, str) else json.dumps(v)}{VAL_END}\n"
+                         for k, v in args.items())
+            out.append(f"{OPEN}{name}\n{kv}{CLOSE}")
+        return "".join(out)
+
+
+GLM = _GLM()

@@ -1,0 +1,95 @@
+"""``POST /v1/embeddings``: the model's final normed hidden states (what its output projection reads),
+mean-pooled over the input's tokens by default (``--pooling last`` takes the last token's, as
+llama-server's ``--pooling last``), L2-normalised, in OpenAI's list shape (floats or base64).
+
+The vectors come from ``Model.embed`` (the engine's embed requests, batched with generations).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+
+from .errors import APIError, bad_request
+
+__all__ = ["embeddings_route", "POOLINGS"]
+
+POOLINGS = ("mean", "last")
+MAX_INPUTS = 256
+
+
+def _inputs(body: dict, tokenizer, n_ctx: int) -> list[list[int]]:
+    raw = body.get("input")
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_INPUTS:
+        raise bad_request("input", f"'input' must be a string, an array of token ids, or an array of at most "
+                                   f"{MAX_INPUTS} of either")
+    out = []
+    for i, x in enumerate(raw):
+        if isinstance(x, str):
+            ids = tokenizer.encode(x)
+        elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+            if not all(0 <= t < tokenizer.n_vocab for t in x):
+                raise bad_request(f"input[{i}]", f"token ids in 'input[{i}]' must be in [0, {tokenizer.n_vocab})")
+            ids = list(x)
+        else:
+            raise bad_request(f"input[{i}]", f"'input[{i}]' must be a string or a non-empty array of token ids")
+        if not ids:
+            raise bad_request(f"input[{i}]", f"'input[{i}]' is empty")
+        if len(ids) > n_ctx:
+            raise bad_request(f"input[{i}]", f"'input[{i}]' is {len(ids)} tokens, over the context of {n_ctx}",
+                              code="context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+def embeddings_route(state, pooling: str = "mean"):
+    from starlette.responses import JSONResponse
+
+    from .admission import QueueFull
+    from .app import _json_body, _ready
+    from .requests import check_model
+
+    async def route(request):
+        t0 = time.perf_counter()
+        try:
+            _ready(state)
+            body = await _json_body(request, state.max_body)
+            check_model(body, state.name)
+            fmt = body.get("encoding_format", "float")
+            if fmt not in ("float", "base64"):
+                raise bad_request("encoding_format", "'encoding_format' must be 'float' or 'base64'")
+            if body.get("dimensions") is not None and body["dimensions"] != state.model.config.n_embd:
+                raise bad_request("dimensions", f"this model's embeddings have {state.model.config.n_embd} "
+                                                "dimensions; 'dimensions' cannot shorten them")
+            model = state.model
+            inputs = await asyncio.to_thread(_inputs, body, model.tokenizer, model.n_ctx)
+            if not hasattr(model, "embed"):
+                raise APIError(501, "this build's engine cannot return hidden states", code="not_implemented")
+            try:
+                await state.admission.acquire()
+            except QueueFull as e:
+                raise APIError(429, f"the server is at capacity; retry after {e.retry_after} s",
+                               code="rate_limit_exceeded", headers={"retry-after": str(e.retry_after)}) from None
+            try:
+                vecs = [await model.embed(ids, pooling=pooling, normalize=True) for ids in inputs]
+            finally:
+                state.admission.release(time.perf_counter() - t0)
+        except APIError as e:
+            state.metrics.requests[(request.url.path, e.status)] += 1
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        data = []
+        for i, v in enumerate(vecs):
+            v = np.asarray(v, dtype=np.float32)  # [n_embd]
+            emb = base64.b64encode(v.tobytes()).decode() if fmt == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n = sum(len(x) for x in inputs)
+        state.metrics.requests[(request.url.path, 200)] += 1
+        state.metrics.prompt_tokens += n
+        return JSONResponse({"object": "list", "data": data, "model": state.name,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    return route

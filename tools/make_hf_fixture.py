@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""Make a tiny random-weight model the way real GGUF files are made: a Hugging Face checkpoint
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the model family's chat
+template), converted by llama.cpp's own convert_hf_to_gguf.py, then quantised by llama.cpp's own
+quantiser (llama-cpp-python's llama_model_quantize).
+
+    python tools/make_hf_fixture.py PRESET LLAMA_CPP_DIR OUT_DIR [--types F16 Q4_K_M] [--seed 0]
+
+writes OUT_DIR/tiny-<preset>-<type>.gguf for each type. LLAMA_CPP_DIR is a llama.cpp checkout (its
+convert_hf_to_gguf.py, conversion/ and gguf-py/ are used from there; nothing of it is copied).
+Needs torch, transformers and safetensors (the converter's own requirements) and llama-cpp-python.
+
+The vocabulary is a cut of a real one: the first tokens of ggml-vocab-qwen35.gguf (shared/data/vocab)
+with the merges among them, plus the family's special tokens, so the file is small. The converter
+identifies a tokenizer's split rules by hashing how it tokenizes a test text, which a cut vocabulary
+cannot reproduce; the tool therefore tells it the pre-tokenizer by name (`qwen35`), which is the one
+thing it decides for the converter. Multi-token-prediction layers are not made (--no-mtp): transformers'
+model classes do not have them, and Clutor does not compute them.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+if not SHARED.exists():
+    SHARED = Path("/work/shared/data")
+QWEN35_VOCAB = SHARED / "vocab" / "ggml-vocab-qwen35.gguf"
+QWEN35_TEMPLATE = SHARED / "templates" / "Qwen3.5-4B.jinja"
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                 "</tool_response>", "<think>", "</think>"]
+LLAMA_FTYPES = {"F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q6_K": 18}
+
+# Shapes: n_embd 128 so rows are shorter than a K-quant block (llama.cpp's Q4_K_M then falls back to
+# Q5_0 / Q8_0 for them, as it does in real files for such rows); v heads = 2 x k heads so that the
+# tiled (qwen35moe) and grouped (qwen3next) head orders differ; prompts of ~90 tokens then span two
+# 64-token chunks of the delta rule.
+PRESETS = {
+    "qwen35moe": dict(
+        cls="Qwen3_5MoeForCausalLM", config="Qwen3_5MoeTextConfig", vocab=768,
+        hf=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True},
+                tie_word_embeddings=False)),
+    "qwen3next": dict(
+        cls="Qwen3NextForCausalLM", config="Qwen3NextConfig", vocab=768,
+        hf=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)),
+    "nemotron_h_moe": dict(
+        cls="NemotronHForCausalLM", config="NemotronHConfig", vocab=768, pre="pixtral", specials_first=True,
+        specials=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>"], eos="<|im_end|>", pad="<unk>", bos="<s>",
+        hf=dict(hidden_size=128, layers_block_type=["linear_attention", "moe", "full_attention", "moe",
+                                                    "linear_attention", "moe"],
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_num_heads=8, mamba_head_dim=16,
+                ssm_state_size=16, n_groups=2, conv_kernel=4, expand=1, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, moe_shared_expert_intermediate_size=64, n_shared_experts=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, layer_norm_epsilon=1e-5,
+                max_position_embeddings=4096, tie_word_embeddings=False, use_conv_bias=True,
+                pad_token_id=0, bos_token_id=1, eos_token_id=4)),
+}
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str | None, eos: str, pad: str,
+                    bos: str | None = None, specials_first: bool = False) -> None:
+    """tokenizer.json: the first n_vocab - len(specials) tokens of the qwen35 vocabulary (byte
+    alphabet first, then tokens in merge order, so the first merges build exactly them) and the
+    special tokens after them (or before them: Nemotron's vocabulary starts with its control
+    tokens); tokenizer_config.json with the chat template, if any."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    r = GGUFReader(str(QWEN35_VOCAB))
+    f = r.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    m = r.fields["tokenizer.ggml.merges"]
+    merges = [bytes(m.parts[i]).decode("utf-8") for i in m.data]
+    n_base = n_vocab - len(specials)
+    first = len(specials) if specials_first else 0
+    vocab = {t: i + first for i, t in enumerate(tokens[:n_base])}
+    kept = [tuple(x.split(" ", 1)) for x in merges[: n_base - 256]]
+    assert all(a in vocab and b in vocab and a + b in vocab for a, b in kept), "merge order does not follow ids"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=kept, byte_fallback=False, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    if specials_first:  # ids 0.. are the control tokens: put them there in the model's table
+        d = json.loads(tok.to_str())
+        d["model"]["vocab"] = {**{s: i for i, s in enumerate(specials)}, **d["model"]["vocab"]}
+        d["added_tokens"] = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, s in enumerate(specials)]
+        tok = Tokenizer.from_str(json.dumps(d))
+    else:
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_prefix_space": False,
+              "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": None, "model_max_length": 4096}
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def init_weights(model, seed: int) -> None:
+    """Random weights at scales that keep a tiny model's activations and logits well spread: linear
+    maps N(0, 1/fan_in), norms 1 + N(0, 0.1) (stored as offsets from 1 where the family's RMSNorm
+    computes x (1 + w)), a decay of exp(-(0.05..1) softplus(...)) per token in the recurrent layers,
+    routers and the output sharper than the rest so that routing and argmax have clear winners."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    offset_norms = not type(model).__name__.startswith("NemotronH")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if name.endswith("A_log"):
+                v = torch.log(torch.rand(shape, generator=g) * 0.95 + 0.05)
+            elif name.endswith("dt_bias"):
+                v = normal(shape, 0.5)
+            elif "conv1d" in name:
+                v = normal(shape, 0.5)
+            elif len(shape) == 1 and "norm" in name:
+                gated = "linear_attn.norm" in name or "mixer.norm" in name
+                v = normal(shape, 0.1) + (1.0 if gated or not offset_norms else 0.0)
+            elif name.endswith(".bias") or name.endswith(".D"):
+                v = normal(shape, 0.3) + (1.0 if name.endswith(".D") else 0.0)
+            elif name.endswith("e_score_correction_bias"):  # Nemotron's expert selection bias
+                v = normal(shape, 0.1)
+            elif "embed_tokens" in name or "embeddings" in name:
+                v = normal(shape, 1.0)
+            elif name == "lm_head.weight":
+                v = normal(shape, 3.0 / np.sqrt(shape[-1]))
+            elif name.endswith("mlp.gate.weight") or name.endswith("mixer.gate.weight"):  # the router
+                v = normal(shape, 2.0 / np.sqrt(shape[-1]))
+            else:
+                fan_in = shape[-1]
+                v = normal(shape, 1.0 / np.sqrt(fan_in))
+            p.copy_(v.reshape(shape))
+
+
+# ---- conversion -------------------------------------------------------------------------------
+CONVERT = r"""
+import sys
+sys.argv = [sys.argv[0]] + sys.argv[2:]
+llama = __import__("pathlib").Path(sys.path[0])
+import os
+import conversion.base as base
+# A cut vocabulary cannot match the converter's tokenizer hashes: say which split rules it has.
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ["FIXTURE_PRE"]
+import runpy
+runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
+"""
+
+
+def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{llama_dir}{os.pathsep}{llama_dir / 'gguf-py'}", FIXTURE_PRE=pre)
+    cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(llama_dir)!r}); exec({CONVERT!r})",
+           "convert", str(hf_dir), "--outtype", "f16", "--no-mtp", "--outfile", str(out)]
+    subprocess.run(cmd, check=True, env=env, cwd=llama_dir)
+
+
+def quantize(src: Path, out: Path, ftype: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[ftype]
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({src} -> {out}, {ftype}) failed with code {rc}")
+
+
+def make_checkpoint(preset: str, out: Path, seed: int) -> None:
+    import transformers
+
+    spec = PRESETS[preset]
+    cfg = getattr(transformers, spec["config"])(vocab_size=spec["vocab"], **spec["hf"])
+    cfg.architectures = [spec["cls"]]
+    if "specials" not in spec:
+        cfg.eos_token_id = cfg.pad_token_id = None
+    model = getattr(transformers, spec["cls"])(cfg)
+    init_weights(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    if "specials" in spec:
+        write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
+                        specials_first=spec.get("specials_first", False))
+    else:
+        write_tokenizer(out, spec["vocab"], QWEN_SPECIALS, QWEN35_TEMPLATE.read_text(), eos="<|im_end|>",
+                        pad="<|endoftext|>")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("llama_cpp", type=Path, help="a llama.cpp checkout (its convert_hf_to_gguf.py is run)")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--types", nargs="+", default=["F16", "Q4_K_M"], choices=sorted(LLAMA_FTYPES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-hf", type=Path, help="keep the Hugging Face checkpoint in this directory")
+    args = ap.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = args.keep_hf or Path(tmp) / "hf"
+        make_checkpoint(args.preset, hf, args.seed)
+        f16 = args.out_dir / f"tiny-{args.preset}-F16.gguf"
+        convert(hf, args.llama_cpp.resolve(), f16, PRESETS[args.preset].get("pre", "qwen35"))
+        for t in args.types:
+            if t != "F16":
+                quantize(f16, args.out_dir / f"tiny-{args.preset}-{t}.gguf", t)
+        if "F16" not in args.types:
+            f16.unlink()
+    for t in args.types:
+        p = args.out_dir / f"tiny-{args.preset}-{t}.gguf"
+        print(f"{p}: {p.stat().st_size} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
