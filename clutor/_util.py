@@ -65,11 +65,36 @@ def sleeping_kernel_workers() -> None:
       ran at one core's speed (OPENBLAS_THREAD_TIMEOUT=4, OpenBLAS's minimum: 16 cycles). OpenBLAS
       reads it when it loads, i.e. at numpy's first import: the clutor command sets it first, an
       application that embeds Clutor sets it itself (README, "Python API").
-    A value the application set wins."""
+    A value the application set wins. When numpy was imported before the variable was set (an
+    application calling Model.open), one WARNING record of the ``clutor`` logger says so."""
     import os
+    import sys
 
+    global _blas_warned
+    if "OPENBLAS_THREAD_TIMEOUT" not in os.environ and "numpy" in sys.modules and not _blas_warned:
+        _blas_warned = True
+        if _numpy_blas_is_openblas():
+            import logging
+
+            logging.getLogger("clutor").warning(
+                "OPENBLAS_THREAD_TIMEOUT is unset and numpy is already loaded: OpenBLAS's threads will spin "
+                "~0.1 s after each product and slow the kernels that follow (a prefill's experts up to 2x); "
+                "set OPENBLAS_THREAD_TIMEOUT=4 in the environment before numpy is imported")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+
+_blas_warned = False
+
+
+def _numpy_blas_is_openblas() -> bool:
+    try:
+        import numpy as np
+
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return "openblas" in str(blas.get("name", "")).lower()
+    except Exception:  # an older numpy without mode="dicts", or another layout: assume the common wheel
+        return True
 
 
 def proc_bytes(path: str, key: str) -> int | None:

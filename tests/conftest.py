@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -19,7 +20,29 @@ sleeping_kernel_workers()
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
 GOLDEN = TESTS / "golden"
-SHARED_DATA = TESTS.parents[1] / "shared" / "data"
+# ../shared/data next to the checkout (as CI has it), or where CLUTOR_SHARED_DATA says (a worktree elsewhere)
+SHARED_DATA = Path(os.environ.get("CLUTOR_SHARED_DATA") or TESTS.parents[1] / "shared" / "data")
+# What each directory of ../shared/data is, for the skip message of a test that needs it (CI has the
+# directory next to the checkout; a checkout without it skips those tests and says what they need).
+SHARED_WHAT = {
+    "vocab": "llama.cpp's tokenizer test vocabularies (ggml-vocab-*.gguf, with the tokenizations llama.cpp "
+             "recorded for them in .inp/.out)",
+    "templates": "the real chat templates of the models Clutor runs (Qwen3, DeepSeek-V3.1, gpt-oss, GLM-4.6, "
+                 "Llama 3.3, ...)",
+    "models": "a small OLMoE-shaped MoE trained on real text (real-olmoe-q8_0.gguf), whose routing is real",
+}
+
+
+def shared_data(rel: str) -> Path:
+    """../shared/data/REL, or a skip that says what that data is and where it is looked for."""
+    path = SHARED_DATA / rel
+    if not path.exists():
+        what = SHARED_WHAT.get(rel.split("/")[0], "shared test data")
+        pytest.skip(f"needs {what}: {path} is absent (CI has ../shared/data next to the checkout; "
+                    "CLUTOR_SHARED_DATA=DIR points elsewhere)")
+    return path
+
+
 # tools/synth.py writes the random-weight models of every architecture the tests build
 sys.path.insert(0, str(TESTS.parent / "tools"))
 

@@ -15,13 +15,16 @@ class LiveServer:
 
     The loop's exception handler collects whatever the loop logs; ``stop()`` fails if anything was."""
 
-    def __init__(self, app, *, drain_timeout: float = 5.0, ready: bool = True, timeout: float = 180.0):
+    def __init__(self, app, *, drain_timeout: float = 5.0, ready: bool = True, timeout: float = 180.0,
+                 http: str | None = None, loop: str = "uvloop"):
         self.app = app
         self.state = app.state.clutor
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = Server(app, drain_timeout=drain_timeout, log_level="warning")
+        kw = {} if http is None else {"http": http}
+        self.server = Server(app, drain_timeout=drain_timeout, log_level="warning", **kw)
+        self._loop_kind = loop
         self.logged: list[dict] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -39,11 +42,14 @@ class LiveServer:
 
     def _main(self) -> None:
         try:
+            if self._loop_kind != "uvloop":
+                raise ImportError
             import uvloop
 
             loop = uvloop.new_event_loop()
         except ImportError:
             loop = asyncio.new_event_loop()
+        self.thread_id = threading.get_ident()
         loop.set_exception_handler(lambda _loop, ctx: self.logged.append(ctx))
         self.loop = loop
         try:

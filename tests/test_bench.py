@@ -68,7 +68,11 @@ def test_bench_concurrency_table(tiny, capsys):
     out = capsys.readouterr().out
     lines = [l for l in out.splitlines() if l[:1].isdigit()]
     assert [l.split()[0] for l in lines] == ["1", "2"], out
-    assert "1.00x" in lines[0] and "aggregate tok/s" in out
+    assert "1.00x" in lines[0] and "in RAM" in out and "Belady" in out
+    # each row has its in-RAM twin's tok/s (the compute bound) and Belady's bytes from its own trace
+    for line in lines:
+        cells = line.split()
+        assert float(cells[3]) > 0 and cells[10] != "-", line
 
 
 # ---- workers ---------------------------------------------------------------------------------
@@ -265,7 +269,7 @@ def _fake_report() -> dict:
 
 def test_report_renders_a_fake_result_set():
     text = rep.render_report(_fake_report())
-    for header in ("budget", "prefill tok/s", "decode tok/s", "hit rate", "prefetch acc", "read/token", "wait",
+    for header in ("budget", "prefill tok/s", "decode tok/s", "runs", "hit rate", "hit or in flight", "read/token", "wait",
                    "peak RSS", "disk limit", "of limit", "memory cap", "ratio"):
         assert header in text, header
     sweep = rep.render_sweep(_fake_report()["sweep"], float(1 << 30))
@@ -278,12 +282,70 @@ def test_report_renders_a_fake_result_set():
     assert "error: expert cache of 1.00 MiB is too small" in lines[3]
     assert lines[3].startswith("1MiB")
     assert "2.00x" in text  # 40/20 prefill and 4/2 decode
-    assert "fastest: budget 25%, prefetch on, policy lru: 4.00 tok/s decode, 25% of the disk-bound limit" in text
+    assert "budget 25%, prefetch on, policy lru: 4.00 tok/s decode, 25% of the disk-bound limit" in text
+    assert "fastest" not in text  # one configuration ran: nothing to be faster than
     assert "greedy tokens agree for the first 2 of 4" in text and "same prompt ids" in text
     assert "128 MiB" in text  # llama's OS-counted decode reads per token
+
+
+def _row(budget: str, *runs: float) -> dict:
+    return {"budget": budget, "cache_bytes": None, "prefetch": False, "policy": "lrfu", "ok": True, "error": None,
+            "cgroup_peak": None, "result": _fake_result(40.0, sorted(runs)[(len(runs) - 1) // 2]),
+            "decode_runs": list(runs)}
+
+
+def test_a_fastest_row_is_named_only_when_its_runs_beat_every_other():
+    one = rep._summary([_row("25%", 4.1), _row("50%", 4.0)], None)
+    assert one.startswith("highest decode: budget 25%") and "--repeat" in one and "fastest" not in one.split(".")[0]
+    clear = rep._summary([_row("25%", 4.1, 4.3, 4.2), _row("50%", 3.0, 3.9, 3.5)], None)
+    assert clear.startswith("fastest, every one of its 3+ runs above") and "budget 25%" in clear
+    overlap = rep._summary([_row("25%", 4.1, 4.3, 4.2), _row("50%", 3.0, 4.15, 3.5), _row("10%", 1, 1.1)], None)
+    assert overlap.startswith("no clear fastest: the runs of budget 25%") and "budget 50%" in overlap
+    assert "budget 10%" not in overlap.split(". Highest")[0]
+    assert "3: 4.10-4.30" in rep.render_sweep([_row("25%", 4.1, 4.3, 4.2)], None)
 
 
 def test_format_table_lets_errors_run_on():
     t = rep.format_table(["a", "bb", "c"], [["1", "2", "3"], ["x", "error: long message here"]])
     lines = t.splitlines()
     assert lines[0] == "a  bb  c" and lines[2] == "1   2  3" and lines[3] == "x  error: long message here"
+
+
+# -- bench-io: the page cache is the machine's ------------------------------------------------------
+def _bench_io(path, *extra):
+    from clutor.cli import main
+
+    return main(["bench-io", str(path), "--mode", "buffered", "--io", "threads", "--no-fio", "--block", "64KiB",
+                 "--depth", "1", "--seconds", "0.05", "--json", *extra])
+
+
+def test_bench_io_never_drops_the_page_cache_unasked(tmp_path, monkeypatch, capsys):
+    import clutor.bench.disk as disk
+
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    dropped = []
+    monkeypatch.setattr(disk, "drop_caches", lambda: dropped.append(1) or True)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # as root, where dropping would work
+    assert _bench_io(f) == 0
+    out, err = capsys.readouterr()
+    assert dropped == [] and json.loads(out)["dropped_caches"] is False
+    assert any("--drop-caches" in n for n in json.loads(out)["notes"])
+    assert "clutor bench-io: reading" in err and "about 0 s of measuring" in err  # said before it starts
+    assert _bench_io(f, "--drop-caches") == 0
+    assert dropped == [1] and json.loads(capsys.readouterr().out)["dropped_caches"] is True
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert _bench_io(f, "--drop-caches") == 1  # asked without root: refused before anything runs
+    err = capsys.readouterr().err
+    assert err.startswith("clutor: error: --drop-caches needs root") and err.count("\n") == 1
+
+
+def test_bench_io_states_the_test_file_and_duration_first(tmp_path, capsys):
+    from clutor.cli import main
+
+    assert main(["bench-io", "--dir", str(tmp_path), "--size", "1MiB", "--mode", "buffered", "--io", "threads",
+                 "--no-fio", "--block", "64KiB,128KiB", "--depth", "1,2", "--seconds", "0.05", "--repeat", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"clutor bench-io: writing a 1.00 MiB test file of random bytes in {tmp_path}")
+    assert "4 patterns x 1 backend x 2 runs, 0.05 s each: about 0 s" in err
+    assert list(tmp_path.iterdir()) == []  # removed afterwards

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 from clutor.errors import ClutorError
 from clutor.model.chat import CHATML_TEMPLATE, render_chat
+from conftest import shared_data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # Qwen1.5 / Qwen2's template (as stored in ggml-vocab-qwen2.gguf), written out so this file runs alone.
 QWEN_TEMPLATE = (
@@ -106,9 +105,7 @@ def test_sandbox_blocks_escapes(template):
 def test_rendered_prompt_encodes_to_special_tokens():
     from clutor.model.tokenizer import Tokenizer
 
-    path = DATA / "vocab" / "ggml-vocab-qwen2.gguf"
-    if not path.exists():
-        pytest.skip(f"reference vocab {path} absent (shared/data is not next to this checkout)")
+    path = shared_data("vocab/ggml-vocab-qwen2.gguf")
     tok = Tokenizer.from_gguf(path)
     assert tok.chat_template == QWEN_TEMPLATE  # the file's template is the one tested above
     prompt = render_chat(tok.chat_template, MESSAGES)
@@ -120,7 +117,6 @@ def test_rendered_prompt_encodes_to_special_tokens():
 
 # -- the real templates of the models Clutor runs (shared/data/templates) -------------------------
 
-TEMPLATES = DATA / "templates"
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -139,10 +135,7 @@ CONVERSATION = [
 
 
 def _template(name: str) -> str:
-    path = TEMPLATES / f"{name}.jinja"
-    if not path.exists():
-        pytest.skip(f"chat template {path} absent (shared/data is not next to this checkout)")
-    return path.read_text()
+    return shared_data(f"templates/{name}.jinja").read_text()
 
 
 def _render(name: str, messages=CONVERSATION, **extra) -> str:
@@ -260,9 +253,7 @@ def test_chat_prompt_drops_the_bos_the_tokenizer_adds():
     from clutor.model.chat import chat_prompt
     from clutor.model.tokenizer import Tokenizer
 
-    path = DATA / "vocab" / "ggml-vocab-llama-bpe.gguf"
-    if not path.exists():
-        pytest.skip(f"reference vocab {path} absent (shared/data is not next to this checkout)")
+    path = shared_data("vocab/ggml-vocab-llama-bpe.gguf")
     md = _gguf_metadata(path)
     md["tokenizer.chat_template"] = _template("meta-llama-Llama-3.3-70B-Instruct")
     tok = Tokenizer.from_metadata(md, str(path))
@@ -284,9 +275,7 @@ def test_chat_prompt_with_spm_vocab():
     from clutor.model.chat import chat_prompt
     from clutor.model.tokenizer import Tokenizer
 
-    path = DATA / "vocab" / "ggml-vocab-phi-3.gguf"
-    if not path.exists():
-        pytest.skip(f"reference vocab {path} absent (shared/data is not next to this checkout)")
+    path = shared_data("vocab/ggml-vocab-phi-3.gguf")
     tok = Tokenizer.from_gguf(path)
     text = chat_prompt(tok, [{"role": "user", "content": "Hi"}])
     ids = tok.encode(text, special=True)

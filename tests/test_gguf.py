@@ -636,10 +636,9 @@ def test_not_a_file(tmp_path):
 
 
 def test_real_vocab_file():
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "vocab"
-    path = data / "ggml-vocab-qwen2.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} not found (shared data is not next to this checkout)")
+    from conftest import shared_data
+
+    path = shared_data("vocab/ggml-vocab-qwen2.gguf")
     ref = gguf.GGUFReader(path)
     with GGUFFile.open(path) as g:
         assert g.arch == ref.fields["general.architecture"].contents()

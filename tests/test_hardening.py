@@ -155,22 +155,17 @@ def test_failure_inside_model_init_closes_every_fd(monkeypatch, io):
     assert _open_fds() <= before  # GGUF fd, eventfd and io_uring fd all closed
 
 
-def test_aclose_closes_everything_when_the_trace_close_fails(tmp_path):
+def test_aclose_closes_everything_when_the_trace_close_fails(tmp_path, monkeypatch):
     async def go():
         before = _open_fds()
         model = await clutor.Model.open(MODEL, trace=tmp_path / "t.jsonl", expert_cache="50%")
         await model.logits([1, 2])
 
-        class FullDisk:  # the trace's file, failing its final flush as on a full disk
-            def __init__(self, f):
-                self.f = f
+        def replace(src, dst):  # publishing the trace fails (a read-only directory by now, say)
+            raise OSError(30, "Read-only file system")
 
-            def close(self):
-                self.f.close()
-                raise OSError(28, "No space left on device")
-
-        model._trace._f = FullDisk(model._trace._f)
-        with pytest.raises(ClutorError, match="No space left"):
+        monkeypatch.setattr("clutor.io.trace.os.replace", replace)
+        with pytest.raises(ClutorError, match="Read-only"):
             await model.aclose()
         await model.aclose()  # a second close is a no-op, not an error
         return before
@@ -178,6 +173,44 @@ def test_aclose_closes_everything_when_the_trace_close_fails(tmp_path):
     before = run(go())
     assert _open_fds() <= before
     assert list(tmp_path.iterdir()) == []  # the unfinished trace is removed, not published
+
+
+def test_trace_on_a_full_disk_stops_tracing_and_generation_goes_on(tmp_path):
+    # A real write failure: the child's file-size limit (RLIMIT_FSIZE) is set just above the trace's
+    # size, so its next writes fail with EFBIG as on a full disk; later the limit is lifted again.
+    trace = tmp_path / "t.jsonl"
+    r = _child(f"""
+        import asyncio, glob, logging, os, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+        import clutor
+        from clutor.io.trace import TraceWriter
+        TraceWriter.FLUSH_BYTES = 1024  # write often, so the limit is met within a few tokens
+
+        async def main():
+            async with clutor.Model.open({str(MODEL)!r}, trace={str(trace)!r}, expert_cache="50%", io="threads") as m:
+                async def gen():
+                    out = [c async for c in m.generate("Hello there", max_tokens=12, temperature=0, ignore_eos=True)]
+                    return out[-1].stats.generated_tokens
+                assert await gen() == 12
+                tmp, = glob.glob({str(tmp_path)!r} + "/.t.jsonl.*.tmp")
+                soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(tmp) + 1024, hard))
+                assert [await gen() for _ in range(6)] == [12] * 6  # the disk fills: generation goes on
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space is back
+                assert await gen() == 12
+                w = m._trace
+                print("KEPT", w.kept, "DROPPED", w.dropped)
+        asyncio.run(main())
+    """)
+    assert r.returncode == 0, r.stderr
+    kept = int(r.stdout.split()[1])
+    assert int(r.stdout.split()[3]) > 0, "nothing was dropped: the limit never bit"
+    warnings = [line for line in r.stderr.splitlines() if "cannot write the routing trace" in line]
+    assert len(warnings) == 1, r.stderr  # one warning, not one per record or per request
+    assert "File too large" in warnings[0]
+    tr = read_trace(trace)  # what was written is kept, whole lines only, and reads back
+    assert len(tr.records) == kept > 0
+    assert not list(tmp_path.glob(".t.jsonl.*"))
 
 
 # -- 4. what a file or an option can make Clutor allocate -----------------------------------------
@@ -255,9 +288,10 @@ def test_bounded_rendering_gives_what_the_stock_sandbox_gives():
 
     from clutor.model.chat import _tojson
 
-    templates = sorted((REPO.parent / "shared" / "data" / "templates").glob("*.jinja"))
-    if not templates:
-        pytest.skip("../shared/data/templates (real chat templates) is not present")
+    from conftest import shared_data
+
+    templates = sorted(shared_data("templates").glob("*.jinja"))
+    assert templates, "no .jinja file in ../shared/data/templates"
     stock = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     stock.filters["tojson"] = _tojson
     convo = [{"role": "system", "content": "Be brief."}] + [

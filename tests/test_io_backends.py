@@ -20,12 +20,14 @@ from conftest import run_on_loop
 from clutor.errors import ClosedError, ClutorError, ClutorIOError
 from clutor.io import backend as backend_mod
 from clutor.io import uring as uring_mod
+from clutor.io import uring_sys as uring_sys_mod
 from clutor.io.arena import Arena, round_up, widen
 from clutor.io.backend import ReadHandle, ReadRequest, ReadState
 from faults import FaultyBackend
 from clutor.io.open_backend import open_backend
 from clutor.io.threads import ThreadBackend
 from clutor.io.uring import UringBackend, UringUnavailable
+from clutor.io.uring_sys import SyscallUringBackend, syscall_uring_unavailable
 
 FILE_SIZE = 6 * 1024 * 1024 + 12345  # deliberately not block aligned: the last block is partial
 ALIGN = 4096
@@ -95,7 +97,32 @@ def uring_unavailable() -> str | None:
     return _URING_REASON[0]
 
 
-CASES = [("uring", True), ("uring", False), ("threads", True), ("threads", False)]
+_SYS_REASON: list[str | None] = []
+
+
+def sys_uring_unavailable() -> str | None:
+    """Why the raw-syscall io_uring driver cannot run here (CPU, or the kernel refusing a ring), or None."""
+    if not _SYS_REASON:
+        why = syscall_uring_unavailable()
+        if why is None:
+            async def probe():
+                try:
+                    b = SyscallUringBackend([], [], direct=False, entries=2)
+                except UringUnavailable as err:
+                    return str(err)
+                await b.aclose()
+                return None
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                why = pool.submit(asyncio.run, probe()).result()
+        _SYS_REASON.append(why)
+    return _SYS_REASON[0]
+
+
+# uring: liburing's wheel; uring-sys: our driver over the raw system calls, with registered buffers
+# (READ_FIXED) and, in the -plain case, without them (READ into the same addresses).
+CASES = [("uring", True), ("uring", False), ("uring-sys", True), ("uring-sys", False), ("uring-sys-plain", True),
+         ("threads", True), ("threads", False)]
+URING_KINDS = ("uring", "uring-sys", "uring-sys-plain")
 
 
 @pytest.fixture(params=CASES, ids=[f"{k}-{'direct' if d else 'buffered'}" for k, d in CASES])
@@ -103,14 +130,25 @@ def case(request, data):
     kind, direct = request.param
     if kind == "uring" and (why := uring_unavailable()):
         pytest.skip(why)
+    if kind.startswith("uring-sys") and (why := sys_uring_unavailable()):
+        pytest.skip(why)
     if direct and not data["direct_ok"]:
         pytest.skip(f"no directory here takes O_DIRECT (tried {data['dir']} and /var/tmp)")
     return kind, direct
 
 
+def uring_class(kind: str):
+    return UringBackend if kind == "uring" else SyscallUringBackend
+
+
 def make(kind: str, direct: bool, files, buffers, **kw):
     if kind == "uring":
         return UringBackend(files, buffers, direct=direct, entries=kw.get("entries", 64))
+    if kind.startswith("uring-sys"):
+        b = SyscallUringBackend(files, buffers, direct=direct, entries=kw.get("entries", 64),
+                                fixed_buffers=kind == "uring-sys")
+        assert b.fixed_buffers is (kind == "uring-sys" and len(buffers) > 0), b.fixed_reason
+        return b
     return ThreadBackend(files, buffers, direct=direct, workers=kw.get("workers", 3))
 
 
@@ -393,7 +431,7 @@ def test_injected_errors_fail_only_chosen_reads(case, data):
         fb = FaultyBackend(
             inner, fail=lambda r: "injected EIO" if r.buf in bad else ("short" if r.buf in short else None)
         )
-        assert fb.direct is direct and fb.name == f"faulty({kind})"
+        assert fb.direct is direct and fb.name == f"faulty({inner.name})"
         reqs = [ReadRequest(0, rng.randrange(0, FILE_SIZE // ALIGN - 8) * ALIGN, 8 * ALIGN, i) for i in range(32)]
         handles = fb.submit(reqs)
         results = await asyncio.gather(*(h.wait() for h in handles), return_exceptions=True)
@@ -512,8 +550,9 @@ def test_drop_before_submission_and_bad_requests(case, data):
     run(main)
 
 
-class _ShortUring(UringBackend):
-    """Pretends the kernel stopped early: reports fewer bytes and scribbles over the rest."""
+class _Short:
+    """Pretends the kernel stopped early: reports fewer bytes and scribbles over the rest (mixed into
+    either io_uring driver)."""
 
     always = False
 
@@ -552,8 +591,10 @@ def test_short_reads_before_eof_are_finished_or_fail_loudly(case, data, monkeypa
     async def main():
         arena = Arena(8, 32 * ALIGN)
         bufs = [arena.buffer(i) for i in range(8)]
-        if kind == "uring":
-            b = _ShortUring([path], bufs, direct=direct, entries=8)
+        if kind in URING_KINDS:
+            short = type("ShortUring", (_Short, uring_class(kind)), {})
+            kw = {} if kind == "uring" else {"fixed_buffers": kind == "uring-sys"}
+            b = short([path], bufs, direct=direct, entries=8, **kw)
             b.always = always
         else:
             b = ThreadBackend([path], bufs, direct=direct, workers=2)
@@ -574,8 +615,8 @@ def test_short_reads_before_eof_are_finished_or_fail_loudly(case, data, monkeypa
 
 
 def test_uring_under_uvloop(data):
-    if why := uring_unavailable():
-        pytest.skip(why)
+    if (why := uring_unavailable()) and (why_sys := sys_uring_unavailable()):
+        pytest.skip(f"{why}; {why_sys}")
     path, content = data["files"][0], data["bytes"][0]
 
     async def main():
@@ -603,8 +644,14 @@ def test_open_backend_choices_and_direct_fallback(data, monkeypatch):
         b = open_backend([path], bufs, io="threads", direct=False)
         assert (b.name, b.direct, b.align, b.fallback_reason) == ("threads", False, 1, None)
         await b.aclose()
+        # buffered reads are page-cache copies: auto gives them to the pool's workers, not the loop
+        b = open_backend([path], bufs, io="auto", direct=False)
+        assert (b.name, b.direct) == ("threads", False)
+        await b.aclose()
         b = open_backend([path], bufs, io="auto")
-        assert b.name == ("threads" if uring_unavailable() else "uring")
+        assert b.name == ("threads" if uring_unavailable() and sys_uring_unavailable() else "uring")
+        if b.name == "uring":
+            assert b.driver == ("liburing" if not uring_unavailable() else "syscalls")
         await b.aclose()
 
         # A filesystem that refuses O_DIRECT at open: buffered reads, and the reason says so.
@@ -630,6 +677,11 @@ def test_open_backend_choices_and_direct_fallback(data, monkeypatch):
 
         monkeypatch.setattr(uring_mod, "_import_liburing", no_uring)
         b = open_backend([path], bufs, io="auto")
+        if not sys_uring_unavailable():  # the wheel is missing but our own driver runs
+            assert (b.name, b.driver, b.fallback_reason) == ("uring", "syscalls", None)
+            await b.aclose()
+            monkeypatch.setattr(uring_sys_mod, "syscall_uring_unavailable", lambda: "io_uring unavailable: (test)")
+            b = open_backend([path], bufs, io="auto")
         assert b.name == "threads" and "liburing" in b.fallback_reason
         await b.aclose()
         with pytest.raises(ClutorError, match="liburing"):
@@ -640,9 +692,10 @@ def test_open_backend_choices_and_direct_fallback(data, monkeypatch):
     run(main)
 
 
-def test_liburing_that_dies_with_sigill_falls_back_to_threads(tmp_path, monkeypatch):
+def test_liburing_that_dies_with_sigill_falls_back(tmp_path, monkeypatch):
     """A liburing wheel built for instructions this CPU lacks kills the process that uses it: the probe
-    (a child process) sees the signal, and io="auto" reads with the thread pool, saying why."""
+    (a child process) sees the signal, and io="auto" reads with our own io_uring driver where it runs,
+    else with the thread pool, saying why."""
     path = str(tmp_path / "f.bin")
     with open(path, "wb") as f:
         f.write(b"x" * 8192)
@@ -651,6 +704,14 @@ def test_liburing_that_dies_with_sigill_falls_back_to_threads(tmp_path, monkeypa
 
     async def main():
         with Arena(1, 4096) as arena:
+            if not sys_uring_unavailable():
+                for io in ("auto", "uring"):
+                    b = open_backend([path], [arena.buffer(0)], io=io)
+                    assert (b.name, b.driver) == ("uring", "syscalls")
+                    (h,) = b.submit([ReadRequest(0, 0, 4096, 0)])
+                    assert await h.wait() == 4096 and arena.slot(0).tobytes() == b"x" * 4096
+                    await b.aclose()
+                monkeypatch.setattr(uring_sys_mod, "syscall_uring_unavailable", lambda: "no raw ring (test)")
             b = open_backend([path], [arena.buffer(0)], io="auto")
             assert b.name == "threads" and "SIGILL" in b.fallback_reason
             await b.aclose()
@@ -663,3 +724,45 @@ def test_liburing_that_dies_with_sigill_falls_back_to_threads(tmp_path, monkeypa
     monkeypatch.setattr(uring_mod, "_PROBE", "pass")
     monkeypatch.setattr(uring_mod, "_probe_result", None)
     assert uring_mod._probe_liburing() == "" and uring_mod._probe_result == ""
+
+
+# -- the raw-syscall io_uring driver ---------------------------------------------------------------
+def test_raw_uring_registers_an_arena_as_few_buffers_and_falls_back_when_refused(data, monkeypatch):
+    """The store's buffers (every slot's gate/up/down regions of one arena) are registered as a few merged
+    ranges, so reads are READ_FIXED; where the kernel refuses registration (RLIMIT_MEMLOCK) the same reads
+    go as plain READs, pinned per read, and return the same bytes."""
+    if why := sys_uring_unavailable():
+        pytest.skip(why)
+    path, content = data["files"][0], data["bytes"][0]
+    direct = data["direct_ok"]
+
+    async def main(refuse: bool):
+        arena = Arena(6, 12 * ALIGN)
+        bufs = [arena.region(i, p * 4 * ALIGN, 4 * ALIGN) for i in range(6) for p in range(3)]
+        b = SyscallUringBackend([path], bufs, direct=direct, entries=4)
+        assert b.fixed_buffers is not refuse
+        if refuse:
+            assert "refused" in b.fixed_reason
+        else:
+            assert len(set(b._reg_of)) == 1  # 18 buffers, one contiguous range
+        rng = random.Random(8)
+        for _ in range(5):
+            reqs = [ReadRequest(0, rng.randrange(0, FILE_SIZE // ALIGN - 4) * ALIGN, 4 * ALIGN, i) for i in range(18)]
+            got = await asyncio.gather(*(h.wait() for h in b.submit(reqs)))  # more reads than ring entries
+            assert got == [4 * ALIGN] * 18
+            for r in reqs:
+                region = np.frombuffer(bufs[r.buf], np.uint8)
+                assert region.tobytes() == content[r.offset:r.offset + r.length]
+        await b.aclose()
+        arena.close()
+
+    run(lambda: main(False))
+    real = uring_sys_mod._call
+
+    def no_register(nr, fd, op, *rest):
+        if nr == uring_sys_mod._NR_REGISTER and op.value == uring_sys_mod._IORING_REGISTER_BUFFERS:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(nr, fd, op, *rest)
+
+    monkeypatch.setattr(uring_sys_mod, "_call", no_register)
+    run(lambda: main(True))

@@ -99,9 +99,15 @@ def test_generate_options_and_stop():
             text = "".join(o.text for o in greedy)
             # a stop string from the middle of the greedy text: the same run must end just before it
             assert len(text) > 4, f"greedy text too short to take a stop string from: {text!r}"
-            stop = text[len(text) // 2: len(text) // 2 + 2]
+            # (one whose characters occur before it: a string split into one stop per character would end sooner)
+            i = next((i for i in range(len(text) // 2, len(text) - 1) if set(text[i:i + 2]) & set(text[:i])),
+                     len(text) // 2)
+            stop = text[i:i + 2]
             stopped = [o async for o in model.generate("Hello there", max_tokens=12, temperature=0,
                                                        ignore_eos=True, stop=[stop])]
+            one = [o async for o in model.generate("Hello there", max_tokens=12, temperature=0,
+                                                   ignore_eos=True, stop=stop)]  # a str, not a list
+            assert "".join(o.text for o in one) == "".join(o.text for o in stopped)
             return outs, again, greedy, text, stop, stopped
 
     outs, again, greedy, text, stop, stopped = run(go())

@@ -194,3 +194,17 @@ def test_token_logprobs_are_the_log_softmax():
     assert [v for _, v in top] == pytest.approx(np.sort(ref)[::-1][:5], abs=1e-9)
     assert token_logprobs(logits, 3, 0) == (pytest.approx(ref[3], abs=1e-9), [])
     assert len(token_logprobs(logits[:3], 0, 10)[1]) == 3  # n past the vocabulary: all of it
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-308, 5e-324])
+def test_a_temperature_near_zero_is_greedy_not_nan(temperature):
+    # vals / 1e-320 overflowed to inf, and softmax's inf - inf gave NaN probabilities
+    logits = np.array([0.5, 3.0, -1.0, 2.9, 3.0 - 1e-6], dtype=np.float32)
+    s = Sampler(_params(temperature=temperature, seed=3))
+    with np.errstate(invalid="raise", over="raise"):
+        picks = {s.sample(logits, []) for _ in range(50)}
+    assert picks == {1}
+    tied = np.array([1.0, 7.0, 7.0, -2.0], dtype=np.float32)
+    with np.errstate(invalid="raise", over="raise"):
+        picks = {s.sample(tied, []) for _ in range(200)}
+    assert picks == {1, 2}  # the tied top tokens only, each drawn

@@ -261,10 +261,24 @@ def test_over_context_says_by_how_much(srv, client):
     assert f"{100} in the prompt, {n_ctx} for the completion): 100 too many" in e.value.body["message"]
 
 
-def test_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.body["message"]
+def test_any_model_name_is_answered_by_the_one_served(client):
+    """As llama-server: a client's own name for the model (the README's, a front-end's default) is served by
+    the one model, and the response names it by its real id."""
+    r = client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == NAME and r.choices[0].message.content is not None
+    assert _complete(client, "Hello", max_tokens=2).model == NAME
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=7, prompt="hi", max_tokens=1)  # a name must still be a string
+    assert e.value.body["param"] == "model"
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_the_default_model_id():
+    from clutor.cli.serve import model_id
+
+    assert model_id("/m/Qwen3-30B-A3B-Q4_K_M-00001-of-00003.gguf") == "Qwen3-30B-A3B-Q4_K_M"
+    assert model_id("olmoe-1b-7b-0924-Q8_0.gguf") == "olmoe-1b-7b-0924-Q8_0"
+    assert model_id("/root/.cache/clutor/demo-0123456789abcdef.gguf") == "clutor-demo"
 
 
 def test_malformed_and_huge_bodies(srv):

@@ -27,7 +27,7 @@ from clutor.model.gguf import GGUFFile
 from clutor.model.options import slot_bytes
 from synth import ModelSpec, plan_tensors, write_model
 from clutor.units import format_bytes
-from conftest import SHARED_DATA, fixture_path, run
+from conftest import SHARED_DATA, fixture_path, run, shared_data
 
 ARCHS = ("olmoe", "qwen2moe", "qwen3moe")
 QTYPES = ("Q8_0", "F16")
@@ -423,8 +423,7 @@ def test_simulator_predicts_the_store_exactly_with_predictions(tmp_path, policy)
     """Decode steps of the real-text model through a small cache: the store is told each next layer's
     predicted experts (hint) and the trace records them (version 2); replaying the trace must give the
     store's counts exactly, for a policy that uses the hints and for one that does not."""
-    if not REAL_MODEL.exists():
-        pytest.skip(f"shared model {REAL_MODEL} absent (shared/data is not next to this checkout)")
+    shared_data("models/real-olmoe-q8_0.gguf")
     minimum, slot = _minimum(REAL_MODEL)
     trace_path = tmp_path / "real.jsonl"
 

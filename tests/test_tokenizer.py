@@ -9,9 +9,8 @@ import pytest
 from clutor.errors import ClutorError, ModelFileError, UnsupportedError
 from clutor.model.gguf import GGUFFile
 from clutor.model.tokenizer import StreamDecoder, Tokenizer
+from conftest import shared_data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-VOCAB = DATA / "vocab"
 # Every vocabulary llama.cpp ships expected tokenizations for (README in shared/data/vocab).
 NAMES = ["gpt-2", "qwen2", "llama-spm", "phi-3", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen35"]
 # Byte-level BPE vocabularies the independent oracle below can tokenize (split regex written here).
@@ -24,10 +23,7 @@ BYTE_CHAR.update({b: chr(0x100 + n) for n, b in enumerate(b for b in range(256) 
 
 
 def _vocab_path(name: str) -> Path:
-    path = VOCAB / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"reference vocab {path} absent (shared/data is not next to this checkout)")
-    return path
+    return shared_data(f"vocab/ggml-vocab-{name}.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,13 @@ from clutor.errors import ClutorError, ModelFileError
 from clutor.model.gguf import GGUFFile
 from clutor.model.tokenizer import Tokenizer
 from clutor.model.tokenizer.spm import SentencePiece
+from conftest import shared_data
 
-VOCAB = Path(__file__).resolve().parents[2] / "shared" / "data" / "vocab"
 SPACE = "\u2581"
 
 
 def _path(name: str) -> Path:
-    path = VOCAB / f"ggml-vocab-{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"reference vocab {path} absent (shared/data is not next to this checkout)")
-    return path
+    return shared_data(f"vocab/ggml-vocab-{name}.gguf")
 
 
 def _metadata(path: Path) -> dict:

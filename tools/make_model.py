@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Write a random-weight MoE GGUF (see tools/synth.py).
+"""Write a random-weight MoE GGUF (see tools/synth.py), or the trained real-routing model widened to real
+expert sizes (see tools/widen.py).
 
     python tools/make_model.py PRESET OUT.gguf [--seed 0] [--type F16|Q8_0|Q4_K|...]
     python tools/make_model.py PRESET OUT.gguf --quantize Q4_K_M|Q6_K|Q8_0|F16 --llama-quantizer
     python tools/make_model.py olmoe-1b-7b-q8 OUT.gguf --layers 4 --master F16 --quantize IQ2_XXS --llama-quantizer
+    python tools/make_model.py real-olmoe-wide OUT.gguf [--source ../shared/data/models/real-olmoe-q8_0.gguf]
 
 --type writes the file directly (random Q8_0 / Q4_K blocks for quantised types). --quantize
 writes an F32 (or --master F16) master next to OUT and converts it with llama.cpp's own quantiser
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from synth import PRESETS, write_model  # noqa: E402
+from widen import WIDE_PRESETS, default_source, widen_model  # noqa: E402
 
 # llama.cpp's llama_ftype values for the mixes we make.
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
@@ -71,7 +74,7 @@ def llama_quantize(master: Path, out: Path, ftype: str, nthread: int = 2,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("preset", choices=sorted(PRESETS) + sorted(WIDE_PRESETS))
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--type", dest="qtype", default=None, help="type of every weight matrix (default: the preset's)")
@@ -81,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-master", action="store_true", help="keep the master as OUT.f32.gguf / OUT.f16.gguf")
     ap.add_argument("--master", choices=("F32", "F16"), default="F32", help="type of the master --quantize converts")
     ap.add_argument("--layers", type=int, default=None, help="the preset with this many layers")
+    ap.add_argument("--source", type=Path, default=None,
+                    help=f"real-olmoe-* presets: the trained model to widen (default {default_source()})")
     args = ap.parse_args(argv)
+    if args.preset in WIDE_PRESETS:
+        if args.qtype or args.quantize:
+            ap.error(f"{args.preset} keeps the trained file's Q8_0 blocks: --type and --quantize do not apply")
+    elif args.source is not None:
+        ap.error("--source applies to the real-olmoe-* presets only")
     if args.quantize and args.qtype:
         ap.error("--type and --quantize are exclusive (--quantize always starts from an F32 master)")
     if args.llama_quantizer and not args.quantize:
@@ -96,10 +106,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r{done / 2**20:9.1f} / {total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
-    preset = PRESETS[args.preset]
-    if args.layers is not None:
-        preset = dataclasses.replace(preset, n_layer=args.layers, name=f"{preset.name}-{args.layers}l")
-    if args.quantize:
+    preset = None
+    if args.preset in WIDE_PRESETS:
+        spec = WIDE_PRESETS[args.preset]
+        source = args.source or default_source()
+        if not source.is_file():
+            raise SystemExit(f"{source}: the trained model to widen is not there (see ../shared/data/models)")
+        widen_model(source, args.out, spec.n_embd, spec.n_ff, name=spec.name, progress=progress)
+        print(file=sys.stderr)
+    else:
+        preset = PRESETS[args.preset]
+        if args.layers is not None:
+            preset = dataclasses.replace(preset, n_layer=args.layers, name=f"{preset.name}-{args.layers}l")
+    if preset is None:
+        pass
+    elif args.quantize:
         master = args.out.with_suffix(f".{args.master.lower()}.gguf")
         write_model(master, preset, seed=args.seed, qtype=args.master, progress=progress)
         print(file=sys.stderr)

@@ -44,6 +44,15 @@ class IOBenchResult:
     reads: int
     fallback_reason: str | None = None
     samples_gbps: tuple[float, ...] = field(default=())  # every repetition, when repeated
+    loop_cpu_seconds: float | None = None  # CPU time of the event-loop thread (submitting, completing)
+    driver: str | None = None  # io_uring's: "liburing" | "syscalls"
+
+    @property
+    def loop_cpu_ms_per_gib(self) -> float | None:
+        """Event-loop CPU per GiB read: what submitting and completing costs the thread the model runs on."""
+        if self.loop_cpu_seconds is None or not self.nbytes:
+            return None
+        return 1e3 * self.loop_cpu_seconds / (self.nbytes / 2**30)
 
     @property
     def gbps(self) -> float:
@@ -60,7 +69,7 @@ def median_result(results: list[IOBenchResult]) -> IOBenchResult:
     mid = ordered[(len(ordered) - 1) // 2]
     return IOBenchResult(
         mid.backend, mid.mode, mid.block, mid.depth, mid.seconds, mid.nbytes, mid.reads,
-        mid.fallback_reason, tuple(round(r.gbps, 4) for r in results),
+        mid.fallback_reason, tuple(round(r.gbps, 4) for r in results), mid.loop_cpu_seconds, mid.driver,
     )
 
 
@@ -107,6 +116,7 @@ async def measure(
                 finished.set_result(None)
 
     try:
+        cpu0 = time.thread_time()
         t0 = loop.time()
         deadline = t0 + seconds
         st["outstanding"] = depth
@@ -114,12 +124,14 @@ async def measure(
             issue(buf)
         await finished
         elapsed = deadline - t0
+        cpu = time.thread_time() - cpu0
     finally:
         # On error or Ctrl-C, wait for reads already in flight before the arena goes away.
         await backend.aclose()
         arena.close()
     mode = "direct" if backend.direct else "buffered"
-    return IOBenchResult(backend.name, mode, block, depth, elapsed, st["bytes"], st["reads"], backend.fallback_reason)
+    return IOBenchResult(backend.name, mode, block, depth, elapsed, st["bytes"], st["reads"], backend.fallback_reason,
+                         loop_cpu_seconds=cpu, driver=getattr(backend, "driver", None))
 
 
 async def run_fio(

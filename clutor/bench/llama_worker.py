@@ -3,9 +3,11 @@
     python -m clutor.bench.llama_worker MODEL --json-args '{"prompt_tokens": 64, "tokens": 32}'
 
 Same prompt ids as ``clutor.bench.worker`` (built by Clutor's tokenizer from the same file), same
-warm-up, the same greedy decoding measured the same way: prefill = one ``eval`` of the prompt;
-decode = argmax of the prefill's logits, then ``tokens - 1`` steps of ``eval([token])`` + argmax, so
-decode tok/s counts ``tokens - 1`` forward passes like Clutor's GenerationStats.decode_tps.
+warm-up, the same decoding measured the same way: prefill = one ``eval`` of the prompt; decode = a
+token from the prefill's logits, then ``tokens - 1`` steps of ``eval([token])`` + the next token, so
+decode tok/s counts ``tokens - 1`` forward passes like Clutor's GenerationStats.decode_tps. Tokens are
+the argmax (workload "ids") or drawn by Clutor's own sampler with the same options and seed as Clutor's
+first stream (workload "text"): on equal logits both engines then generate the same tokens.
 llama.cpp reads the model through mmap (its default), so capped runs show its page-cache behaviour.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from ..errors import ClutorError
 from .process import peak_memory, storage_read_bytes
-from .prompt import bench_prompt, prompt_digest
+from .prompt import prompt_digest, sampling_options, workload_prompts
 from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run"]
@@ -59,6 +61,24 @@ def _greedy(llm, llama_cpp, n_vocab: int) -> int:
     return int(np.argmax(_last_logits(llm, llama_cpp, n_vocab)))
 
 
+def _chooser(workload: str, seed: int, prompt: list[int]):
+    """next(llm, llama_cpp, n_vocab) -> token: greedy, or Clutor's sampler as Clutor's stream 0 uses it."""
+    opts = sampling_options(workload, seed)
+    if opts["temperature"] == 0:
+        return _greedy
+    from ..model.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(SamplingParams(**opts))
+    history = list(prompt)
+
+    def pick(llm, llama_cpp, n_vocab: int) -> int:
+        token = sampler.sample(np.array(_last_logits(llm, llama_cpp, n_vocab), dtype=np.float32), history)
+        history.append(token)
+        return token
+
+    return pick
+
+
 def run(path: str, options: dict) -> dict:
     opts = worker_options(DEFAULTS, options)
     P, N, n_ctx = int(opts["prompt_tokens"]), int(opts["tokens"]), int(opts["n_ctx"])
@@ -70,8 +90,8 @@ def run(path: str, options: dict) -> dict:
     from ..model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(path)
-    ids = bench_prompt(tok, P, opts["seed"])
-    warm = bench_prompt(tok, P, opts["seed"] + 1)  # the same warm-up as Clutor's worker
+    ids, warm = workload_prompts(tok, opts["workload"], 2, P, opts["seed"])  # the same as Clutor's worker
+    choose = _chooser(opts["workload"], opts["seed"], ids)
 
     t0 = time.perf_counter()
     try:
@@ -101,11 +121,11 @@ def run(path: str, options: dict) -> dict:
 
         steps: list[float] = []  # seconds of each decode forward pass (+ its argmax)
         t3 = time.perf_counter()
-        tokens = [_greedy(llm, llama_cpp, n_vocab)]
+        tokens = [choose(llm, llama_cpp, n_vocab)]
         while len(tokens) < N:
             ts = time.perf_counter()
             llm.eval([tokens[-1]])
-            tokens.append(_greedy(llm, llama_cpp, n_vocab))
+            tokens.append(choose(llm, llama_cpp, n_vocab))
             steps.append(time.perf_counter() - ts)
         t_decode = time.perf_counter() - t3
         read2 = storage_read_bytes()

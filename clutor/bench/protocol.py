@@ -20,6 +20,7 @@ COMMON_OPTIONS: dict = {
     "seed": 0,
     "warmup": True,
     "n_ctx": None,  # None: prompt_tokens + tokens + 8
+    "workload": "ids",  # ids (seeded ids, greedy) | text (the bundled corpus, sampled): clutor.bench.prompt
 }
 
 

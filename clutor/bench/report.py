@@ -113,14 +113,19 @@ def _wait_share(result: dict) -> float | None:
 
 # ---- sections --------------------------------------------------------------------------------
 
-SWEEP_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "hit rate",
-                 "prefetch acc", "read/token", "wait", "peak RSS", "disk limit", "of limit")
+SWEEP_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "runs", "hit rate",
+                 "hit or in flight", "read/token", "wait", "peak RSS", "disk limit", "of limit")
+SWEEP_BOUND_HEADERS = ("budget", "cache", "prefetch", "policy", "prefill tok/s", "decode tok/s", "runs", "in RAM", "disk bound",
+                       "bound", "of bound", "own bound", "of own", "MiB/token", "Belady", "hit rate", "sim", "pf acc",
+                       "pf waste", "peak RSS")
 
 SWEEP_LEGEND = """\
 budget/cache: expert-cache budget asked for, and the bytes the cache really held
 prefill/decode tok/s: prompt tokens per second of the batched prefill; generated tokens per second after the
-  first (which comes from the prefill's logits)
-hit rate: routed-expert lookups served from the cache; prefetch acc: prefetched experts that were then used
+  first (which comes from the prefill's logits); with --repeat, the row's median run
+runs: how many runs the row is the median of, and the lowest-highest decode tok/s among them
+hit rate: routed-expert lookups served from the cache; hit or in flight: those plus the lookups whose
+  prefetch read was already under way (the difference is what prefetching saved from a full wait)
 read/token: expert bytes read from disk per token (Clutor's own count; OS counter when it reports none)
 wait: share of prefill+decode time spent waiting for expert reads
 peak RSS: the worker's peak resident set (ru_maxrss), including file pages it mapped and touched
@@ -128,6 +133,8 @@ disk limit: decode tok/s if each token's reads ran at the fio bandwidth with zer
 
 
 def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
+    if any(run.get("bounds") for run in sweep):
+        return _render_sweep_bounds(sweep)
     rows = []
     for run in sweep:
         head = [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
@@ -140,11 +147,31 @@ def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
         per_tok = decode_read_per_token(r)
         limit = disk_limit_tps(per_tok, disk_bps)
         rows.append(head + [
-            _rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _pct(io.get("hit_rate")),
+            _rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _runs(run), _pct(io.get("hit_rate")),
             _pct(io.get("prefetch_accuracy")), _bytes(per_tok), _pct(_wait_share(r)), _bytes(_peak(run)),
             _rate(limit), _pct(s["decode_tps"] / limit if limit else None),
         ])
     return format_table(SWEEP_HEADERS, rows, left=4)
+
+
+def _render_sweep_bounds(sweep: Sequence[dict]) -> str:
+    rows = []
+    for run in sweep:
+        head = [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
+                _onoff(run["prefetch"]), run["policy"]]
+        r = run.get("result")
+        if not run.get("ok") or r is None:
+            rows.append(head + [f"error: {run.get('error')}"])
+            continue
+        s, io, rp = r["stats"], r.get("decode_io") or {}, r.get("replay") or {}
+        rows.append(head + [_rate(s.get("prefill_tps")), _rate(s.get("decode_tps")), _runs(run),
+                            *_bound_cells(run.get("bounds")),
+                            _mib(io.get("bytes_per_token")), _mib(rp.get("belady_bytes_per_token")),
+                            _pct(io.get("hit_rate")), _pct(rp.get("policy_hit_rate")), _pct(io.get("prefetch_accuracy")),
+                            _mib(io.get("prefetch_wasted_bytes_per_token"), 2), _bytes(_peak(run))])
+    return format_table(SWEEP_BOUND_HEADERS, rows, left=4) + "\n\n" + BOUNDS_LEGEND.replace(
+        "tokens all streams generated per second while every stream was decoding (aggregate); vs 1: over 1 stream's",
+        "decode tok/s")
 
 
 COMPARE_HEADERS = ("setting", "memory cap", "engine", "configuration", "prefill tok/s", "decode tok/s",
@@ -213,21 +240,47 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _decode_runs(row: dict) -> list[float]:
+    return row.get("decode_runs") or [row["result"]["stats"]["decode_tps"]]
+
+
+def _runs(row: dict) -> str:
+    runs = _decode_runs(row)
+    failed = row.get("failed_runs") or 0
+    text = str(len(runs)) if len(runs) < 2 else f"{len(runs)}: {_rate(min(runs))}-{_rate(max(runs))}"
+    return text + (f" ({failed} failed)" if failed else "")
+
+
 def _summary(sweep: Sequence[dict], disk_bps: float | None) -> str | None:
-    """One sentence on the fastest row: its decode speed against the disk-bound limit."""
+    """One sentence on the row with the highest (median) decode: against the disk-bound limit, and whether
+    it is really the fastest: only when every one of its runs beat every run of every other row."""
     ok = [r for r in sweep if r.get("ok") and r.get("result")]
     if not ok:
         return "no run succeeded"
     best = max(ok, key=lambda r: r["result"]["stats"]["decode_tps"])
     tps = best["result"]["stats"]["decode_tps"]
-    text = (f"fastest: budget {best['budget']}, prefetch {_onoff(best['prefetch'])}, policy {best['policy']}: "
-            f"{_rate(tps)} tok/s decode")
+
+    def label(r: dict) -> str:
+        return f"budget {r['budget']}, prefetch {_onoff(r['prefetch'])}, policy {r['policy']}"
+
+    text = f"{label(best)}: {_rate(tps)} tok/s decode"
     per_tok = decode_read_per_token(best["result"])
     limit = disk_limit_tps(per_tok, disk_bps)
     if limit:
         text += (f", {100 * tps / limit:.0f}% of the disk-bound limit ({_rate(limit)} tok/s = "
                  f"{format_bytes(disk_bps)}/s / {format_bytes(per_tok)} per token)")
-    return text
+    others = [r for r in ok if r is not best]
+    if not others:
+        return text
+    n = min(len(_decode_runs(r)) for r in ok)
+    if n < 2:
+        return (f"highest decode: {text}. One run per row names no fastest: runs of one configuration here "
+                f"differ by 10% and more (--repeat 3 to find out)")
+    close = [r for r in others if max(_decode_runs(r)) >= min(_decode_runs(best))]
+    if not close:
+        return f"fastest, every one of its {n}+ runs above every run of the other rows: {text}"
+    return (f"no clear fastest: the runs of {label(best)} overlap those of " + "; ".join(label(r) for r in close)
+            + f". Highest median: {text}")
 
 
 def render_report(report: dict) -> str:
@@ -259,12 +312,43 @@ def render_report(report: dict) -> str:
 
 # ---- concurrency -----------------------------------------------------------------------------
 
-CONCURRENCY_HEADERS = ("streams", "aggregate tok/s", "per stream", "vs 1 stream", "MiB/step", "MiB/token",
-                       "hit rate", "loop lag p99", "disk-bound tok/s", "of limit", "peak")
+CONCURRENCY_HEADERS = ("streams", "tok/s", "vs 1", "in RAM", "disk bound", "bound", "of bound", "own bound", "of own",
+                       "MiB/token", "Belady", "hit rate", "sim", "pf acc", "pf waste", "lag p99", "loop/tok", "peak")
+
+BOUNDS_LEGEND = """\
+tok/s: tokens all streams generated per second while every stream was decoding (aggregate); vs 1: over 1 stream's
+in RAM: the same workload with every expert in memory, same run (the compute bound)
+disk bound: fio's O_DIRECT bandwidth around the row (the fastest of slab-sized reads 32 and 128 deep, before
+  and after) over Belady's bytes per token (the fewest a cache of
+  this size must read for the row's own routing: its trace replayed); bound: min(in RAM, disk bound); of bound:
+  tok/s / bound; own bound: min(in RAM, fio / the row's own bytes per token); of own: tok/s / own bound
+MiB/token: expert bytes the row read per generated token (demand + prefetch); Belady: Belady's, same window
+hit rate: the store's (distinct experts a step asked for, found in the cache); sim: the row's policy replayed
+  on its own trace by the simulator, same window (a live cache should reach it)
+pf acc: prefetched experts that served a demand; pf waste: MiB per token prefetched and never used
+lag p99: event-loop lag of a 5 ms ticker beside the streams; loop/tok: the event-loop thread's CPU time per token
+  (expert I/O submission and completion, scheduling, the readers); peak: the cgroup's peak charge (capped) or RSS"""
+
+
+def _mib(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x / 2**20:.{digits}f}"
+
+
+def _bound_cells(b: dict | None) -> list[str]:
+    """in RAM, disk bound, bound, of bound, own bound, of own."""
+    if not b:
+        return ["-"] * 6
+
+    def rate(x):
+        return "inf" if x == "inf" else _rate(x)
+
+    return [rate(b.get("compute")), rate(b.get("disk")), rate(b.get("bound")), _pct(b.get("of_bound")),
+            rate(b.get("own_bound")), _pct(b.get("of_own_bound"))]
 
 
 def render_concurrency(report: dict) -> str:
-    """The --concurrency table: steady-state decode with N streams in one batch (see the worker)."""
+    """The --concurrency table: steady-state decode with N streams in one batch, each row against its bounds
+    (clutor.bench.bounds), then llama.cpp's one stream in the same cap and in RAM."""
     c = report["concurrency"]
     bps = c["disk_bytes_per_second"]
     one = next((r["result"]["aggregate_decode_tps"] for r in c["rows"] if r["ok"] and r["streams"] == 1), None)
@@ -274,20 +358,45 @@ def render_concurrency(report: dict) -> str:
             rows.append([str(row["streams"]), f"FAILED: {row['error']}"])
             continue
         r = row["result"]
-        per_tok = r.get("bytes_per_token")
-        limit = bps / per_tok if bps and per_tok else None
+        io = r.get("decode_io") or {}
+        rp = r.get("replay") or {}
         peak = row.get("cgroup_peak") or r.get("peak_rss")
-        rows.append([str(row["streams"]), _rate(r["aggregate_decode_tps"]), _rate(r["stream_decode_tps"]),
-                     _ratio(r["aggregate_decode_tps"], one),
-                     "-" if r.get("bytes_per_step") is None else f"{r['bytes_per_step'] / 2**20:.0f}",
-                     "-" if per_tok is None else f"{per_tok / 2**20:.1f}", _pct(r.get("hit_rate")),
-                     f"{1e3 * r['loop_lag_p99']:.1f} ms", _rate(limit),
-                     "-" if limit is None else f"{100 * r['aggregate_decode_tps'] / limit:.0f}%", _bytes(peak)])
+        rows.append([str(row["streams"]), _rate(r["aggregate_decode_tps"]), _ratio(r["aggregate_decode_tps"], one),
+                     *_bound_cells(row.get("bounds")),
+                     _mib(io.get("bytes_per_token", r.get("bytes_per_token"))), _mib(rp.get("belady_bytes_per_token")),
+                     _pct(io.get("hit_rate", r.get("hit_rate"))), _pct(rp.get("policy_hit_rate")),
+                     _pct(io.get("prefetch_accuracy")), _mib(io.get("prefetch_wasted_bytes_per_token"), 2),
+                     f"{1e3 * r['loop_lag_p99']:.1f} ms",
+                     "-" if r.get("loop_cpu_per_token") is None else f"{1e3 * r['loop_cpu_per_token']:.2f} ms",
+                     _bytes(peak)])
     cap = c["cap"]
     head = (f"{report['model']['path']}: expert cache {c['budget']}, prefetch {_onoff(c['prefetch'])}, policy "
-            f"{c['policy']}, " + (f"whole process capped at {format_bytes(cap)}" if cap else "uncapped") +
-            (f"; disk {bps / 2**30:.2f} GiB/s (fio)" if bps else f"; {report.get('disk', {}).get('note', 'disk not measured')}"))
-    legend = ("aggregate: tokens all streams generated per second while every stream was decoding; MiB/step and "
-              "MiB/token: expert bytes read in that window; disk-bound tok/s: the disk's bandwidth over the bytes "
-              "read per generated token")
-    return "\n".join([head, "", format_table(CONCURRENCY_HEADERS, rows), "", legend])
+            f"{c['policy']}, workload {c.get('workload', 'ids')}, " +
+            (f"whole process capped at {format_bytes(cap)}" if cap else "uncapped") +
+            (f"; disk {bps / 2**30:.2f} GiB/s (fio, at the start)" if bps else f"; {report.get('disk', {}).get('note', 'disk not measured')}"))
+    parts = [head, "", format_table(CONCURRENCY_HEADERS, rows)]
+    fio = [f"{row['streams']}: " + " / ".join(f"{x / 2**30:.2f}" for x in row["disk"]["samples"] if x) for row in c["rows"]
+           if (row.get("disk") or {}).get("samples")]
+    if fio:
+        parts += ["", "fio around each row, GiB/s (before: slab x 32, slab x 128; after: the same; the disk bound takes "
+                      "the fastest): " + ", ".join(fio)]
+    if c.get("llama"):
+        parts += ["", _render_llama(c["llama"], c["rows"])]
+    parts += ["", BOUNDS_LEGEND]
+    return "\n".join(parts)
+
+
+def _render_llama(llama: list[dict], rows: list[dict]) -> str:
+    one = next((r["result"] for r in rows if r["ok"] and r["streams"] == 1), None)
+    out = []
+    for l in llama:
+        if not l.get("ok"):
+            out.append(["llama.cpp", l["setting"], f"error: {l.get('error')}"])
+            continue
+        s = l["result"]["stats"]
+        per_tok = decode_read_per_token(l["result"], prefer_engine=False)
+        peak = l.get("cgroup_peak") or l["result"].get("peak_rss")
+        out.append(["llama.cpp", l["setting"], _rate(s["decode_tps"]), _mib(per_tok),
+                    _ratio(one["aggregate_decode_tps"], s["decode_tps"]) if one else "-", _bytes(peak)])
+    return format_table(("engine", "1 stream", "decode tok/s", "MiB/token read (OS)", "Clutor 1 stream / this", "peak"),
+                        out, left=2)

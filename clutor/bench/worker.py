@@ -4,9 +4,14 @@
 
 Opens the model with the given options, runs a 1-token warm-up from a different prompt of the same
 length (first allocations, first page touches of a mapped model, a cache in steady state; excluded
-from the figures), then the measured greedy generation of ``tokens`` tokens from the
-``prompt_tokens``-token benchmark prompt with EOS ignored, and prints one JSON line (see ``run``).
-The warm-up uses other token ids so it does not pre-load exactly the prompt's experts.
+from the figures), then the measured generation of ``tokens`` tokens from the ``prompt_tokens``-token
+benchmark prompt with EOS ignored, and prints one JSON line (see ``run``). The warm-up uses another
+prompt so it does not pre-load exactly the prompt's experts.
+
+``workload``: "ids" (seeded token ids, greedy) or "text" (slices of the bundled corpus, llama.cpp's default
+sampling seeded per stream); see clutor.bench.prompt. ``trace``: record the run's routing and replay it
+(clutor.bench.bounds): Belady's minimal bytes for the decode tokens at the run's cache size, and the run's own
+policy on the same trace, reported as ``replay``.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from ..model.profile import to_json
 from .process import peak_memory, storage_read_bytes
-from .prompt import bench_prompt, prompt_digest
+from .prompt import prompt_digest, sampling_options, workload_prompts
 from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run", "to_jsonable"]
@@ -37,6 +42,7 @@ DEFAULTS: dict = {
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
     "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
     "activations": "auto",   # kernels: auto | q8 | f32
+    "trace": False,          # record the routing and replay it: Belady's bytes for the decode tokens
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
 OPEN_KEYS = STORE_KEYS + ("profile", "activations")
@@ -90,45 +96,123 @@ def _open_kwargs(open_fn, opts: dict) -> tuple[dict, list[str]]:
     return kwargs, ignored
 
 
-async def _generate(model, ids: list[int], max_tokens: int):
-    """Greedy tokens, the final stats, and the storage-read counter when the first token arrived
-    (that is, after the prefill): the split of disk reads between prefill and decode."""
+async def _generate(model, ids: list[int], max_tokens: int, sampling: dict | None = None):
+    """Tokens, the final stats, and the storage-read counter and store counters when the first token
+    arrived (that is, after the prefill): the split of reads between prefill and decode."""
     tokens: list[int] = []
     stats = None
-    read_at_first = None
-    async for chunk in model.generate(ids, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+    read_at_first = io_at_first = None
+    async for chunk in model.generate(ids, max_tokens=max_tokens, ignore_eos=True, **(sampling or {"temperature": 0})):
         if chunk.token is not None:
             if not tokens:
                 read_at_first = storage_read_bytes()
+                io_at_first = model.io_stats()
             tokens.append(chunk.token)
         if chunk.stats is not None:
             stats = chunk.stats
-    return tokens, stats, read_at_first
+    return tokens, stats, read_at_first, io_at_first
+
+
+def window_io(a, b, tokens: int) -> dict | None:
+    """What the store did between two of its StoreStats (a window of ``tokens`` generated tokens): bytes
+    and hits per token, and the prefetcher's accuracy (prefetched experts that served a demand, hits on
+    staged slots and reads a demand caught in flight, over experts prefetched) and waste (prefetched
+    experts given up unused, at the window's mean bytes per expert read)."""
+    if a is None or b is None:
+        return None
+    d = {k: getattr(b, k) - getattr(a, k) for k in (
+        "accesses", "hits", "misses", "staging_hits", "prefetch_issued", "prefetch_late", "prefetch_wasted",
+        "bytes_demand", "bytes_prefetch", "wait_seconds", "bypass_reads")}
+    read = d["bytes_demand"] + d["bytes_prefetch"]
+    reads = d["misses"] - d["prefetch_late"] + d["prefetch_issued"]  # experts read (a late prefetch counts once)
+    per_expert = read / reads if reads > 0 else 0.0
+    used = d["staging_hits"] + d["prefetch_late"]
+    return {
+        **d, "tokens": tokens, "bytes_read": read,
+        "bytes_per_token": read / tokens if tokens else None,
+        "hit_rate": d["hits"] / d["accesses"] if d["accesses"] else None,
+        "prefetch_accuracy": used / d["prefetch_issued"] if d["prefetch_issued"] else None,
+        "prefetch_wasted_bytes_per_token": d["prefetch_wasted"] * per_expert / tokens if tokens else None,
+        "n_slots": b.n_slots, "slot_bytes": b.slot_bytes, "backend": b.backend, "mode": b.mode,
+    }
+
+
+def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int, policy: str) -> dict | None:
+    """Belady (and the run's policy) over the run's own trace, counted over its decode tokens."""
+    from ..io.trace import read_trace
+    from ..model.gguf import GGUFFile
+    from ..model.arch import read_arch
+    from .bounds import expert_read_bytes, replay_window
+
+    if not n_slots:
+        return None
+    with GGUFFile.open(path) as f:
+        cfg = read_arch(f).cfg
+        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+    trace = read_trace(trace_path)
+    return replay_window(trace, n_slots, expert_read_bytes(layout), first_position, policy).to_json()
 
 
 async def _run(path: str, opts: dict) -> dict:
     from ..model.model import Model
 
     kwargs, ignored = _open_kwargs(Model.open, opts)
-    if opts["concurrency"] is not None:
-        return await _run_concurrent(path, opts, kwargs)
+    with _trace_file(opts) as trace_path:
+        if trace_path is not None:
+            kwargs["trace"] = trace_path
+        if opts["concurrency"] is not None:
+            out = await _run_concurrent(path, opts, kwargs)
+        else:
+            out = await _run_one(path, opts, kwargs)
+        out["ignored_options"] = ignored
+        if trace_path is not None:
+            out["replay"] = _replay(path, trace_path, (out.get("decode_io") or {}).get("n_slots"),
+                                    opts["prompt_tokens"], opts["policy"])
+    return out
+
+
+class _trace_file:
+    """A temporary trace path when the run records one (removed afterwards), else None."""
+
+    def __init__(self, opts: dict):
+        self.want = bool(opts["trace"])
+        self.dir = None
+
+    def __enter__(self) -> str | None:
+        if not self.want:
+            return None
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory(prefix="clutor-bench-trace-")
+        return os.path.join(self.dir.name, "trace.jsonl")
+
+    def __exit__(self, *exc) -> None:
+        if self.dir is not None:
+            self.dir.cleanup()
+
+
+async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
+    from ..model.model import Model
+
     t0 = time.perf_counter()
     async with Model.open(path, **kwargs) as model:
         t_open = time.perf_counter() - t0
-        ids = bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"])
+        *prompts, warm = workload_prompts(model.tokenizer, opts["workload"], 2, opts["prompt_tokens"], opts["seed"])
+        ids = prompts[0]
+        sampling = sampling_options(opts["workload"], opts["seed"])
         t_warm = 0.0
         if opts["warmup"]:
-            warm = bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 1)
             t1 = time.perf_counter()
-            await _generate(model, warm, 1)
+            await _generate(model, warm, 1, sampling)
             t_warm = time.perf_counter() - t1
         if opts["profile"]:
             model.profile.reset()  # the figures are the measured generation's, not the warm-up's
         read0 = storage_read_bytes()
         t2 = time.perf_counter()
-        tokens, stats, read_mid = await _generate(model, ids, opts["tokens"])
+        tokens, stats, read_mid, io_first = await _generate(model, ids, opts["tokens"], sampling)
         t_gen = time.perf_counter() - t2
         read1 = storage_read_bytes()
+        io_end = model.io_stats()
         cfg = model.config
         n_ctx = model.n_ctx
         profile = to_json(model.profile) if opts["profile"] else None  # (older checkouts have no .profile)
@@ -139,7 +223,6 @@ async def _run(path: str, opts: dict) -> dict:
         "engine": "clutor",
         "model": path,
         "options": {k: opts[k] for k in DEFAULTS},
-        "ignored_options": ignored,
         "n_ctx": n_ctx,
         "config": {"arch": cfg.arch, "n_layers": cfg.n_layers, "n_expert": cfg.n_expert,
                    "n_expert_used": cfg.n_expert_used},
@@ -155,6 +238,7 @@ async def _run(path: str, opts: dict) -> dict:
         "seconds": {"open": t_open, "warmup": t_warm, "generate": t_gen, "total": t_total},
         "threads": os.cpu_count(),
         "profile": profile,
+        "decode_io": window_io(io_first, io_end, len(tokens) - 1),  # the decode steps' reads
     }
 
 
@@ -171,23 +255,34 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
     n = int(opts["concurrency"])
     if n < 1:
         raise ClutorError(f"concurrency must be >= 1, got {n}")
-    kwargs = {**kwargs, "max_sequences": n, "prefix_cache": 0}
+    # Every prompt in the first step, so all streams decode in every step after it: the window is then
+    # exactly the decode steps (positions >= the prompt's length), which the trace replay counts.
+    kwargs = {**kwargs, "max_sequences": n, "prefix_cache": 0, "step_tokens": max(256, n * opts["prompt_tokens"])}
     async with Model.open(path, **kwargs) as model:
-        prompts = [bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 100 + i) for i in range(n)]
+        workload = opts["workload"]
+        if workload == "ids":  # (the seeds these rows have always used)
+            prompts = [workload_prompts(model.tokenizer, "ids", 1, opts["prompt_tokens"], opts["seed"] + 100 + i)[0]
+                       for i in range(n)]
+            warm = workload_prompts(model.tokenizer, "ids", 1, opts["prompt_tokens"], opts["seed"] + 1)[0]
+        else:
+            *prompts, warm = workload_prompts(model.tokenizer, workload, n + 1, opts["prompt_tokens"], opts["seed"])
+        samplings = [sampling_options(workload, opts["seed"] + i) for i in range(n)]
         if opts["warmup"]:
-            await _generate(model, bench_prompt(model.tokenizer, opts["prompt_tokens"], opts["seed"] + 1), 1)
+            await _generate(model, warm, 1, samplings[0])
         # per stream: (engine step that produced the token, when its reader got it)
         stamps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        loop_cpu: dict[int, float] = {}  # engine step -> the event-loop thread's CPU time when a reader saw it
         io_at: dict[int, object] = {}  # engine step -> the store's counters just after it
         lags: list[float] = []
         running = True
 
         async def stream(i: int):
-            async for chunk in model.generate(prompts[i], max_tokens=opts["tokens"], temperature=0, ignore_eos=True):
+            async for chunk in model.generate(prompts[i], max_tokens=opts["tokens"], ignore_eos=True, **samplings[i]):
                 if chunk.token is not None:
                     step = model.engine_stats().steps
                     stamps[i].append((step, time.perf_counter()))
                     io_at.setdefault(step, model.io_stats())
+                    loop_cpu.setdefault(step, time.thread_time())
 
         async def ticker():
             while running:
@@ -216,6 +311,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
     read = None if ioa is None else (iob.bytes_demand + iob.bytes_prefetch) - (ioa.bytes_demand + ioa.bytes_prefetch)
     acc = None if ioa is None else iob.accesses - ioa.accesses
     lag = np.array(lags) if lags else np.zeros(1)
+    io = window_io(ioa, iob, tokens)
     return {
         "engine": "clutor",
         "model": path,
@@ -229,6 +325,10 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
         "bytes_per_step": None if read is None or sb == sa else read / (sb - sa),
         "bytes_per_token": None if read is None or not tokens else read / tokens,
         "hit_rate": None if not acc else (iob.hits - ioa.hits) / acc,
+        "decode_io": io,
+        # what the event loop (expert I/O submission and completion, scheduling, the readers) cost per token
+        "loop_cpu_per_token": (loop_cpu[sb] - loop_cpu[sa]) / tokens if tokens else None,
+        "prompt_digests": [prompt_digest(p) for p in prompts],
         "loop_lag_p99": float(np.percentile(lag, 99)),
         "loop_lag_max": float(lag.max()),
         "peak_rss": peak_memory()["ru_maxrss"],

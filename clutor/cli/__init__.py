@@ -10,6 +10,7 @@ import sys
 
 from .._util import sleeping_kernel_workers
 from ..errors import ClutorError
+from .parsing import Parser
 
 # sub-command -> module; imported lazily so `clutor --help` stays fast
 COMMANDS = {
@@ -22,23 +23,30 @@ COMMANDS = {
     "bench": "bench",
     "serve": "serve",
     "bench-serve": "bench_serve",
+    "pull": "pull",
+    "list": "hub_list",
+    "rm": "hub_rm",
+    "warmup": "warmup",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="clutor",
         description="Run Mixture-of-Experts GGUF models larger than RAM.",
-        epilog="example: clutor demo   |   clutor generate model.gguf 'Hello' --max-tokens 32",
+        epilog="examples: clutor demo   |   clutor pull Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M   |   "
+               "clutor chat Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M",
     )
     from .. import __version__
 
     p.add_argument("--version", action="version", version=f"clutor {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p.commands = {}  # name -> its parser, for Parser.parse_args's messages
     for name, mod in COMMANDS.items():
         module = importlib.import_module(f"{__name__}.{mod}")
         sp = module.add_parser(sub)
         sp.set_defaults(_run=module.run)
+        p.commands[name] = sp
     return p
 
 
@@ -56,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     sleeping_kernel_workers()
     try:
         args = build_parser().parse_args(argv)
+        if args.command != "serve":  # serve logs with timestamps, configured by itself
+            _log_to_stderr()
+        if getattr(args, "_model_source", False):
+            from .source import resolve_model_source
+
+            resolve_model_source(args)  # a Hub name becomes a cached file (downloaded the first time)
         result = args._run(args)
         if inspect.iscoroutine(result):
             result = run_coro(result)
@@ -79,6 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         _error("out of memory")
         return 1
+
+
+def _log_to_stderr() -> None:
+    """Clutor's INFO records (the kernels' first-run compile, ...) as `clutor: ...` lines on stderr,
+    on a terminal or not: a long pause always says why."""
+    import logging
+
+    class Stderr(logging.StreamHandler):
+        """Writes to sys.stderr as it is when a record comes (a test or a caller may have replaced it)."""
+
+        stream = property(lambda self: sys.stderr, lambda self, _value: None)
+
+    log = logging.getLogger("clutor")
+    if not any(isinstance(h, logging.StreamHandler) and type(h).__name__ == "Stderr" for h in log.handlers):
+        handler = Stderr()
+        handler.setFormatter(logging.Formatter("clutor: %(message)s"))
+        log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
 
 
 def _error(message: str) -> None:

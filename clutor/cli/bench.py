@@ -5,7 +5,12 @@ With --vs-llama-cpp the same prompt ids and token count also run through llama.c
 (a) unconstrained, the model file warm in the page cache, and (b) where cgroups are available, Clutor
 and llama.cpp each inside the same cgroup memory cap (Clutor's own footprint: dense weights + expert
 cache + KV cache + a runtime allowance, or --cap SIZE), with the page cache dropped before each run.
-fio measures the disk first, so each row can say how close it comes to the disk-bound limit."""
+Every streamed row is reported against its bounds, measured in the same run (clutor.bench.bounds): the
+compute bound (the same workload with the experts in RAM), the disk bound (fio's O_DIRECT bandwidth,
+measured just before and after the row, the faster of the two, over Belady's minimal bytes per token replayed on the row's own routing
+trace at its cache size), the row's tok/s over min(both), and the same with the row's own bytes per token.
+--workload text takes the prompts from the bundled corpus and samples (llama.cpp's default chain), so a
+model trained on real text routes as it does on real requests instead of looping greedily."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +22,7 @@ import sys
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from .common import add_command
+from .source import add_model_source
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
@@ -109,7 +115,7 @@ def add_parser(sub):
                     __doc__, "clutor bench olmoe.gguf --budgets 10%,25%,50%,100% --prefetch on,off",
                     "clutor bench olmoe.gguf --budgets 25% --prefetch on --vs-llama-cpp --cap 3GiB",
                     "clutor bench olmoe.gguf --budgets 256MiB,1GiB --policy lru,lfu --json > bench.json")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     g = p.add_argument_group("configurations (every combination is one run)")
     g.add_argument("--budgets", type=_budgets, default="10%,25%,50%,100%",
                    help="expert-cache budgets: shares of the expert bytes (25%%), sizes (256MiB) or auto")
@@ -122,7 +128,10 @@ def add_parser(sub):
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
-    w.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids")
+    w.add_argument("--seed", type=int, default=0, help="seed of the prompts and of sampling")
+    w.add_argument("--workload", choices=("ids", "text"), default="ids",
+                   help="ids: seeded token ids, greedy decode; text: slices of the bundled corpus, sampled decode "
+                        "(llama.cpp's default sampler chain, seeded per stream)")
     w.add_argument("--concurrency", type=_counts, default=None, metavar="N,N,...",
                    help="instead of the sweep: N streams at once (each its own prompt), one run per N, with "
                         "the first budget/prefetch/policy given; aggregate and per-stream decode, bytes per step "
@@ -137,7 +146,13 @@ def add_parser(sub):
                    help="runtime memory (interpreter, libraries, scratch) counted in an auto cap")
     m = p.add_argument_group("measurement")
     m.add_argument("--drop-caches", action="store_true", help="drop the page cache before every run (root)")
-    m.add_argument("--fio-seconds", type=float, default=5.0, help="fio disk measurement length (0: skip)")
+    m.add_argument("--repeat", type=_positive, default=1,
+                   help="run each configuration N times, rounds interleaved; rows show the median, and a fastest "
+                        "is named only when its runs all beat every other row's (needs N >= 2)")
+    m.add_argument("--fio-seconds", type=float, default=5.0,
+                   help="fio disk measurement length, before the run and before each streamed row (0: skip)")
+    m.add_argument("--no-bounds", action="store_true",
+                   help="skip the bounds: no in-RAM run of the same workload, no trace replay (Belady), no fio per row")
     m.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is abandoned")
     m.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     m.add_argument("--profile", action="store_true",
@@ -155,6 +170,8 @@ def _say(msg: str, end: str = "\n") -> None:
 def _outcome_line(o) -> str:
     if not o.ok:
         return f"error: {o.error}"
+    if "aggregate_decode_tps" in o.result:
+        return f"{o.result['aggregate_decode_tps']:.3g} tok/s aggregate ({o.seconds:.0f} s)"
     s = o.result["stats"]
     return f"prefill {s['prefill_tps']:.3g} tok/s, decode {s['decode_tps']:.3g} tok/s ({o.seconds:.0f} s)"
 
@@ -237,8 +254,11 @@ def run(args) -> int:
     from ..bench.runner import Budget, disk_bandwidth
 
     desc, n_ctx = _check(args)
-    plan, skip_note = _plan_cap(args, args.model, desc, n_ctx) if args.vs_llama_cpp else (None, None)
-    common = {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "seed": args.seed, "n_ctx": n_ctx}
+    args._slab_bytes = max(1, desc["expert_bytes_one"] // 3)  # one of an expert's three slabs: the store's read
+    # (the sweep's capped comparison; --concurrency caps every run at --cap SIZE itself)
+    plan, skip_note = _plan_cap(args, args.model, desc, n_ctx) if args.vs_llama_cpp and not args.concurrency else (None, None)
+    common = {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "seed": args.seed, "n_ctx": n_ctx,
+              "workload": args.workload}
     file_bytes = sum(os.path.getsize(f) for f in desc["files"])
     report: dict = {
         "model": {"path": args.model, "arch": desc["config"]["arch"], "file_bytes": file_bytes,
@@ -251,7 +271,7 @@ def run(args) -> int:
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
 
     if args.concurrency:
-        report["concurrency"] = _concurrency(args, common, report["disk"]["bytes_per_second"])
+        report["concurrency"] = _concurrency(args, common, report["disk"]["bytes_per_second"], file_bytes)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
@@ -264,8 +284,10 @@ def run(args) -> int:
         combos = [(Budget("none (io memory)"), "-", "-")]
     else:
         combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
-    progress = _Progress(len(combos) + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
-    report["sweep"] = sweep = _sweep(args, desc, common, combos, progress)
+    bounded = _bounded(args)
+    progress = _Progress(len(combos) * args.repeat + bounded + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
+    report["compute"] = _compute_run(args, common, None, progress) if bounded else None
+    report["sweep"] = sweep = _sweep(args, desc, common, combos, progress, report["compute"])
     report["comparison"] = (_compare(args, common, file_bytes, sweep, plan, skip_note, progress)
                             if args.vs_llama_cpp else None)
 
@@ -276,24 +298,108 @@ def run(args) -> int:
     return 0 if any(r["ok"] for r in sweep) else 1
 
 
-def _concurrency(args, common: dict, disk_bps: float | None) -> dict:
-    """One run per stream count, same budget/prefetch/policy, capped when --cap SIZE is given."""
-    from ..bench.runner import run_worker
+def _bounded(args) -> bool:
+    """Whether the rows get bounds: a streamed run (not io=memory) and not --no-bounds."""
+    return not args.no_bounds and args.io != "memory"
+
+
+def _compute_run(args, common: dict, streams: int | None, progress: "_Progress") -> dict:
+    """The compute bound: the same workload with every expert in RAM (io=memory, page cache warm, uncapped)."""
+    from ..bench.runner import preload, run_worker
+
+    progress.start(f"clutor in RAM (the compute bound)" + (f", {streams} stream(s)" if streams else ""))
+    preload(args.model)
+    opts = {**common, "io": "memory", "direct": True, "activations": args.activations, "trace": True}
+    if streams is not None:
+        opts["concurrency"] = streams
+    o = run_worker(args.model, "clutor", opts, timeout=args.timeout)
+    progress.done(o)
+    return o.to_json()
+
+
+def _row_disk(args) -> dict | None:
+    """fio just before (or after) a streamed row: the disk it streams from, as it is now (a shared disk
+    drifts). Reads of one expert slab (the store's read size), each pattern ``--fio-seconds``: 32 in flight
+    and 128 (this shared virtio disk's bandwidth grows with the reads in flight: AMD EPYC here, slab x 32
+    0.57-0.62 GiB/s, x 96 0.92-1.13, x 192 1.17, 4 MiB x 8 0.32-0.60; a batched step keeps ~100 in flight);
+    the faster is the disk's."""
+    from ..bench.runner import disk_bandwidth
+
+    if args.fio_seconds <= 0:
+        return None
+    slab = -(-args._slab_bytes // 4096) * 4096
+    runs = [disk_bandwidth(args.model, args.fio_seconds, block=slab, depth=d) for d in (32, 128)]
+    best = max(runs, key=lambda d: d.bytes_per_second or 0)
+    return {"bytes_per_second": best.bytes_per_second, "note": best.note, "samples": [d.bytes_per_second for d in runs]}
+
+
+def _row_disk_after(args, disk: dict | None) -> dict | None:
+    """fio again just after the row: the disk bound uses the faster of the two (a bound must not be beaten
+    because the disk happened to be slow for fio's few seconds)."""
+    after = _row_disk(args)
+    if disk is None or after is None:
+        return disk or after
+    samples = [x for x in disk["samples"] + after["samples"] if x]
+    return {"bytes_per_second": max(samples) if samples else None, "note": disk["note"] + " (before; then after)",
+            "samples": samples}
+
+
+def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) -> dict:
+    """One run per stream count, same budget/prefetch/policy, capped when --cap SIZE is given; with the
+    bounds, an in-RAM run of the same workload and fio before each; with --vs-llama-cpp, llama.cpp's one
+    stream in the same cap and in RAM."""
+    from ..bench.runner import preload, run_worker
 
     budget, prefetch, policy = args.budgets[0], args.prefetch[0], args.policy[0]
     cap = args.cap if isinstance(args.cap, int) else None
-    progress = _Progress(len(args.concurrency))
+    bounded = _bounded(args)
+    n_llama = (2 if cap else 1) if args.vs_llama_cpp else 0
+    progress = _Progress(len(args.concurrency) * (1 + bounded) + n_llama)
     rows = []
     for n in args.concurrency:
+        compute = _compute_run(args, common, n, progress) if bounded else None
+        disk = _row_disk(args) if bounded else None
         progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
                        + (", capped" if cap else ""))
-        o = run_worker(args.model, "clutor", {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n},
-                       cap=cap, drop_caches=cap is not None or args.drop_caches, timeout=args.timeout)
+        opts = {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n, "trace": bounded}
+        o = run_worker(args.model, "clutor", opts, cap=cap, drop_caches=cap is not None or args.drop_caches,
+                       timeout=args.timeout)
         r = o.result or {}
         _say(f"{r['aggregate_decode_tps']:.3g} tok/s aggregate ({o.seconds:.0f} s)" if o.ok else f"FAILED: {o.error}")
-        rows.append({"streams": n, **o.to_json()})
-    return {"budget": budget.text, "prefetch": prefetch, "policy": policy, "cap": cap,
-            "disk_bytes_per_second": disk_bps, "rows": rows}
+        disk = _row_disk_after(args, disk) if bounded else None
+        row = {"streams": n, **o.to_json(), "compute": compute, "disk": disk}
+        row["bounds"] = _row_bounds(o.result, compute, disk, "aggregate_decode_tps") if bounded and o.ok else None
+        rows.append(row)
+    llama = []
+    if args.vs_llama_cpp:
+        lcommon = {**common}
+        if cap:
+            progress.start(f"llama.cpp 1 stream, mmap, capped at {cap}")
+            ol = run_worker(args.model, "llama.cpp", lcommon, cap=cap, drop_caches=True, timeout=args.timeout)
+            progress.done(ol)
+            llama.append({"setting": "capped", **ol.to_json()})
+        progress.start("llama.cpp 1 stream, in RAM (page cache warm)")
+        preload(args.model)
+        ol = run_worker(args.model, "llama.cpp", lcommon, timeout=args.timeout)
+        progress.done(ol)
+        llama.append({"setting": "in RAM", **ol.to_json()})
+    return {"budget": budget.text, "prefetch": prefetch, "policy": policy, "cap": cap, "workload": args.workload,
+            "disk_bytes_per_second": disk_bps, "file_bytes": file_bytes, "rows": rows, "llama": llama}
+
+
+def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tps_key: str) -> dict | None:
+    """The row's bounds (clutor.bench.bounds) from its own run, its in-RAM twin and the fio before it."""
+    from ..bench.bounds import bounds
+
+    if not result:
+        return None
+    c = (compute or {}).get("result") or {}
+    compute_tps = c.get(tps_key) if tps_key in c else (c.get("stats") or {}).get("decode_tps")
+    achieved = result.get(tps_key) if tps_key in result else (result.get("stats") or {}).get("decode_tps")
+    replay = result.get("replay") or {}
+    io = result.get("decode_io") or {}
+    return bounds(achieved, compute_tps, (disk or {}).get("bytes_per_second"), replay.get("belady_bytes_per_token"),
+                  io.get("bytes_per_token")).to_json()
 
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
@@ -304,27 +410,39 @@ def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
     return opts
 
 
-def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress) -> list[dict]:
-    """One uncapped Clutor run per (budget, prefetch, policy)."""
+def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress, compute: dict | None) -> list[dict]:
+    """--repeat uncapped Clutor runs per (budget, prefetch, policy), in interleaved rounds (a slow spell of
+    the machine then lands on every row alike); each row is its median run, with every run's decode tok/s,
+    and against its bounds when asked (fio around that run, the in-RAM run's compute bound)."""
     from ..bench.runner import cache_bytes_for, preload, run_worker
 
+    bounded = compute is not None
+    runs: list[list] = [[] for _ in combos]
+    for _ in range(args.repeat):
+        for i, (budget, prefetch, policy) in enumerate(combos):
+            disk = _row_disk(args) if bounded else None
+            progress.start(f"clutor budget {budget.text}, prefetch {_onoff(prefetch)}, policy {policy}")
+            if args.io == "memory" and not args.drop_caches:
+                # The same warm page cache llama.cpp's unconstrained row gets: fio's O_DIRECT reads
+                # (and earlier rows) can leave part of the file uncached, which the run would then
+                # read from disk and count as compute time.
+                preload(args.model)
+            o = run_worker(args.model, "clutor", {**_clutor_args(args, common, budget, prefetch, policy), "trace": bounded},
+                           drop_caches=args.drop_caches, timeout=args.timeout)
+            progress.done(o)
+            runs[i].append((o, _row_disk_after(args, disk) if bounded else None))
     sweep: list[dict] = []
-    for budget, prefetch, policy in combos:
-        progress.start(f"clutor budget {budget.text}, prefetch {_onoff(prefetch)}, policy {policy}")
+    for (budget, prefetch, policy), outcomes in zip(combos, runs):
         try:
             cache = None if args.io == "memory" else cache_bytes_for(args.model, desc, budget)
         except ClutorError:
-            cache = None  # the worker will say why
-        if args.io == "memory" and not args.drop_caches:
-            # The same warm page cache llama.cpp's unconstrained row gets: fio's O_DIRECT reads
-            # (and earlier rows) can leave part of the file uncached, which the run would then
-            # read from disk and count as compute time.
-            preload(args.model)
-        o = run_worker(args.model, "clutor", _clutor_args(args, common, budget, prefetch, policy),
-                       drop_caches=args.drop_caches, timeout=args.timeout)
-        progress.done(o)
+            cache = None  # the worker says why
+        ok = sorted((od for od in outcomes if od[0].ok), key=lambda od: od[0].result["stats"]["decode_tps"])
+        row, disk = ok[(len(ok) - 1) // 2] if ok else outcomes[0]  # the median run (the lower one of an even count)
         sweep.append({"budget": budget.text, "cache_bytes": cache, "prefetch": prefetch, "policy": policy,
-                      **o.to_json()})
+                      **row.to_json(), "decode_runs": [o.result["stats"]["decode_tps"] for o, _ in ok],
+                      "failed_runs": len(outcomes) - len(ok), "disk": disk,
+                      "bounds": _row_bounds(row.result, compute, disk, "decode_tps") if bounded and row.ok else None})
     return sweep
 
 
@@ -347,7 +465,8 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
     o = run_worker(args.model, "llama.cpp", common, timeout=args.timeout)
     progress.done(o)
     rows.append({"setting": "unconstrained", "cap": None,
-                 "clutor_config": _config_text(best) + " (fastest sweep row)" if best else "no successful run",
+                 "clutor_config": _config_text(best) + " (the sweep's highest median decode)" if best
+                 else "no successful run",
                  "clutor": best, "llama_config": "mmap, page cache warm", "llama": o.to_json()})
     if plan is None:
         notes.append(skip_note)

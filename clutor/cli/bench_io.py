@@ -2,7 +2,8 @@
 
 For every mode x block size x depth, fio (when installed) runs first, then each Clutor backend.
 Without PATH a file of --size random bytes is written (in --dir) and removed afterwards, also on
-Ctrl-C. Buffered rows start from an empty page cache when run as root.
+Ctrl-C. The file's size and the run's length are said before anything starts. The page cache (the
+whole machine's) is emptied before each buffered row only with --drop-caches (root).
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="run each row N times, report the median")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--no-fio", action="store_true", help="do not run fio beside each row")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="empty the machine's page cache before each buffered row (root; every process's cached "
+                        "files go with it)")
 
 
 def _progress(msg: str) -> None:
@@ -72,6 +76,10 @@ def _progress(msg: str) -> None:
         print(f"\r\033[K{msg}", end="", file=sys.stderr, flush=True)
     else:
         print(msg, file=sys.stderr, flush=True)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _end_progress() -> None:
@@ -94,6 +102,19 @@ def _check_args(args) -> None:
         # refused before the test file is written, not after
         raise ClutorError(f"--size {args.size} bytes is smaller than block {max(args.block)}: "
                           "the test file must hold at least one block")
+    if args.drop_caches and os.geteuid() != 0:
+        raise ClutorError("--drop-caches needs root (it writes /proc/sys/vm/drop_caches)")
+
+
+def _plan(args, fio: bool, n_backends: int) -> str:
+    """What the run will take, said before it starts."""
+    rows = len(args.mode) * len(args.block) * len(args.depth)
+    runs = rows * (n_backends + fio) * args.repeat
+    seconds = runs * args.seconds
+    took = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return (f"{rows} patterns x {n_backends} backend{'s' if n_backends > 1 else ''}{' + fio' if fio else ''}"
+                  f"{f' x {args.repeat} runs' if args.repeat > 1 else ''}, {args.seconds:g} s each: about {took} "
+                  "of measuring")
 
 
 async def run(args) -> int:
@@ -102,16 +123,30 @@ async def run(args) -> int:
     _check_args(args)
     created = None
     try:
+        fio = None if args.no_fio else shutil.which("fio")
+        ios = list(args.io)
+        if "uring" in ios and (why_uring := await _uring_unavailable()):
+            ios.remove("uring")
+            if not ios:
+                raise ClutorError(f"--io uring: {why_uring}")
+        length = _plan(args, fio is not None, len(ios))
         if getattr(args, "path", None):
             path = args.path
             if not os.path.isfile(path):
                 raise ClutorError(f"{path}: not a regular file (expected a file to read)")
             if not os.access(path, os.R_OK):
                 raise ClutorError(f"{path}: not readable")
+            _say(f"clutor bench-io: reading {path} ({format_bytes(os.path.getsize(path))}); {length}")
         else:
             d = getattr(args, "dir", None) or ("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir())
             if not os.path.isdir(d):
                 raise ClutorError(f"--dir {d}: not a directory")
+            free = shutil.disk_usage(d).free
+            if args.size > free:
+                raise ClutorError(f"--dir {d}: the {format_bytes(args.size)} test file does not fit "
+                                  f"({format_bytes(free)} free; --size or --dir)")
+            _say(f"clutor bench-io: writing a {format_bytes(args.size)} test file of random bytes in {d} (removed "
+                 f"afterwards; --size, --dir, or give a file to read), then {length}")
             fd, created = tempfile.mkstemp(prefix="clutor-bench-io-", suffix=".bin", dir=d)
             os.close(fd)
             os.unlink(created)
@@ -122,22 +157,19 @@ async def run(args) -> int:
         if too_big:
             raise ClutorError(f"{path}: {size} bytes is smaller than block {too_big[0]}")
 
-        fio = None if args.no_fio else shutil.which("fio")
-        root = os.geteuid() == 0
+        drop = args.drop_caches
         notes = [f"file {path}: {format_bytes(size)} on {fs_type(path)}; kernel {platform.release()}"]
-        if "buffered" in args.mode and not root:
-            notes.append("not root: cannot drop the page cache; buffered rows may be flattered by cached data")
+        if "buffered" in args.mode:
+            notes.append("page cache emptied before each buffered row (--drop-caches)" if drop else
+                         "page cache not emptied: buffered rows may be flattered by cached data (--drop-caches, "
+                         "as root, empties it before each)")
         if args.repeat > 1:
             notes.append(f"each row: median of {args.repeat} runs (fio and Clutor interleaved); --json has every run")
         if not args.no_fio and fio is None:
             notes.append("fio not installed: no fio column (apt-get install fio)")
 
-        ios = list(args.io)
-        if "uring" in ios and (why := await _uring_unavailable()):
-            ios.remove("uring")
-            notes.append(f"skipping uring: {why}")
-            if not ios:
-                raise ClutorError(f"--io uring: {why}")
+        if len(ios) < len(args.io):
+            notes.append(f"skipping uring: {why_uring}")
         patterns = [(m, b, d) for m in args.mode for b in args.block for d in args.depth]
         total = len(patterns) * (len(ios) + (fio is not None)) * args.repeat
         step = 0
@@ -149,13 +181,13 @@ async def run(args) -> int:
                 if fio:
                     step += 1
                     _progress(f"[{step}/{total}] fio {mode} {format_bytes(block)} depth {depth} ...")
-                    if not direct and root:
+                    if not direct and drop:
                         drop_caches()
                     fio_runs.append(await run_fio(path, direct=direct, block=block, depth=depth, seconds=args.seconds, fio=fio))
                 for io in ios:
                     step += 1
                     _progress(f"[{step}/{total}] {io} {mode} {format_bytes(block)} depth {depth} ...")
-                    if not direct and root:
+                    if not direct and drop:
                         drop_caches()
                     ours[io].append(await measure(path, io=io, direct=direct, block=block, depth=depth, seconds=args.seconds))
             ref = median_result(fio_runs) if fio_runs else None
@@ -165,6 +197,7 @@ async def run(args) -> int:
                     **{k: v for k, v in asdict(r).items() if k != "samples_gbps"},
                     "requested_backend": io, "requested_mode": mode,
                     "gbps": round(r.gbps, 4), "iops": round(r.iops, 1), "samples_gbps": list(r.samples_gbps),
+                    "loop_cpu_ms_per_gib": None if r.loop_cpu_ms_per_gib is None else round(r.loop_cpu_ms_per_gib, 2),
                     "fio_gbps": round(ref.gbps, 4) if ref else None,
                     "fio_iops": round(ref.iops, 1) if ref else None,
                     "fio_samples_gbps": list(ref.samples_gbps) if ref else None,
@@ -173,7 +206,7 @@ async def run(args) -> int:
         _end_progress()
         if args.json:
             print(json.dumps({"path": path, "file_bytes": size, "seconds": args.seconds, "repeat": args.repeat,
-                              "root": root, "notes": notes, "rows": rows}, indent=2))
+                              "dropped_caches": drop, "notes": notes, "rows": rows}, indent=2))
         else:
             _print_table(rows, notes)
         return 0
@@ -184,11 +217,11 @@ async def run(args) -> int:
 
 
 async def _uring_unavailable() -> str | None:
-    from clutor.io.uring import UringBackend, UringUnavailable
+    from clutor.io.open_backend import open_backend
 
     try:
-        backend = UringBackend([], [], direct=False, entries=1)
-    except UringUnavailable as e:
+        backend = open_backend([], [], io="uring", direct=False, entries=1)
+    except ClutorError as e:
         return str(e)
     await backend.aclose()
     return None
@@ -200,15 +233,19 @@ def _print_table(rows: list[dict], notes: list[str]) -> None:
     reasons = sorted({r["fallback_reason"] for r in rows if r["fallback_reason"]})
     for reason in reasons:
         print(f"# fallback: {reason}")
-    head = f"{'backend':<8} {'mode':<9} {'block':>9} {'depth':>5} {'GB/s':>7} {'IOPS':>9} {'fio GB/s':>9} {'ratio':>6}"
+    head = (f"{'backend':<16} {'mode':<9} {'block':>9} {'depth':>5} {'GB/s':>7} {'IOPS':>9} {'fio GB/s':>9} {'ratio':>6}"
+            f" {'loop CPU ms/GiB':>15}")
     print(head)
     print("-" * len(head))
     for r in rows:
         fio = f"{r['fio_gbps']:9.3f}" if r["fio_gbps"] is not None else f"{'-':>9}"
         ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
         backend = r["backend"] if r["backend"] == r["requested_backend"] else f"{r['backend']}*"
-        print(f"{backend:<8} {r['mode']:<9} {format_bytes(r['block']):>9} {r['depth']:>5} "
-              f"{r['gbps']:7.3f} {r['iops']:9.0f} {fio} {ratio}")
+        if r.get("driver"):
+            backend += f" ({r['driver']})"
+        cpu = f"{r['loop_cpu_ms_per_gib']:15.1f}" if r.get("loop_cpu_ms_per_gib") is not None else f"{'-':>15}"
+        print(f"{backend:<16} {r['mode']:<9} {format_bytes(r['block']):>9} {r['depth']:>5} "
+              f"{r['gbps']:7.3f} {r['iops']:9.0f} {fio} {ratio} {cpu}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY, POLICIES
 from ..model.generate import GenerationStats
 from ..model.sampling import SamplingParams
+from .parsing import add_llama_cpp_habits
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.HelpFormatter):
@@ -36,23 +37,30 @@ def add_command(sub, name: str, help: str, doc: str | None, *examples: str) -> a
 def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = SamplingParams.temperature,
                       max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
+    g.add_argument("-n", "--max-tokens", "--n-predict", "--predict", dest="max_tokens", type=int, default=max_tokens, metavar="N",
                    help="tokens to generate at most; -1 = until end of text or the context is full")
-    g.add_argument("--temperature", "--temp", type=float, default=temperature,
+    g.add_argument("--temperature", "--temp", type=float, default=temperature, metavar="T",
                    help="randomness of sampling; 0 = greedy (always the most likely token)")
-    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="sample among the k most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=SamplingParams.top_p,
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="K", help="sample among the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, metavar="P",
                    help="sample among the most likely tokens whose probabilities sum to p (1 = off)")
-    g.add_argument("--min-p", type=float, default=SamplingParams.min_p,
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, metavar="P",
                    help="drop tokens less likely than min-p times the most likely one (0 = off)")
-    g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty,
-                   help="penalise tokens among the last 64 generated or in the prompt, as llama.cpp does (1 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty, metavar="X",
+                   help="penalise tokens among the last --repeat-last-n, as llama.cpp does (1 = off)")
+    g.add_argument("--repeat-last-n", type=int, default=SamplingParams.repeat_last_n, metavar="N",
+                   help="tokens of history the penalties look at (0 = none, -1 = all)")
+    g.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, metavar="X",
+                   help="subtract this from a token's logit once it is in that history (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, metavar="X",
+                   help="subtract this times its count in that history (0 = off)")
     g.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: a fresh one each run)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens (benchmarks)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_llama_cpp_habits(p, server=p.prog.endswith(" serve"))
     p.add_argument("-c", "--ctx-size", "--n-ctx", dest="n_ctx", type=int, default=None, metavar="N",
                    help="context length in tokens (default: min(the model's, 4096))")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
@@ -66,7 +74,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes "
-                        "(default: auto = when several sequences decode together)")
+                        "(default: auto = off: on real routing it did not win, see docs/benchmarks.md)")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
@@ -76,8 +84,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--buffered", dest="direct", action="store_false", help="reads through the page cache")
     g.add_argument("--trace", default=None, metavar="FILE", help="record routing to FILE (JSONL, see `clutor simulate`)")
     b = p.add_argument_group("batching")
-    b.add_argument("--max-sequences", type=int, default=16, help="generations advanced together in one step")
-    b.add_argument("--step-tokens", type=int, default=256,
+    b.add_argument("-np", "--parallel", "--max-sequences", dest="max_sequences", type=int, default=16, metavar="N",
+                   help="generations advanced together in one step")
+    b.add_argument("-b", "--batch-size", "--step-tokens", dest="step_tokens", type=int, default=256, metavar="N",
                    help="tokens one step computes at most (long prompts are prefilled in chunks)")
     b.add_argument("--prefix-cache", default="256MiB", metavar="SIZE",
                    help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
@@ -88,15 +97,18 @@ def check_sampling_args(args) -> None:
     if args.max_tokens == 0 or args.max_tokens < -1:
         raise ClutorError(f"-n/--max-tokens must be >= 1, or -1 for no limit; got {args.max_tokens}")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                   repeat_penalty=args.repeat_penalty, seed=args.seed)  # raises ClutorError naming the option
+                   repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed,
+                   presence_penalty=args.presence_penalty,
+                   frequency_penalty=args.frequency_penalty)  # raises ClutorError naming the option
 
 
 def sampling_kwargs(args, n_ctx: int | None = None) -> dict:
     """generate() options; -n -1 becomes the whole context (generate stops where it is full)."""
     max_tokens = args.max_tokens if args.max_tokens != -1 else (n_ctx or 1 << 30)
     return dict(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos)
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+                stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def model_kwargs(args) -> dict:
@@ -222,8 +234,8 @@ def print_stats(stats: GenerationStats, file=None) -> None:
         lines += [
             f"[experts: {io.backend} {io.mode}, cache {format_bytes(io.cache_bytes)} ({stats.cache_note}) | "
             f"hit rate {io.hit_rate:.1%}" + (
-                f", prefetch accuracy {io.prefetch_accuracy:.1%} ({io.prefetch_issued} prefetched, "
-                f"{io.prefetch_wasted} wasted = {format_bytes(io.bytes_wasted)})" if io.prefetch_issued else "") + "]",
+                f", {io.prefetch_accuracy:.1%} with prefetches in flight ({io.prefetch_issued} prefetched, "
+                f"{io.prefetch_wasted} unused = {format_bytes(io.bytes_wasted)})" if io.prefetch_issued else "") + "]",
             f"[read {format_bytes(io.bytes_read)} = {format_bytes(stats.bytes_per_token)}/token | "
             f"time: waiting on disk {io.wait_seconds:.2f}s ({io.wait_seconds / total:.0%}), "
             f"computing {io.compute_seconds:.2f}s | peak RSS {format_bytes(stats.peak_rss)}]"

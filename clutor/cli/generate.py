@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import ClutorError
 from .common import (add_command, add_model_args, add_sampling_args, check_sampling_args, model_kwargs, print_stats,
                      read_stdin, read_text_file, sampling_kwargs, warm_kernels, write_out)
+from .source import add_model_source
 
 
 def add_parser(sub):
@@ -12,11 +13,13 @@ def add_parser(sub):
                     "clutor generate olmoe.gguf 'The capital of France is' -n 32 --temperature 0",
                     "echo 'Write a haiku' | clutor generate qwen3.gguf - --chat",
                     "clutor generate olmoe.gguf -f prompt.txt -n -1")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - to read it from stdin")
     p.add_argument("-p", "--prompt", dest="prompt_opt", default=None, metavar="TEXT", help="prompt text (as llama.cpp)")
     p.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from FILE")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    p.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None, metavar="TEXT",
+                   help="a system message before the prompt (implies --chat)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the model's (implies --chat)")
     p.add_argument("--special", action="store_true", help="parse control tokens written in the prompt")
@@ -49,8 +52,9 @@ async def _generate(args, prompt: str, template: str | None) -> int:
 
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
-        if args.chat or template is not None:
-            prompt = chat_prompt(model.tokenizer, [{"role": "user", "content": prompt}], template=template,
+        if args.chat or template is not None or args.system is not None:
+            messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+            prompt = chat_prompt(model.tokenizer, messages + [{"role": "user", "content": prompt}], template=template,
                                  name=args.chat_template or "tokenizer.chat_template")
             special = True
         async for out in model.generate(prompt, special=special, **sampling_kwargs(args, model.n_ctx)):

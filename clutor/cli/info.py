@@ -5,12 +5,13 @@ from collections import Counter
 from dataclasses import asdict
 
 from .common import add_command
+from .source import add_model_source
 
 
 def add_parser(sub):
     p = add_command(sub, "info", "describe a GGUF MoE model", __doc__,
                     "clutor info qwen3-30b-a3b-q4_k_m-00001-of-00003.gguf")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     p.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     return p
 

@@ -12,7 +12,9 @@ import sys
 
 from ..errors import ClutorError
 from ..model.sampling import SamplingParams
+from ..server.limits import Limits
 from .common import add_command, add_model_args, model_kwargs
+from .source import add_model_source
 
 
 def add_parser(sub):
@@ -20,17 +22,32 @@ def add_parser(sub):
                     "clutor serve olmoe.gguf --expert-cache 3GiB --port 8000",
                     "curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
                     "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'")
-    p.add_argument("model", help="GGUF file (first part of a split model)")
+    add_model_source(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one, printed at start)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name stem)")
+    p.add_argument("-a", "--alias", "--served-model-name", dest="served_model_name", default=None, metavar="NAME",
+                   help="the model's id in /v1/models and in responses (default: the file's name, clutor-demo for "
+                        "the demo model); requests may name any model: the one served answers")
     p.add_argument("--api-key", default=os.environ.get("CLUTOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
-                   help="let browser pages from ORIGIN call the API (CORS; repeatable, '*' = any)")
+                   help="let browser pages from ORIGIN call the API (CORS; repeatable, '*' = any); pages from any "
+                        "other origin are refused (403)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="on a loopback address, accept requests for the Host name HOST too (repeatable, '*' = any); "
+                        "by default only local names and IP addresses, against DNS rebinding")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond the --max-sequences in the batch; more get 429")
-    p.add_argument("--max-body", type=int, default=8 << 20, help="largest request body, bytes (more: 413)")
+    lim = Limits()
+    p.add_argument("--max-body", type=int, default=lim.max_body, help="largest request body, bytes (more: 413)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; more get 503 (default: from the file-descriptor limit, at most 1024)")
+    p.add_argument("--header-timeout", type=float, default=lim.header_timeout,
+                   help="seconds a client has to send a request's headers (then 408 and closed)")
+    p.add_argument("--body-timeout", type=float, default=lim.body_timeout,
+                   help=f"seconds a client has to send a request's body, plus one per {lim.min_body_rate >> 10} KiB sent")
+    p.add_argument("--write-timeout", type=float, default=lim.write_timeout,
+                   help="seconds a client may read nothing while its response waits; then it is cut off")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds requests in flight may still run")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -48,8 +65,25 @@ def add_parser(sub):
     g.add_argument("--top-p", type=float, default=SamplingParams.top_p)
     g.add_argument("--min-p", type=float, default=SamplingParams.min_p)
     g.add_argument("--repeat-penalty", type=float, default=SamplingParams.repeat_penalty)
+    g.add_argument("--repeat-last-n", type=int, default=SamplingParams.repeat_last_n)
+    g.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty)
     add_model_args(p)
     return p
+
+
+def model_id(path: str) -> str:
+    """The id a served file gets by default: its name without .gguf and without a split suffix
+    (-00001-of-00003); the demo model's (demo-FINGERPRINT.gguf in Clutor's cache) is clutor-demo."""
+    import re
+
+    from .demo_model import DEMO
+
+    name = os.path.basename(path)
+    if re.fullmatch(rf"{re.escape(DEMO.name)}-[0-9a-f]{{16}}\.gguf", name):
+        return "clutor-demo"
+    name = re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", name)
+    return name[:-5] if name.endswith(".gguf") else name
 
 
 def _server_modules():
@@ -62,12 +96,23 @@ def _server_modules():
     return Defaults, create_app, Server, bind
 
 
+def _limits(args) -> Limits:
+    try:
+        return Limits(max_body=args.max_body, max_connections=args.max_connections,
+                      header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                      write_timeout=args.write_timeout)
+    except ValueError as e:  # "Limits.header_timeout must be a positive number, got 0.0"
+        flag = "--" + str(e).split(" ", 1)[0].split(".", 1)[1].replace("_", "-")
+        raise ClutorError(f"{flag}: {str(e).split(' ', 1)[1]}") from None
+
+
 async def run(args) -> int:
     from ..model.model import Model
 
     Defaults, create_app, Server, bind = _server_modules()
-    if args.max_sequences < 1 or args.max_queue < 0 or args.max_body < 1:
-        raise ClutorError("--max-sequences and --max-body must be >= 1 and --max-queue >= 0")
+    if args.max_sequences < 1 or args.max_queue < 0:
+        raise ClutorError("--max-sequences must be >= 1 and --max-queue >= 0")
+    limits = _limits(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -93,12 +138,14 @@ async def run(args) -> int:
         except OSError as e:
             raise ClutorError(f"--chat-template {args.chat_template}: {e.strerror}") from None
     defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repeat_penalty=args.repeat_penalty, reasoning_format=args.reasoning_format,
-                        chat_template=template)
-    app = create_app(open_model(), served_model_name=args.served_model_name, api_key=args.api_key or None,
-                     max_sequences=args.max_sequences, max_queue=args.max_queue, max_body=args.max_body,
-                     defaults=defaults, cors_origins=tuple(args.allow_origin), pooling=args.pooling,
-                     web_ui=not args.no_webui)
+                        repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        reasoning_format=args.reasoning_format, chat_template=template)
+    app = create_app(open_model(), served_model_name=args.served_model_name or model_id(args.model),
+                     api_key=args.api_key or None,
+                     max_sequences=args.max_sequences, max_queue=args.max_queue, defaults=defaults,
+                     cors_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host), limits=limits,
+                     pooling=args.pooling, web_ui=not args.no_webui)
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
     host, port = sock.getsockname()[:2]
     logging.getLogger("clutor.server").info(

@@ -171,6 +171,22 @@ class ExpertCache:
         self.policy.on_hint(layer, keys)
 
     # -- internals -------------------------------------------------------------------------------
+    def victim_key(self) -> Key | None:
+        """The key a miss would evict now, or None when a slot is free (or nothing may be evicted). Looks,
+        changes nothing."""
+        if self._free:
+            return None
+        index, state, pins, staged = self._index, self._state, self._pins, self._staged
+        candidates = self.policy.victims()
+        try:
+            for key in candidates:
+                slot = index[key]
+                if state[slot] is SlotState.READY and not pins[slot] and not staged[slot]:
+                    return key
+        finally:
+            candidates.close()
+        return None
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()

@@ -66,6 +66,10 @@ class Policy:
         """A prediction: ``keys`` (resident or not) are expected at ``layer``'s next request. The
         policies that do not predict ignore it."""
 
+    def on_bypass(self, key: Key) -> None:
+        """``key`` was demanded but got no slot (every slot pinned): read past the cache. Online policies
+        do not count it; Belady must, to keep its place in the future it was built from."""
+
     def victims(self) -> Generator[Key, None, None]:
         """Resident keys, best victim first, as a generator. Lazy: the caller stops at the first key it
         may evict, removes it, then close()s the generator; no other policy call happens in between."""
@@ -260,7 +264,10 @@ class LRFU(Policy):
 
     def __init__(self, half_life: float = 1.0) -> None:
         self.half_life = float(half_life)
-        self._c = 1.0 - 2.0 ** (-1.0 / self.half_life)  # q of a key with value 1 at its next round
+        if not 0.0 < self.half_life < math.inf:
+            raise ValueError(f"LRFU half_life must be a positive number of rounds, got {half_life!r}")
+        # log2 of q for a key with value 1 at its next round, 1 - 2^(-1/h) (expm1: exact for a long half-life)
+        self._log2_c = math.log2(-math.expm1(-math.log(2.0) / self.half_life))
         self._heaps: dict[Hashable, list[tuple[float, int, Key]]] = {}  # layer -> [(rank, seq, key)]
         self._current: dict[Key, int] = {}   # resident key -> seq of its live heap entry
         self._live: dict[Hashable, int] = {}  # layer -> resident keys
@@ -299,7 +306,8 @@ class LRFU(Policy):
         now = self._rounds[layer]
         v = self._value.get(key, 0.0)
         if v:
-            v *= 2.0 ** (-(now - self._last[key]) / self.half_life)
+            idle = (now - self._last[key]) / self.half_life
+            v = v * 2.0 ** -idle if idle < 1000.0 else 0.0  # (past 2^-1000 v is below 1.0's precision)
         self._value[key] = v + 1.0
         self._last[key] = now
         self._touch(key)
@@ -326,13 +334,28 @@ class LRFU(Policy):
                         self._live.get(key[0], 0))
 
     def expected_wait(self, key: Key) -> float:
-        """Accesses until ``key`` is expected to be used again (the eviction score; larger goes first)."""
+        """Accesses until ``key`` is expected to be used again (inf once it overflows a float)."""
+        w = self._log2_wait(key)
+        return 2.0 ** w if w < 1024.0 else math.inf
+
+    def _log2_wait(self, key: Key) -> float:
+        """log2 of expected_wait(key): the eviction score, larger goes first.
+
+        Kept in the log domain because a key left unused for ~1075 of its layer's rounds (at the
+        default half-life of one round) has q = v * c below the smallest float: q itself would be 0
+        and 1/q the ZeroDivisionError that failed every eviction of a long-running server. In logs
+        the score stays finite and ordered however long a key has been idle.
+        """
         layer = key[0]
-        period = self._period if self._period is not None else float(self._t + 1)
+        period = self._period if self._period is not None else float(self._t + 1)  # >= 1
         until_round = max(0.0, period - (self._t - self._start.get(layer, 0)))
-        v = self._value[key] * 2.0 ** (-(self._rounds.get(layer, 0) - self._last[key]) / self.half_life)
-        q = min(1.0, v * self._c)
-        return until_round + period * (1.0 / q - 1.0)
+        idle = (self._rounds.get(layer, 0) - self._last[key]) / self.half_life
+        log2_q = min(0.0, math.log2(self._value[key]) - idle + self._log2_c)  # q <= 1
+        if log2_q > -64.0:
+            wait = until_round + period * (2.0 ** -log2_q - 1.0)
+            return math.log2(wait) if wait > 0.0 else -math.inf
+        # period / q: until_round (<= period) and the -1 are below a float's resolution here
+        return math.log2(period) - log2_q
 
     def victims(self) -> Generator[Key, None, None]:
         orders = {layer: _lazy_heap_order(self._heaps[layer], self._current) for layer in self._heaps}
@@ -341,14 +364,14 @@ class LRFU(Policy):
             for layer, it in orders.items():
                 key = next(it, None)
                 if key is not None:
-                    heads.append((-self.expected_wait(key), self._seq_of(key), layer, key))
+                    heads.append((-self._log2_wait(key), self._seq_of(key), layer, key))
             heapq.heapify(heads)
             while heads:
                 _, _, layer, key = heapq.heappop(heads)
                 yield key
                 key = next(orders[layer], None)
                 if key is not None:
-                    heapq.heappush(heads, (-self.expected_wait(key), self._seq_of(key), layer, key))
+                    heapq.heappush(heads, (-self._log2_wait(key), self._seq_of(key), layer, key))
         finally:
             for it in orders.values():
                 it.close()
@@ -546,6 +569,10 @@ class Forecast(Policy):
             n_hinted, n_hit = np.count_nonzero(hinted), np.count_nonzero(hinted[s])
             self._hints *= self._decay  # (decayed: trust follows the hints' recent worth)
             self._hints += ((self._E - n_hinted - len(S) + n_hit, len(S) - n_hit), (n_hinted - n_hit, n_hit))
+            # A verdict the hints never give (a perfect hint never misses) would decay to 0 over ~1000
+            # half-lives and its likelihood ratio to 0/0 or x/0: kept at a floor instead, far below the
+            # prior's counts, so the ratio stays finite and as large as the evidence makes it.
+            np.maximum(self._hints, _HINT_FLOOR, out=self._hints)
         # Learn from this round: each pending prediction made for it (j+1 rounds ago), and its transitions.
         T, N, pending = self._T[l], self._N[l], self._pending[l]
         self._unit[l] /= self._decay
@@ -553,6 +580,10 @@ class Forecast(Policy):
             T /= self._unit[l]
             N /= self._unit[l]
             self._unit[l] = 1.0
+            # counts that kept decaying fold after fold would become subnormal floats (slow on x86):
+            # below _NEGLIGIBLE of one round's weight they are gone anyway
+            T[T < _NEGLIGIBLE] = 0.0
+            N[N < _NEGLIGIBLE] = 0.0
         unit = self._unit[l]
         for j in range(min(self.steps, len(pending))):
             (r, a), x = pending[-1 - j]  # (its snapshot: distinct experts per side, [J, E, F] features)
@@ -563,8 +594,10 @@ class Forecast(Policy):
             T[j][r[:, None], a[:, None], s[None, :]] += unit
             N[j][r, a] += unit
         d = self._pop_decay
-        self._pop[:, l] *= d[:, None]
-        self._pop[:, l, s] += 1.0
+        pop = self._pop[:, l]  # [4, E] (a view)
+        pop *= d[:, None]
+        pop[pop < _NEGLIGIBLE] = 0.0  # an expert unused for ~100 half-lives: 0 before it turns subnormal
+        pop[:, s] += 1.0
         self._rounds[:, l] = self._rounds[:, l] * d + 1.0
         self._latest[l] = s
         snap = self._snapshot(l)
@@ -641,6 +674,13 @@ class Forecast(Policy):
             yield divmod(int(i), self._E)
 
 
+# Forecast's decayed counts: a count below _NEGLIGIBLE (of one use) is set to 0, before it reaches the
+# subnormal floats (float32's start at 1.2e-38; it is divided by up to 1e6 at a fold); the hints' record
+# never goes below _HINT_FLOOR, a hundredth of its smallest prior count.
+_NEGLIGIBLE = 1e-30
+_HINT_FLOOR = 1e-3
+
+
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
 
@@ -674,6 +714,12 @@ class LRU2(_ScoredPolicy):
 class Belady(_ScoredPolicy):
     """Belady's OPT for offline replay: evict the key whose next use is farthest in the future.
 
+    ``bypass=True`` ("opt" in the simulator): also read a missed key past the cache, evicting nothing, when
+    it is needed again later than every evictable key. With bypass allowed (the store reads into a spare
+    buffer when it must) that is the fewest misses any cache of the size can have; plain Belady inserts
+    every miss, and a batched step's many misses can then make it lose to an online policy whose bypasses
+    happened to help.
+
     Built from the complete sequence of demand accesses the replay will make. Each key's accesses
     must come in that order; keys of one request may be accessed in any order (the simulator, like
     the store, touches a request's present keys before its misses).
@@ -681,8 +727,11 @@ class Belady(_ScoredPolicy):
 
     name = "belady"
 
-    def __init__(self, future: Sequence[Key]) -> None:
+    def __init__(self, future: Sequence[Key], bypass: bool = False) -> None:
         super().__init__()
+        self.bypass = bypass
+        if bypass:
+            self.name = "opt"
         self._future = list(future)
         self._positions: dict[Key, list[int]] = {}
         for i, key in enumerate(self._future):
@@ -697,9 +746,24 @@ class Belady(_ScoredPolicy):
         self._t += 1
         self._touch(key)
 
+    def on_bypass(self, key: Key) -> None:
+        # Without this a bypassed key's next use would stay at the access just served: Belady would
+        # then see it as needed at once, keep it forever, and stop being optimal.
+        i = self._ptr.get(key, 0)
+        if i >= len(self._positions.get(key, ())):
+            raise ValueError(f"Belady replay out of sync: {key!r} accessed more often than the future sequence says")
+        self._ptr[key] = i + 1
+        self._t += 1
+
     def next_use(self, key: Key) -> float:
         pos = self._positions.get(key, ())
         i = self._ptr.get(key, 0)
+        return pos[i] if i < len(pos) else math.inf
+
+    def use_after_next(self, key: Key) -> float:
+        """For a key about to be accessed: the access after that one."""
+        pos = self._positions.get(key, ())
+        i = self._ptr.get(key, 0) + 1
         return pos[i] if i < len(pos) else math.inf
 
     def _score(self, key: Key) -> tuple:

@@ -11,7 +11,7 @@ ceiling any online policy can reach at that slot count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .cache import ExpertCache
 from .policies import POLICIES, Belady, Policy, make_policy
@@ -29,6 +29,7 @@ class SimResult:
     misses: int      # includes bypass reads
     bypass: int      # misses that found every slot pinned (only when n_slots < top_k)
     evictions: int
+    miss_bytes: int = 0  # bytes the misses read, when simulate() was given the bytes of each expert
 
     @property
     def hit_rate(self) -> float:
@@ -44,6 +45,7 @@ class SimResult:
             "bypass": self.bypass,
             "evictions": self.evictions,
             "hit_rate": round(self.hit_rate, 6),
+            "miss_bytes": self.miss_bytes,
         }
 
 
@@ -62,41 +64,59 @@ def _records(trace: Trace | Sequence[TraceRecord]) -> Sequence[TraceRecord]:
     return trace.records if isinstance(trace, Trace) else trace
 
 
-def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | Policy) -> SimResult:
+def simulate(trace: Trace | Sequence[TraceRecord], n_slots: int, policy: str | Policy, *,
+             counted: Callable[[TraceRecord], bool] | None = None,
+             expert_bytes: Callable[[int, int], int] | None = None) -> SimResult:
     """Replay ``trace`` through an ExpertCache of ``n_slots`` slots under ``policy``.
 
-    ``policy`` is a registry name, ``"belady"``, or a fresh Policy instance (it is consumed).
+    ``policy`` is a registry name, ``"belady"`` (offline optimum, every miss inserted), ``"opt"`` (Belady
+    with bypass: the fewest misses possible), or a fresh Policy instance (it is consumed).
+    ``counted(record)``: which records the counts cover (default all); the others are replayed all the
+    same, so a window (a run's decode steps) is counted from the cache state the whole run left it in.
+    ``expert_bytes(layer, expert)``: what one miss reads, summed into ``miss_bytes``.
     """
     records = _records(trace)
-    if policy == "belady":
-        policy = Belady(Trace(tuple(records)).accesses())
+    if policy in ("belady", "opt"):
+        policy = Belady(Trace(tuple(records)).accesses(), bypass=policy == "opt")
     pol = make_policy(policy, n_slots)
     cache = ExpertCache(n_slots, pol)
-    accesses = hits = misses = bypass = 0
+    optimal = isinstance(pol, Belady) and pol.bypass
+    accesses = hits = misses = bypass = nbytes = 0
     for rec in records:
         if rec.next is not None:
             cache.hint(rec.layer + 1, [(rec.layer + 1, e) for e in dict.fromkeys(rec.next)])
         keys = [(rec.layer, e) for e in dict.fromkeys(rec.experts)]  # a duplicate in one request is one access
-        accesses += len(keys)
+        count = counted is None or counted(rec)
+        accesses += len(keys) * count
         pinned: list[int] = []
         # As ExpertStore.get does: pin the present keys first, so no miss of this request evicts them.
         for key in keys:
             if key in cache:
                 pinned.append(cache.acquire(key).slot)
-                hits += 1
+                hits += count
         for key in keys:
             if key in cache:
                 continue
-            misses += 1
+            if count:
+                misses += 1
+                nbytes += expert_bytes(*key) if expert_bytes is not None else 0
+            if optimal:
+                # Belady's choice between evicting the farthest-used key and caching nothing (class doc).
+                victim = cache.victim_key()
+                if victim is not None and pol.use_after_next(key) >= pol.next_use(victim):
+                    bypass += count
+                    pol.on_bypass(key)
+                    continue
             grant = cache.acquire(key)
             if grant is None:
-                bypass += 1
+                bypass += count
+                pol.on_bypass(key)
                 continue
             pinned.append(grant.slot)
             cache.complete(grant.slot)
         for slot in pinned:
             cache.unpin(slot)
-    return SimResult(pol.name, n_slots, accesses, hits, misses, bypass, cache.evictions)
+    return SimResult(pol.name, n_slots, accesses, hits, misses, bypass, cache.evictions, nbytes)
 
 
 def compare_policies(

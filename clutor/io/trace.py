@@ -15,11 +15,12 @@ present, every record is checked against it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import tempfile
 from dataclasses import dataclass
-from typing import IO, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -41,6 +42,8 @@ __all__ = [
 
 TRACE_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+
+log = logging.getLogger("clutor.trace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,21 +225,38 @@ class TraceWriter:
     and every part of a split set), any existing file that is not a routing trace, and anything that
     is not a regular file; records go to a temporary file next to ``path`` that replaces ``path``
     only at close(). abort() drops the temporary file and leaves ``path`` as it was.
+
+    A trace must never fail the generation it records. When a write fails (a full disk, a file-size
+    limit), the file is cut back to its last whole record, one warning is logged and the writer stops:
+    later records are counted (``dropped``) but not written, even if space comes back, and close()
+    publishes the records kept. ``on_error="raise"`` (write_trace: a whole trace written on purpose)
+    raises ClutorError instead and publishes nothing.
     """
 
+    FLUSH_BYTES = 64 << 10  # records are written in batches of about this size
+
     def __init__(self, path: str | os.PathLike, header: TraceHeader | None = None, *,
-                 protect: Iterable[str | os.PathLike] = ()):
+                 protect: Iterable[str | os.PathLike] = (), on_error: str = "stop"):
+        if on_error not in ("stop", "raise"):
+            raise ValueError(f"on_error must be 'stop' or 'raise', got {on_error!r}")
         self.path = os.fspath(path)
-        self._f: IO[str] | None = None
+        self._raise = on_error == "raise"
+        self._fd: int | None = None
         check_output(self.path, protect)
         d = os.path.dirname(os.path.abspath(self.path))
         try:
-            fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=d)
+            self._fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=d)
         except OSError as e:
             raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
-        self._f = os.fdopen(fd, "w", encoding="utf-8")
+        self._buf: list[bytes] = []   # whole lines not yet written
+        self._buf_bytes = 0
+        self._buf_records = 0
+        self._on_disk = 0             # bytes of whole lines in the file
+        self.kept = 0                 # records in the file
+        self.dropped = 0              # records not written because an earlier write failed
+        self.error: str | None = None  # why writing stopped
         if header is not None:
-            self._put(json.dumps(header.to_json()) + "\n")
+            self._put(json.dumps(header.to_json()).encode() + b"\n", record=False)
 
     def write(self, token: int, layer: int, experts: Sequence[int], weights: Sequence[float] | None = None,
               next: Sequence[int] | None = None) -> None:
@@ -248,39 +268,77 @@ class TraceWriter:
         self.write_record(rec)
 
     def write_record(self, rec: TraceRecord) -> None:
-        if self._f is None:
+        if self._fd is None:
             raise ClosedError(f"{self.path}: trace writer is closed")
-        self._put(json.dumps(rec.to_json()) + "\n")
+        if self.error is not None:
+            self.dropped += 1
+            return
+        self._put(json.dumps(rec.to_json()).encode() + b"\n")
 
-    def _put(self, line: str) -> None:
+    def _put(self, line: bytes, record: bool = True) -> None:
+        self._buf.append(line)
+        self._buf_bytes += len(line)
+        self._buf_records += record
+        if self._buf_bytes >= self.FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf or self.error is not None:
+            return
+        data = b"".join(self._buf)
+        n_records = self._buf_records
+        self._buf, self._buf_bytes, self._buf_records = [], 0, 0
+        view = memoryview(data)
         try:
-            self._f.write(line)
+            while view:
+                view = view[os.write(self._fd, view):]
         except OSError as e:
+            self.dropped += n_records
+            self._failed(e)
+            return
+        self._on_disk += len(data)
+        self.kept += n_records
+
+    def _failed(self, e: OSError) -> None:
+        """A write failed: cut the file back to its whole lines and stop (or raise, with on_error='raise')."""
+        self.error = e.strerror or str(e)
+        try:
+            os.ftruncate(self._fd, self._on_disk)  # (shrinking needs no space)
+        except OSError:
+            pass
+        if self._raise:
             self.abort()
-            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
+            raise ClutorError(f"{self.path}: cannot write the routing trace: {self.error}")
+        log.warning("%s: cannot write the routing trace (%s): tracing stopped for the rest of this run; "
+                    "the %d records written so far are kept", self.path, self.error, self.kept)
 
     def close(self) -> None:
-        """Finish the file and move it into place (an error leaves ``path`` untouched)."""
-        self._end(publish=True)
+        """Finish the file and move it into place (an error leaves ``path`` untouched). After a failed
+        write, the records written before it are published (none: ``path`` is left as it was)."""
+        if self._fd is None:
+            return
+        self._flush()
+        if self.error is not None and self._on_disk == 0:
+            self.abort()
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.close(fd)
+            os.replace(self._tmp, self.path)
+        except OSError as e:
+            _unlink(self._tmp)
+            raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
 
     def abort(self) -> None:
         """Close without publishing: the temporary file is removed, ``path`` is left as it was."""
-        self._end(publish=False)
-
-    def _end(self, publish: bool) -> None:
-        f, self._f = self._f, None
-        if f is None:
+        fd, self._fd = self._fd, None
+        if fd is None:
             return
         try:
-            f.close()
-            if publish:
-                os.replace(self._tmp, self.path)
-                return
-        except OSError as e:
-            if publish:
-                _unlink(self._tmp)
-                raise ClutorError(f"{self.path}: cannot write the routing trace: {e.strerror or e}") from None
-        _unlink(self._tmp)  # aborted (a failed close does not matter: the file goes)
+            os.close(fd)
+        except OSError:
+            pass
+        _unlink(self._tmp)
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -331,7 +389,7 @@ def _looks_like_trace(path: str) -> bool:
 
 
 def write_trace(path: str | os.PathLike, records: Iterable[TraceRecord], header: TraceHeader | None = None) -> None:
-    with TraceWriter(path, header) as w:
+    with TraceWriter(path, header, on_error="raise") as w:
         for rec in records:
             w.write_record(rec)
 

@@ -1,4 +1,6 @@
-"""io_uring read backend over PyPI ``liburing``, driven by the asyncio (or uvloop) event loop.
+"""io_uring read backends driven by the asyncio (or uvloop) event loop: what every driver of the ring
+shares (``RingBackend``), and the driver over PyPI ``liburing`` (``UringBackend``; the one over raw
+system calls is clutor.io.uring_sys).
 
 What the wrapper forces on us (see shared notes/io-uring.md):
 
@@ -34,7 +36,7 @@ from typing import Any, Sequence
 from clutor.errors import ClutorError, ClutorIOError
 from clutor.io.backend import MAX_SHORT_RETRIES, QueueBackend, ReadHandle, ReadRequest, ReadState
 
-__all__ = ["UringBackend", "UringUnavailable"]
+__all__ = ["RingBackend", "UringBackend", "UringUnavailable"]
 
 # Refusals that mean "no io_uring here" (kernel without it, sysctl io_uring_disabled, seccomp).
 _UNAVAILABLE = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EOPNOTSUPP)
@@ -89,45 +91,24 @@ def _import_liburing() -> Any:
     return liburing
 
 
-class UringBackend(QueueBackend):
-    """Backend protocol over one io_uring. Construct inside the running event loop."""
+class RingBackend(QueueBackend):
+    """What every io_uring backend shares, whatever drives the ring: request ids (indices of ``entries``
+    slots, reused) so that reads owned by the kernel never exceed the SQ size (the CQ then never
+    overflows), batched submission (``submit()`` queues; one ``_flush`` per loop turn preps what it can
+    and submits once), completions from an eventfd watched by the loop, short reads finished or failed,
+    and teardown only once the kernel owns nothing.
+
+    A driver implements ``_prep(rid, fd, buf, start, length, offset) -> bool`` (one read into
+    ``buffers[buf][start:start + length]``, False when the SQ is full), ``_enter()`` (hand what was
+    prepped to the kernel), ``_reap() -> list[(rid, res)]`` (completions, negative res = -errno) and
+    ``_close_ring()``; it sets ``self._efd`` (registered, non-blocking) and calls ``_start_ring`` once
+    the ring exists."""
 
     name = "uring"
 
-    def __init__(
-        self,
-        files: Sequence[str | os.PathLike],
-        buffers: Sequence[memoryview],
-        *,
-        direct: bool,
-        entries: int = 256,
-    ):
-        L = self._L = _import_liburing()
-        if not 1 <= entries <= 32768:  # 32768 is the largest ring the kernel accepts
-            raise ValueError(f"UringBackend: entries must be in [1, 32768], got {entries}")
-        self._ring: Any = None
-        self._efd = -1
-        self._open_tables(files, buffers, direct)
-        try:
-            ring = L.Ring()
-            try:
-                L.io_uring_queue_init(entries, ring)
-            except OSError as err:
-                if err.errno in _UNAVAILABLE:
-                    raise UringUnavailable(f"io_uring unavailable: io_uring_queue_init: {err.strerror}") from err
-                raise ClutorError(f"io_uring_queue_init({entries}) failed: {err}") from err
-            self._ring = ring
-            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            L.io_uring_register_eventfd(ring, self._efd)
-            self._loop.add_reader(self._efd, self._on_event)
-        except BaseException:
-            self._release()
-            raise
+    def _init_slots(self, entries: int) -> None:
         self.entries = entries
         self._fds = self._files.fds
-        self._cqe = L.Cqe()
-        self._iovecs: dict[tuple[int, int, int], Any] = {}
-        self._pinned: list[memoryview] = []  # the memoryviews our Iovecs export (kept for clarity)
         # Per request id (index < entries): the handle, bytes already read, short-read retries.
         self._slot_handle: list[ReadHandle | None] = [None] * entries
         self._slot_got = [0] * entries
@@ -135,6 +116,10 @@ class UringBackend(QueueBackend):
         self._free = list(range(entries - 1, -1, -1))
         self._retry: deque[int] = deque()  # request ids whose remainder must be resubmitted
         self._flush_scheduled = False
+        self._ring_open = True
+
+    def _start_ring(self) -> None:
+        self._loop.add_reader(self._efd, self._on_event)
 
     # -- protocol -----------------------------------------------------------------------------
     def submit(self, requests: Sequence[ReadRequest]) -> list[ReadHandle]:
@@ -146,44 +131,37 @@ class UringBackend(QueueBackend):
         owned = self.entries - len(self._free)
         return owned + sum(1 for h in self._pending if h.state is ReadState.QUEUED)
 
-    # -- submission ---------------------------------------------------------------------------
-    def _iovec(self, buf: int, start: int, length: int) -> Any:
-        key = (buf, start, length)
-        iov = self._iovecs.get(key)
-        if iov is None:
-            mv = self._buffers[buf]
-            if start or length != len(mv):
-                mv = mv[start:start + length]
-            iov = self._L.Iovec([mv])
-            self._pinned.append(mv)
-            self._iovecs[key] = iov
-        return iov
+    # -- driver ---------------------------------------------------------------------------------
+    def _prep(self, rid: int, fd: int, buf: int, start: int, length: int, offset: int) -> bool:
+        raise NotImplementedError
 
+    def _enter(self) -> None:
+        raise NotImplementedError
+
+    def _reap(self) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def _close_ring(self) -> None:
+        raise NotImplementedError
+
+    # -- submission ---------------------------------------------------------------------------
     def _flush(self) -> None:
         self._flush_scheduled = False
-        ring = self._ring
-        if ring is None:
+        if not self._ring_open:
             return
-        L = self._L
-        get_sqe, prep_readv = L.io_uring_get_sqe, L.io_uring_prep_readv
-        fds, iovecs = self._fds, self._iovecs
+        fds = self._fds
         while self._retry:
             rid = self._retry[0]
-            h = self._slot_handle[rid]
-            r = h.request
+            r = self._slot_handle[rid].request
             got = self._slot_got[rid]
-            iov = self._iovec(r.buf, got, r.length - got)
-            sqe = get_sqe(ring)
-            if sqe is None:
+            if not self._prep(rid, fds[r.file], r.buf, got, r.length - got, r.offset + got):
                 break
             self._retry.popleft()
-            prep_readv(sqe, fds[r.file], iov, r.offset + got)
-            sqe.user_data = rid
         pending, free, handles = self._pending, self._free, self._slot_handle
         QUEUED, INFLIGHT = ReadState.QUEUED, ReadState.INFLIGHT
-        # io_uring_submit holds the GIL and the loop while the kernel pins each O_DIRECT buffer and
-        # builds its bios, so one layer of a batched step (over a hundred multi-MiB reads) in a single
-        # submit holds the event loop for all of them (README, "Batched engine"). So at most
+        # A submit holds the event loop while the kernel takes each O_DIRECT read (pins its buffer,
+        # builds its bios), so one layer of a batched step (over a hundred multi-MiB reads) in a single
+        # submit holds the loop for all of them (README, "Batched engine"). So at most
         # _SUBMIT_BATCH reads go per loop turn; the rest follow after the loop's other callbacks.
         budget = _SUBMIT_BATCH - len(self._retry)
         while pending and free and budget > 0:
@@ -194,14 +172,11 @@ class UringBackend(QueueBackend):
                     h.state = ReadState.DROPPED
                 continue
             r = h.request
-            iov = iovecs.get((r.buf, 0, r.length)) or self._iovec(r.buf, 0, r.length)
-            sqe = get_sqe(ring)
-            if sqe is None:
+            rid = free[-1]
+            if not self._prep(rid, fds[r.file], r.buf, 0, r.length, r.offset):
                 break
             pending.popleft()
-            rid = free.pop()
-            prep_readv(sqe, fds[r.file], iov, r.offset)
-            sqe.user_data = rid
+            free.pop()
             handles[rid] = h
             self._slot_got[rid] = 0
             self._slot_tries[rid] = 0
@@ -209,15 +184,7 @@ class UringBackend(QueueBackend):
             budget -= 1
         if pending and free:  # the rest after other callbacks have run
             self._schedule_flush()
-        ready = L.io_uring_sq_ready(ring)
-        if ready:
-            try:
-                sent = L.io_uring_submit(ring)
-            except OSError:  # EAGAIN/EBUSY/EINTR
-                sent = 0
-            if (sent or 0) < ready:
-                # The rest stay in the SQ ring and go with the next submit; make sure there is one.
-                self._loop.call_later(0.001, self._schedule_flush)
+        self._enter()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -230,30 +197,16 @@ class UringBackend(QueueBackend):
             os.eventfd_read(self._efd)
         except BlockingIOError:
             pass
-        ring, cqe, L = self._ring, self._cqe, self._L
-        if ring is None:
+        if not self._ring_open:
             return
-        peek, seen = L.io_uring_peek_cqe, L.io_uring_cqe_seen
-        n = 0
-        while True:
-            try:
-                peek(ring, cqe)
-            except BlockingIOError:
-                break
-            c = cqe[0]
-            rid = c.user_data
-            try:
-                res = c.res
-            except OSError as err:  # negative res arrives as an exception
-                res = -(err.errno or errno.EIO)
-            seen(ring, c)
+        done = self._reap()
+        for rid, res in done:
             self._on_cqe(rid, res)
-            n += 1
         if self._pending or self._retry:
             self._flush()
         if self._closed:
             self._maybe_finish()
-        elif n:
+        elif done:
             # Done-callbacks just scheduled by set_result run before this flush in the same loop
             # turn, so a read they submit in reply to a completion goes out without waiting a turn.
             self._schedule_flush()
@@ -304,15 +257,114 @@ class UringBackend(QueueBackend):
 
     def _release(self) -> None:
         """Free the ring, eventfd and files. Only once no read is owned by the kernel."""
-        if self._efd >= 0:
+        if getattr(self, "_efd", -1) >= 0:
             self._loop.remove_reader(self._efd)
-        if self._ring is not None:
-            ring, self._ring = self._ring, None
-            self._L.io_uring_queue_exit(ring)
-        if self._efd >= 0:
+        if getattr(self, "_ring_open", False):
+            self._ring_open = False
+            self._close_ring()
+        if getattr(self, "_efd", -1) >= 0:
             efd, self._efd = self._efd, -1
             os.close(efd)
         self._files.close()
+
+
+class UringBackend(RingBackend):
+    """Backend protocol over one io_uring through PyPI ``liburing``. Construct inside the running event loop."""
+
+    driver = "liburing"
+
+    def __init__(
+        self,
+        files: Sequence[str | os.PathLike],
+        buffers: Sequence[memoryview],
+        *,
+        direct: bool,
+        entries: int = 256,
+    ):
+        L = self._L = _import_liburing()
+        if not 1 <= entries <= 32768:  # 32768 is the largest ring the kernel accepts
+            raise ValueError(f"UringBackend: entries must be in [1, 32768], got {entries}")
+        self._ring: Any = None
+        self._efd = -1
+        self._open_tables(files, buffers, direct)
+        self._init_slots(entries)
+        self._ring_open = False
+        try:
+            ring = L.Ring()
+            try:
+                L.io_uring_queue_init(entries, ring)
+            except OSError as err:
+                if err.errno in _UNAVAILABLE:
+                    raise UringUnavailable(f"io_uring unavailable: io_uring_queue_init: {err.strerror}") from err
+                raise ClutorError(f"io_uring_queue_init({entries}) failed: {err}") from err
+            self._ring = ring
+            self._ring_open = True
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            L.io_uring_register_eventfd(ring, self._efd)
+            self._start_ring()
+        except BaseException:
+            self._release()
+            raise
+        self._cqe = L.Cqe()
+        self._iovecs: dict[tuple[int, int, int], Any] = {}
+        self._pinned: list[memoryview] = []  # the memoryviews our Iovecs export (kept for clarity)
+
+    # -- driver ---------------------------------------------------------------------------------
+    def _iovec(self, buf: int, start: int, length: int) -> Any:
+        key = (buf, start, length)
+        iov = self._iovecs.get(key)
+        if iov is None:
+            mv = self._buffers[buf]
+            if start or length != len(mv):
+                mv = mv[start:start + length]
+            iov = self._L.Iovec([mv])
+            self._pinned.append(mv)
+            self._iovecs[key] = iov
+        return iov
+
+    def _prep(self, rid: int, fd: int, buf: int, start: int, length: int, offset: int) -> bool:
+        iov = self._iovec(buf, start, length)  # before the SQE: a failure must not leave a half-made one
+        sqe = self._L.io_uring_get_sqe(self._ring)
+        if sqe is None:
+            return False
+        self._L.io_uring_prep_readv(sqe, fd, iov, offset)
+        sqe.user_data = rid
+        return True
+
+    def _enter(self) -> None:
+        L, ring = self._L, self._ring
+        ready = L.io_uring_sq_ready(ring)
+        if ready:
+            try:
+                sent = L.io_uring_submit(ring)
+            except OSError:  # EAGAIN/EBUSY/EINTR
+                sent = 0
+            if (sent or 0) < ready:
+                # The rest stay in the SQ ring and go with the next submit; make sure there is one.
+                self._loop.call_later(0.001, self._schedule_flush)
+
+    def _reap(self) -> list[tuple[int, int]]:
+        ring, cqe, L = self._ring, self._cqe, self._L
+        peek, seen = L.io_uring_peek_cqe, L.io_uring_cqe_seen
+        out = []
+        while True:
+            try:
+                peek(ring, cqe)
+            except BlockingIOError:
+                break
+            c = cqe[0]
+            rid = c.user_data
+            try:
+                res = c.res
+            except OSError as err:  # negative res arrives as an exception
+                res = -(err.errno or errno.EIO)
+            seen(ring, c)
+            out.append((rid, res))
+        return out
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        self._L.io_uring_queue_exit(ring)
 
     def __repr__(self) -> str:
         return f"UringBackend(files={len(self.paths)}, direct={self.direct}, entries={self.entries})"

@@ -118,7 +118,9 @@ class GenerationChunk:
 class _StopMatcher:
     """Holds back text that could still become a stop string, so stop strings are never emitted."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: str | Sequence[str]):
+        if isinstance(stops, str):  # one stop string, not one per character
+            stops = [stops]
         self.stops = [s for s in stops if s]
         self.pending = ""
 
@@ -151,7 +153,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    top_p: float = SamplingParams.top_p, min_p: float = SamplingParams.min_p,
                    repeat_penalty: float = SamplingParams.repeat_penalty,
                    repeat_last_n: int = SamplingParams.repeat_last_n, seed: int | None = None,
-                   stop: Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
+                   stop: str | Sequence[str] = (), ignore_eos: bool = False, special: bool = False,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
                    logprobs: int | None = None, logits_processor: Callable | None = None,
@@ -163,6 +165,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     prompt: text (tokenized with BOS per the file; control tokens parsed only when special=True) or ids.
     max_tokens: at most this many tokens, and never past the context: a prompt that leaves less room
         generates what fits and ends with stop_reason "length"; a prompt longer than n_ctx is an error.
+    stop: a stop string or several; generation ends before the first one, which is not emitted.
     ignore_eos: keep going past end-of-generation tokens, generating exactly max_tokens (benchmarks).
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
     logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute

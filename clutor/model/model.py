@@ -124,12 +124,11 @@ class Model:
         self._closed = False
         self.options = options
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
-        # Prefetch (decode steps only) where it measured a win on the OLMoE-shaped benchmark (README,
-        # "prefetch"): in steps of several sequences, whose union of experts is predicted well and whose
-        # compute hides the reads; not for one alone, where its wrong guesses cost more reads than it
-        # saves. None = that rule; True/False = always/never.
-        self._prefetch = "off" if options.io == "memory" or options.prefetch is False else (
-            "always" if options.prefetch is True else "batched")
+        # Prefetch (decode steps only) only when asked for: on real routing (docs/benchmarks.md, "Streaming
+        # on real routing") it lost at 4 streams in three runs of three (its wrong guesses add 37% to the
+        # bytes of a disk-bound step), was slower at 16, and at 1 won twice and lost once within the noise, at 1.6x
+        # the bytes; it had won at 16 streams on random-weight routing only. None/False = never, True = every decode step.
+        self._prefetch = options.io != "memory" and options.prefetch is True
         self._hints = experts.wants_hints
         self._trace = trace
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
@@ -452,7 +451,7 @@ class Model:
         return out
 
     def _prefetching(self, n_seq: int) -> bool:
-        return self._prefetch == "always" or (self._prefetch == "batched" and n_seq > 1)
+        return self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode

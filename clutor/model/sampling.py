@@ -108,7 +108,11 @@ class Sampler:
             n = int(np.count_nonzero(vals >= vals[0] + math.log(p.min_p)))
             ids, vals = ids[: max(n, 1)], vals[: max(n, 1)]
 
-        probs = _softmax(vals / p.temperature)  # [n]
+        # shifted by the top logit (vals[0]) before dividing: at a temperature near 0 (1e-320 is a valid
+        # float) vals / T overflows to inf and inf - inf is NaN; shifted, the top token gets exp(0) = 1
+        # and the rest exp(-inf) = 0, which is greedy, as the limit T -> 0 should be
+        with np.errstate(over="ignore"):  # (-x / 1e-320 = -inf is the intended result)
+            probs = _softmax((vals - vals[0]) / p.temperature)  # [n]
         cdf = np.cumsum(probs)
         j = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
         return int(ids[min(j, ids.size - 1)])

@@ -1,41 +1,51 @@
-"""The ASGI app (Starlette): OpenAI's /v1 routes over one Model, plus /health and /metrics.
+"""The ASGI app (Starlette): OpenAI's /v1 routes (and Anthropic's /v1/messages) over one Model, plus
+/health, /metrics and the chat page.
 
-Each generation request runs as two tasks: the work (wait for a place, generate, send) and a watcher
-on the connection. Whichever ends first wins: a client that leaves cancels the work, which closes its
-generator and so frees the sequence and its KV at once; admission is released in a ``finally``.
-Stream responses send their headers with the first token, so a prompt refused by the engine or a read
-that fails during the prefill is still an HTTP error status, not a broken stream.
+Layers, outermost first: FrontDoor (smuggling, Host, Origin; every response counted; clutor.server.guard),
+CORS when origins are allowed, KeyCheck when there is an API key, then the routes. Bounds on what a
+client may send or hold come from one Limits (clutor.server.limits); what a client's text may become
+in a label, a log line or a message, from clutor.server.labels.
+
+A generation request's body is read with its size bounded, then decoded, checked and tokenised in a
+worker thread (never on the event loop; a prompt that cannot fit the context is refused before it is
+tokenised). It then runs as three tasks: the engine's output pumped into a queue (the batch place is
+given back the moment the sequence ends, however slowly the client reads), the response written
+from that queue, and a watcher on the connection. A client that leaves, or stops reading for the
+write timeout, cancels the rest, which closes the generator and frees the sequence and its KV.
+Stream responses send their headers with the first token, so a prompt refused by the engine or a
+read that fails during the prefill is still an HTTP error status, not a broken stream.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import ClutorError, ClutorIOError
+from ..formats import Delta, Message
 from .admission import Admission, QueueFull
 from .embeddings import embeddings_route
-from .errors import APIError, bad_request, error_body
+from .errors import APIError, error_body
+from .guard import FrontDoor, KeyCheck
+from .labels import for_log, public, shown
+from .limits import Limits
 from .metrics import Metrics, watch_loop_lag
-from ..formats import Delta, Message
-from .requests import Defaults, GenRequest, check_model, parse_chat, parse_completion
 from .messages_api import MessagesShaper, anthropic_error, parse_messages
-from .responses import Shaper
+from .requests import Defaults, GenRequest, check_model, decode_body, parse_chat, parse_completion
+from .responses import JSON, Shaper, json_bytes
 from .responses_api import ResponsesShaper, parse_responses
 
 __all__ = ["create_app", "ServerState"]
@@ -50,16 +60,19 @@ class ServerState:
     """What the routes share: the model (None while loading), limits, counters."""
 
     served_name: str | None
-    api_key: str | None
     admission: Admission
     defaults: Defaults
-    max_body: int
+    limits: Limits
     model: object = None
     status: str = "loading"           # loading | ok | error | draining
     error: str | None = None
     batch_from_model: bool = False    # admit as many as the model's engine batches
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    parsing: asyncio.Semaphore = field(init=False)  # bodies decoded and tokenised at once
+
+    def __post_init__(self) -> None:
+        self.parsing = asyncio.Semaphore(self.limits.tokenize_concurrency)
 
     def set_model(self, model) -> None:
         self.model = model
@@ -76,6 +89,10 @@ class ServerState:
         stem = os.path.basename(path)
         return stem[:-5] if stem.endswith(".gguf") else stem
 
+    def public(self, message: str, *paths) -> str:
+        """A message for a client, without the model's path on this machine."""
+        return public(message, [p for p in (getattr(self.model, "path", None), *paths) if p])
+
     def drain(self) -> None:
         """Stop taking work (health says so); requests in flight go on."""
         if self.status == "ok":
@@ -83,9 +100,10 @@ class ServerState:
 
 
 def create_app(model, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_sequences: int | None = None, max_queue: int = 64, max_body: int = 8 << 20,
-               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (), pooling: str = "mean",
-               web_ui: bool = True) -> Starlette:
+               max_sequences: int | None = None, max_queue: int = 64, max_body: int | None = None,
+               defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (),
+               allowed_hosts: tuple[str, ...] = (), limits: Limits | None = None, pooling: str = "mean",
+               web_ui: bool = True) -> FrontDoor:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -94,13 +112,19 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Starlette app, a sub-app gets no lifespan events: pass an open Model there.)
     max_sequences: generations running at once (default: the model's batch, Model.open(max_sequences=...));
         max_queue: requests waiting beyond those (then 429).
-    max_body: largest request body in bytes (then 413).
-    cors_origins: browser origins allowed to call the API ("*" = any); none by default.
+    limits: body size, timeouts, connections (clutor.server.Limits); max_body overrides its max_body.
+        The timeouts and the connection cap are enforced by clutor.server.run.Server's connections.
+    cors_origins: browser origins allowed to call the API ("*" = any); none by default, and a page
+        from any other origin is refused (403).
+    allowed_hosts: Host names accepted on a loopback address besides the local ones ("*" = any).
     pooling: how /v1/embeddings pools a text's final hidden states ("mean" or "last").
     web_ui: serve the chat page at / (static files, no build step, nothing fetched from elsewhere).
     """
-    state = ServerState(served_model_name, api_key, Admission(max_sequences or 1, max_queue),
-                        defaults or Defaults(), max_body, batch_from_model=max_sequences is None)
+    limits = limits or Limits()
+    if max_body is not None:
+        limits = replace(limits, max_body=max_body)
+    state = ServerState(served_model_name, Admission(max_sequences or 1, max_queue), defaults or Defaults(),
+                        limits, batch_from_model=max_sequences is None)
     opened = hasattr(model, "generate")
     if opened:  # ready now: also when mounted in another app, whose lifespan never reaches this one
         state.set_model(model)
@@ -135,17 +159,15 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         routes += [Route("/", _page, methods=["GET"]),
                    Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, APIError: _api_error})
+                    exception_handlers={HTTPException: _http_error, APIError: _api_error, Exception: _internal})
     app.state.clutor = state
-    outer = _Auth(app, state)
-    if cors_origins:  # outermost, so a browser's preflight (no credentials) is answered before the key check
+    inner = KeyCheck(app, api_key) if api_key else app
+    if cors_origins:  # outside the key check, so a browser's preflight (no credentials) is answered
         from starlette.middleware.cors import CORSMiddleware
 
-        cors = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
-                              allow_headers=["*"])
-        cors.state = app.state
-        return cors
-    return outer
+        inner = CORSMiddleware(inner, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                               allow_headers=["*"])
+    return FrontDoor(app, inner, state, allowed_hosts=allowed_hosts, allowed_origins=cors_origins)
 
 
 async def _load(state: ServerState, opener: Awaitable) -> None:
@@ -160,38 +182,6 @@ async def _load(state: ServerState, opener: Awaitable) -> None:
         return
     state.set_model(state.model)
     log.info("model %s ready in %.1f s (n_ctx %d)", state.name, time.perf_counter() - t0, state.model.n_ctx)
-
-
-class _Auth:
-    """With an API key, every /v1 route needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``);
-    /health and /metrics stay open."""
-
-    def __init__(self, app: Starlette, state: ServerState):
-        self.app = app
-        self.state = app.state  # so callers can reach app.state.clutor on what create_app returned
-        self._server = state
-
-    async def __call__(self, scope, receive, send):
-        key = self._server.api_key
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):  # mounted: Starlette keeps the mount prefix in path
-            path = path[len(root):]
-        if key and scope["type"] == "http" and path.startswith("/v1"):
-            headers = dict(scope["headers"])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            # Anthropic's clients send the key as x-api-key
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode(
-                "latin-1").strip()
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                self._server.metrics.requests[(scope["path"], 401)] += 1
-                log.info("- %s %s 401 (missing or wrong API key)", scope["method"], scope["path"])
-                resp = JSONResponse(error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer "
-                                                    "<key>'", code="invalid_api_key"), status_code=401,
-                                    headers={"www-authenticate": "Bearer"})
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # -- small routes -----------------------------------------------------------------------------------
@@ -215,10 +205,10 @@ def _models(state: ServerState):
                  "meta": {"n_ctx": n_ctx, "arch": state.model.config.arch}}
         name = request.path_params.get("name")
         if name is None:
-            return JSONResponse({"object": "list", "data": [entry]})
+            return JSON({"object": "list", "data": [entry]})
         if name != state.name:
-            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return JSONResponse(entry)
+            raise APIError(404, f"The model {shown(name)} does not exist", param="model", code="model_not_found")
+        return JSON(entry)
 
     return models
 
@@ -234,7 +224,7 @@ def _health(state: ServerState):
         body = {"status": state.status}
         if state.error:
             body["error"] = state.error
-        return JSONResponse(body, status_code=200 if state.status == "ok" else 503)
+        return JSON(body, 200 if state.status == "ok" else 503)
 
     return health
 
@@ -248,35 +238,63 @@ def _metrics(state: ServerState):
 
 
 async def _api_error(request: Request, e: APIError) -> Response:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return JSON(e.body(), e.status, e.headers)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
-    msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    return JSONResponse(error_body(e.status_code, msg.get(e.status_code, str(e.detail))), status_code=e.status_code,
-                        headers=e.headers)
+    path = shown(request.url.path)
+    msg = {404: f"no route {path}", 405: f"{request.method} is not allowed on {path}"}
+    return JSON(error_body(e.status_code, msg.get(e.status_code, str(e.detail))), e.status_code, e.headers)
+
+
+async def _internal(request: Request, e: Exception) -> Response:
+    # The FrontDoor logs it (Starlette re-raises after this reply); the client gets JSON, not a text page.
+    return JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"), 500)
 
 
 # -- generation -------------------------------------------------------------------------------------
+class _ClientLeft(Exception):
+    """The client went away while sending its request."""
+
+
+async def read_json(request: Request, state: ServerState, parse, *args):
+    """A route's request body, bounded by the server's Limits, then ``parse(body, *args)`` in a worker
+    thread (decoding included: a body may be megabytes; at most Limits.tokenize_concurrency at once).
+    What every route that takes a body goes through (APIError: a 4xx to send; _ClientLeft: nobody to answer)."""
+    raw = await _read_body(request, state.limits.max_body)
+
+    def run():
+        return parse(decode_body(raw), *args)
+
+    async with state.parsing:
+        return await asyncio.to_thread(run)
+
+
 def _gen_route(state: ServerState, kind: str):
     api = _API[kind]
+    path = api.path
+
+    def parse(body: dict, tokenizer, n_ctx: int, recurrent: bool) -> GenRequest:  # in a worker thread
+        check_model(body, state.name)
+        args = (body, tokenizer, n_ctx, state.defaults)
+        if api.chat:  # a model with recurrent layers keeps its state where the next turn departs
+            args += (recurrent,)
+        return api.parse(*args)
 
     async def route(request: Request) -> Response:
         rid = api.prefix + uuid.uuid4().hex[:24]
         t0 = time.perf_counter()
         try:
             _ready(state)
-            body = await _json_body(request, state.max_body)
-            check_model(body, state.name)
-            args = (body, state.model.tokenizer, state.model.n_ctx, state.defaults)
-            if api.chat:  # a model with recurrent layers keeps its state where the next turn departs
-                args += (state.model.config.recurrent_bytes > 0,)
-            req = await asyncio.to_thread(api.parse, *args)
+            m = state.model
+            req = await read_json(request, state, parse, m.tokenizer, m.n_ctx, m.config.recurrent_bytes > 0)
         except APIError as e:
-            state.metrics.requests[(request.url.path, e.status)] += 1
-            log.info("%s %s %d %s", rid, request.url.path, e.status, e.message)
-            return JSONResponse(api.error(e), status_code=e.status, headers=e.headers)
-        return _Generation(state, req, rid, request.url.path, t0, api)
+            log.info("%s %s %d %s", rid, path, e.status, for_log(e.message))
+            return JSON(api.error(e), e.status, e.headers)
+        except _ClientLeft:
+            log.info("%s %s 499 the client left while sending its request", rid, path)
+            return _Nothing()
+        return _Generation(state, req, rid, path, t0, api)
 
     return route
 
@@ -286,6 +304,7 @@ class _Api:
     """One API the generation routes speak: how its requests are read, its replies and errors shaped."""
 
     prefix: str                 # of its ids
+    path: str                   # its route
     parse: object               # (body, tokenizer, n_ctx, defaults[, recurrent]) -> GenRequest
     shaper: object              # (req, rid, created, model name, tokenizer) -> a shaper (responses.py)
     error: object               # APIError -> body
@@ -297,32 +316,49 @@ def _openai_shaper(req, rid, created, name, tok):
 
 
 _API = {
-    "chat": _Api("chatcmpl-", parse_chat, _openai_shaper, Shaper.error),
-    "completion": _Api("cmpl-", parse_completion, _openai_shaper, Shaper.error, chat=False),
-    "responses": _Api("resp_", parse_responses, ResponsesShaper, ResponsesShaper.error),
-    "messages": _Api("msg_", parse_messages, MessagesShaper, anthropic_error),
+    "chat": _Api("chatcmpl-", "/v1/chat/completions", parse_chat, _openai_shaper, Shaper.error),
+    "completion": _Api("cmpl-", "/v1/completions", parse_completion, _openai_shaper, Shaper.error, chat=False),
+    "responses": _Api("resp_", "/v1/responses", parse_responses, ResponsesShaper, ResponsesShaper.error),
+    "messages": _Api("msg_", "/v1/messages", parse_messages, MessagesShaper, anthropic_error),
 }
 
 
-async def _json_body(request: Request, limit: int) -> dict:
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = {"connection": "close"}  # (the rest of the body is not read: the connection cannot be reused)
     cl = request.headers.get("content-length", "")
     if cl.isdigit() and int(cl) > limit:
-        raise APIError(413, f"the request body is {int(cl)} bytes, over the server's limit of {limit}",
-                       code="request_too_large")
+        raise APIError(413, f"the request body is {shown(int(cl))} bytes, over the server's limit of {limit}",
+                       code="request_too_large", headers=too_big)
     chunks, n = [], 0
-    async for c in request.stream():
-        n += len(c)
-        if n > limit:
-            raise APIError(413, f"the request body is over the server's limit of {limit} bytes",
-                           code="request_too_large")
-        chunks.append(c)
     try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(None, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(None, "the request body must be a JSON object")
-    return body
+        async for c in request.stream():
+            n += len(c)
+            if n > limit:
+                raise APIError(413, f"the request body is over the server's limit of {limit} bytes",
+                               code="request_too_large", headers=too_big)
+            chunks.append(c)
+    except ClientDisconnect:
+        raise _ClientLeft() from None
+    return b"".join(chunks)
+
+
+class _Nothing(Response):
+    """No response: the client is gone."""
+
+    def __init__(self):
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        return
+
+
+class _Failed:
+    """The engine's error, carried through the chunk queue to the writer."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 class _Generation(Response):
@@ -337,10 +373,14 @@ class _Generation(Response):
         self.background = None
         self.shaper = None
         self.matcher = None   # the grammar's, when the request constrains the reply
+        self.generated = 0    # tokens the engine gave this request
+        self.sent = 0         # of those, tokens handed to the connection
+        self.conn = None      # clutor.server.protocol.Connection, when served by clutor's Server
 
     async def __call__(self, scope, receive, send) -> None:
+        self.conn = (scope.get("extensions") or {}).get("clutor.connection")
         work = asyncio.ensure_future(self._run(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        watch = asyncio.ensure_future(self._watch(receive))
         shutdown = False
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -354,7 +394,10 @@ class _Generation(Response):
         await asyncio.gather(work, watch, return_exceptions=True)
         if work.cancelled() and client_left:
             self.s.metrics.disconnects += 1
-            self.note = "client disconnected"
+            why = getattr(self.conn, "closed", None)
+            self.note = (f"the client stopped reading for {self.s.limits.write_timeout:g} s: cut off"
+                         if why == "write_timeout" else "the client left")
+            self.status = 499  # the response (if started) is incomplete
         elif shutdown:
             # Answer rather than die mid-response: the client gets a clear error, not a torn connection.
             err = APIError(503, "the server shut down before this request finished; retry", code="shutting_down")
@@ -365,6 +408,23 @@ class _Generation(Response):
                     await self._stream_error(send, err)
             self.note = err.message
         self._log()
+
+    async def _watch(self, receive) -> None:
+        """Return when the client is gone. A half-close (the client sent all it will and waits) counts
+        for a whole response only: nothing is written before its end, so a client that half-closed
+        cannot be told from one that left, and generating for nobody could take minutes. A stream's
+        first write tells them apart, so a half-closed client still gets its stream."""
+        eof = getattr(self.conn, "eof", None) if not self.req.stream else None
+        gone = asyncio.ensure_future(_disconnected(receive))
+        if eof is None:
+            await gone
+            return
+        half = asyncio.ensure_future(eof.wait())
+        try:
+            await asyncio.wait({gone, half}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            half.cancel()
 
     async def _run(self, send) -> None:
         s, req = self.s, self.req
@@ -377,36 +437,75 @@ class _Generation(Response):
                                              code="rate_limit_exceeded",
                                              headers={"retry-after": str(e.retry_after)}))
             return
-        t_admit = time.perf_counter()
+        chunks: asyncio.Queue = asyncio.Queue()
+        pump = None
         try:
             plan = req.plan
             self.matcher = plan.grammar.matcher() if plan is not None and plan.grammar is not None else None
-            extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
-            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
-            try:
-                if req.stream:
-                    await self._stream(agen, send)
-                else:
-                    await self._whole(agen, send)
-            finally:
-                await agen.aclose()
+            pump = asyncio.ensure_future(self._pump(chunks))  # gives the place back when the sequence ends
+            if req.stream:
+                await self._stream(chunks, send)
+            else:
+                await self._whole(chunks, send)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine failed this request (a disk read, ...): 500, keep serving
             if isinstance(e, ClutorIOError):
-                err = APIError(500, f"reading the model failed: {e}", code="io_error")
+                err = APIError(500, f"reading the model failed: {s.public(str(e), e.path)}", code="io_error")
             elif isinstance(e, ClutorError):
-                err = APIError(500, str(e), code="engine_error")
+                err = APIError(500, s.public(str(e)), code="engine_error")
             else:
-                log.exception("%s: unexpected error", self.rid)
-                err = APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+                log.error("%s: unexpected error: %s: %s", self.rid, type(e).__name__, for_log(str(e)), exc_info=e)
+                err = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
             if self.status == 0:
                 await self._error(send, err)
             else:  # mid-stream: the status is sent already; end the stream with an error event
-                self.note = err.message
                 await self._stream_error(send, err)
+            self.note = str(e) if isinstance(e, ClutorError) else err.message  # (the log keeps the paths)
+        finally:
+            if pump is None:
+                s.admission.release()
+            else:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def _pump(self, chunks: asyncio.Queue) -> None:
+        """The engine's records into ``chunks`` as fast as they come, then the batch place back:
+        admission counts sequences, not connections, so a reader that falls behind holds only its
+        queued records (and its connection, until the write timeout), never a place in the batch."""
+        s, req = self.s, self.req
+        t_admit = time.perf_counter()
+        try:
+            plan = req.plan
+            extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
+            agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
+            try:
+                async for c in agen:
+                    chunks.put_nowait(c)
+            finally:
+                await agen.aclose()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            chunks.put_nowait(_Failed(e))
         finally:
             s.admission.release(time.perf_counter() - t_admit)
+
+    async def _records(self, chunks: asyncio.Queue):
+        """The generation's records in order, up to the final one (with the stats); the engine's error raised."""
+        while True:
+            c = await chunks.get()
+            if isinstance(c, _Failed):
+                raise c.error
+            if c.token is not None:
+                self.generated += 1
+            yield c
+            if c.stats is not None:
+                return
+
+    def _handed(self) -> bool:
+        """Whether what was just sent reached the connection (uvicorn drops writes to a lost one silently)."""
+        return not getattr(self.conn, "lost", False)
 
     async def _start(self, send, content_type: bytes) -> None:
         self.status = 200
@@ -417,7 +516,7 @@ class _Generation(Response):
     async def _error(self, send, e: APIError) -> None:
         self.status = e.status
         self.note = e.message
-        resp = JSONResponse(self.api.error(e), status_code=e.status, headers={**e.headers, "x-request-id": self.rid})
+        resp = JSON(self.api.error(e), e.status, {**e.headers, "x-request-id": self.rid})
         await resp({"type": "http"}, _never, send)
 
     async def _stream_error(self, send, e: APIError) -> None:
@@ -430,14 +529,14 @@ class _Generation(Response):
         shaper.grammar = self.matcher.stats if self.matcher is not None else None
         return shaper
 
-    async def _whole(self, agen, send) -> None:
-        parts, chunks = [], []
-        async for c in agen:
+    async def _whole(self, chunks: asyncio.Queue, send) -> None:
+        parts, records = [], []
+        async for c in self._records(chunks):
             if self.t_first is None and c.token is not None:
                 self.t_first = time.perf_counter()
             parts.append(c.text)
             if c.token is not None:
-                chunks.append(c)
+                records.append(c)
             if c.stats is not None:
                 self.stats = c.stats
         self._count()
@@ -445,14 +544,16 @@ class _Generation(Response):
         plan = self.req.plan
         # the whole reply parsed at once, off the event loop
         message = Message(content=text) if plan is None else await asyncio.to_thread(plan.parser().parse, text)
-        body = self._shaper().whole(message, chunks, self.stats)
+        body = self._shaper().whole(message, records, self.stats)
         await self._start(send, b"application/json")
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+        await send({"type": "http.response.body", "body": json_bytes(body)})
+        if self._handed():
+            self.sent = self.generated
 
-    async def _stream(self, agen, send) -> None:
+    async def _stream(self, chunks: asyncio.Queue, send) -> None:
         shaper = self.shaper = self._shaper()
         parser = self.req.plan.parser() if self.req.plan is not None else None
-        async for c in agen:
+        async for c in self._records(chunks):
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
                 await self._start(send, b"text/event-stream")
@@ -470,6 +571,8 @@ class _Generation(Response):
                 events = []
             for ev in events:
                 await _sse(send, ev[1], event=ev[0])
+            if c.token is not None and self._handed():
+                self.sent += 1
         self._count()
         shaper.grammar = self.matcher.stats if self.matcher is not None else None
         for ev in shaper.close(parser.message if parser is not None else None, self.stats):
@@ -487,22 +590,22 @@ class _Generation(Response):
 
     def _log(self) -> None:
         status = self.status or 499  # nginx's "client closed request"
-        self.s.metrics.requests[(self.path, status)] += 1
         st = self.stats
         ttft = f"{self.t_first - self.t0:.3f}s" if self.t_first is not None else "-"
+        total = time.perf_counter() - self.t0
+        note = f" {for_log(self.note)}" if self.note else ""
         if st is not None:
-            tps = st.decode_tps
-            log.info("%s %s %d prompt=%d cached=%d completion=%d ttft=%s %.2f tok/s stop=%s total=%.2fs",
+            log.info("%s %s %d prompt=%d cached=%d completion=%d sent=%d ttft=%s %.2f tok/s stop=%s total=%.2fs%s",
                      self.rid, self.path, status, st.prompt_tokens, getattr(st, "cached_tokens", 0),
-                     st.generated_tokens, ttft, tps, st.stop_reason, time.perf_counter() - self.t0)
+                     st.generated_tokens, self.sent, ttft, st.decode_tps, st.stop_reason, total, note)
         else:
-            log.info("%s %s %d prompt=%d ttft=%s total=%.2fs %s", self.rid, self.path, status, len(self.req.ids),
-                     ttft, time.perf_counter() - self.t0, self.note)
+            log.info("%s %s %d prompt=%d generated=%d sent=%d ttft=%s total=%.2fs%s", self.rid, self.path, status,
+                     len(self.req.ids), self.generated, self.sent, ttft, total, note)
 
 
 async def _sse(send, obj: dict, more: bool = True, event: str | None = None) -> None:
     head = b"event: " + event.encode() + b"\n" if event else b""
-    await send({"type": "http.response.body", "body": head + b"data: " + json.dumps(obj).encode() + b"\n\n",
+    await send({"type": "http.response.body", "body": head + b"data: " + json_bytes(obj) + b"\n\n",
                 "more_body": more})
 
 

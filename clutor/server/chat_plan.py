@@ -21,6 +21,7 @@ from ..errors import ClutorError
 from ..formats import HARMONY, Family, StreamParser, Tool, family_for, starts_in_reasoning, think_tags
 from ..formats.family import text_until
 from .errors import APIError, bad_request
+from .labels import shown
 
 __all__ = ["ChatPlan", "plan_chat", "REASONING_FORMATS"]
 
@@ -51,10 +52,11 @@ class ChatPlan:
 
 
 def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: str = "auto",
-              template: str | None = None, recurrent: bool = False) -> ChatPlan:
+              template: str | None = None, recurrent: bool = False, n_ctx: int | None = None) -> ChatPlan:
     """``messages``: the request's messages already checked for shape (``chat_messages``).
     recurrent: the model has recurrent layers: ``keep`` says where they keep their state for the next
-    turn (clutor.model.chat.chat_turn's rule: the conversation without the generation prompt)."""
+    turn (clutor.model.chat.chat_turn's rule: the conversation without the generation prompt).
+    n_ctx: a prompt that cannot fit it is refused before it is tokenised (requests.check_size)."""
     template = template or tokenizer.chat_template
     fam = family_for(template)
     tools = _tools(body.get("tools"))
@@ -65,7 +67,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     rf = body.get("reasoning_format", reasoning_format)
     if rf not in REASONING_FORMATS:
         raise bad_request("reasoning_format", f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, "
-                                              f"got {rf!r}")
+                                              f"got {shown(rf)}")
     kwargs = _template_kwargs(body)
     offered = tools if tools and choice != "none" else []
 
@@ -79,6 +81,10 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         prompt = chat_prompt(tokenizer, msgs, template=template, **extra)
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
+    if n_ctx is not None:
+        from .requests import check_size
+
+        check_size(prompt, tokenizer, n_ctx, "messages")
     ids = tokenizer.encode(prompt, special=True)
     keep: tuple[int, ...] = ()
     if recurrent:
@@ -118,9 +124,9 @@ def _tools(raw) -> list[Tool]:
         name = f.get("name")
         if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-." for c in name):
             raise bad_request(f"{where}.function.name", f"'{where}.function.name' must be 1-64 letters, digits, "
-                                                        f"'_', '-' or '.', got {name!r}")
+                                                        f"'_', '-' or '.', got {shown(name)}")
         if name in names:
-            raise bad_request(f"{where}.function.name", f"the tool name {name!r} appears twice in 'tools'")
+            raise bad_request(f"{where}.function.name", f"the tool name {shown(name)} appears twice in 'tools'")
         names.add(name)
         params = f.get("parameters")
         if params is None:
@@ -141,7 +147,7 @@ def _tool_choice(raw, tools: list[Tool]):
     if isinstance(raw, str):
         if raw not in TOOL_CHOICES:
             raise bad_request("tool_choice", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {raw!r}")
+                                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {shown(raw)}")
         if raw == "required" and not tools:
             raise bad_request("tool_choice", "'tool_choice' is 'required' but the request offers no 'tools'")
         return raw
@@ -151,7 +157,7 @@ def _tool_choice(raw, tools: list[Tool]):
         raise bad_request("tool_choice", "'tool_choice' must be a string or {'type': 'function', 'function': "
                                          "{'name': ...}}")
     if name not in {t.name for t in tools}:
-        raise bad_request("tool_choice", f"'tool_choice' names the function {name!r}, which is not in 'tools'")
+        raise bad_request("tool_choice", f"'tool_choice' names the function {shown(name)}, which is not in 'tools'")
     return name
 
 
@@ -241,7 +247,7 @@ def _grammar(body: dict, tokenizer, plan: ChatPlan, tools: list[Tool], choice, p
                             else None), ("grammar", gbnf), ("json_schema", schema_field)) if v is not None]
     forced = choice == "required" or (choice not in TOOL_CHOICES)
     if forced and wants:
-        raise bad_request(wants[0], f"'{wants[0]}' cannot be combined with tool_choice {choice!r}: both constrain "
+        raise bad_request(wants[0], f"'{wants[0]}' cannot be combined with tool_choice {shown(choice)}: both constrain "
                                     "the reply")
     if len(wants) > 1:
         raise bad_request(wants[1], f"give one of 'response_format', 'grammar' and 'json_schema', not "
@@ -353,7 +359,7 @@ def _message(m, i: int) -> dict:
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
         raise bad_request(f"{where}.role", f"'{where}.role' must be 'system', 'developer', 'user', 'assistant' or "
-                                           f"'tool', got {role!r}")
+                                           f"'tool', got {shown(role)}")
     out = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
     if role == "assistant":
         calls = m.get("tool_calls")

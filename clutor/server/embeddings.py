@@ -6,13 +6,13 @@ The vectors come from ``Model.embed`` (the engine's embed requests, batched with
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 
 import numpy as np
 
 from .errors import APIError, bad_request
+from .requests import check_model, check_size
 
 __all__ = ["embeddings_route", "POOLINGS"]
 
@@ -30,6 +30,7 @@ def _inputs(body: dict, tokenizer, n_ctx: int) -> list[list[int]]:
     out = []
     for i, x in enumerate(raw):
         if isinstance(x, str):
+            check_size(x, tokenizer, n_ctx, f"input[{i}]", room=0)  # (before a text that cannot fit is tokenised)
             ids = tokenizer.encode(x)
         elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
             if not all(0 <= t < tokenizer.n_vocab for t in x):
@@ -46,27 +47,33 @@ def _inputs(body: dict, tokenizer, n_ctx: int) -> list[list[int]]:
     return out
 
 
-def embeddings_route(state, pooling: str = "mean"):
-    from starlette.responses import JSONResponse
+def _request(body: dict, state) -> tuple[str, list[list[int]]]:
+    """(encoding format, the inputs' ids) of an embeddings request (in a worker thread)."""
+    model = state.model
+    check_model(body, state.name)
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad_request("encoding_format", "'encoding_format' must be 'float' or 'base64'")
+    if body.get("dimensions") is not None and body["dimensions"] != model.config.n_embd:
+        raise bad_request("dimensions", f"this model's embeddings have {model.config.n_embd} "
+                                        "dimensions; 'dimensions' cannot shorten them")
+    return fmt, _inputs(body, model.tokenizer, model.n_ctx)
 
+
+def embeddings_route(state, pooling: str = "mean"):
     from .admission import QueueFull
-    from .app import _json_body, _ready
-    from .requests import check_model
+    from .app import _ClientLeft, _Nothing, _ready, read_json
+    from .responses import JSON
 
     async def route(request):
         t0 = time.perf_counter()
         try:
             _ready(state)
-            body = await _json_body(request, state.max_body)
-            check_model(body, state.name)
-            fmt = body.get("encoding_format", "float")
-            if fmt not in ("float", "base64"):
-                raise bad_request("encoding_format", "'encoding_format' must be 'float' or 'base64'")
-            if body.get("dimensions") is not None and body["dimensions"] != state.model.config.n_embd:
-                raise bad_request("dimensions", f"this model's embeddings have {state.model.config.n_embd} "
-                                                "dimensions; 'dimensions' cannot shorten them")
             model = state.model
-            inputs = await asyncio.to_thread(_inputs, body, model.tokenizer, model.n_ctx)
+            try:
+                fmt, inputs = await read_json(request, state, _request, state)
+            except _ClientLeft:
+                return _Nothing()
             if not hasattr(model, "embed"):
                 raise APIError(501, "this build's engine cannot return hidden states", code="not_implemented")
             try:
@@ -79,17 +86,15 @@ def embeddings_route(state, pooling: str = "mean"):
             finally:
                 state.admission.release(time.perf_counter() - t0)
         except APIError as e:
-            state.metrics.requests[(request.url.path, e.status)] += 1
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return JSON(e.body(), e.status, e.headers)
         data = []
         for i, v in enumerate(vecs):
             v = np.asarray(v, dtype=np.float32)  # [n_embd]
             emb = base64.b64encode(v.tobytes()).decode() if fmt == "base64" else v.tolist()
             data.append({"object": "embedding", "index": i, "embedding": emb})
         n = sum(len(x) for x in inputs)
-        state.metrics.requests[(request.url.path, 200)] += 1
         state.metrics.prompt_tokens += n
-        return JSONResponse({"object": "list", "data": data, "model": state.name,
-                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+        return JSON({"object": "list", "data": data, "model": state.name,
+                     "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     return route

@@ -16,6 +16,7 @@ from ..formats import Delta, Message
 from ..formats.base import loads_or
 from .blocks import Blocks, Fill, Start, Stop
 from .errors import bad_request
+from .labels import shown
 
 __all__ = ["parse_messages", "MessagesShaper", "anthropic_error"]
 
@@ -125,7 +126,7 @@ def _message(m, where: str) -> list[dict]:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
         else:
-            raise bad_request(w, f"'{w}' is a {kind!r} block, which this server does not read in a {role} message "
+            raise bad_request(w, f"'{w}' is a {shown(kind)} block, which this server does not read in a {role} message "
                                  "(it reads text, tool_use, tool_result and thinking)")
     if role == "user":
         return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])

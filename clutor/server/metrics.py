@@ -9,12 +9,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .labels import prom_label
+
 __all__ = ["Metrics", "watch_loop_lag"]
 
 
 @dataclass
 class Metrics:
-    requests: Counter = field(default_factory=Counter)  # (endpoint, status) -> count
+    requests: Counter = field(default_factory=Counter)  # (route template or "other", status) -> count
+    closed: Counter = field(default_factory=Counter)    # why the server closed a connection -> count
+    connections: int = 0                                # open now
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -35,8 +39,13 @@ class Metrics:
             for labels, value in samples:
                 out.append(f"clutor_{name}{labels} {_num(value)}")
 
-        metric("requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
-               [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+        metric("requests_total", "counter", "HTTP requests answered, by route and status code (499: the client "
+                                             "left before the response was complete).",
+               [(f'{{endpoint="{prom_label(e)}",status="{int(s)}"}}', n) for (e, s), n in sorted(self.requests.items())])
+        metric("connections_open", "gauge", "HTTP connections open.", [("", self.connections)])
+        metric("connections_closed_total", "counter", "Connections the server cut: a header, body or write "
+                                                      "timeout, over the connection cap, or an unparsable request.",
+               [(f'{{reason="{prom_label(r)}"}}', n) for r, n in sorted(self.closed.items())])
         metric("prompt_tokens_total", "counter", "Prompt tokens of generation requests.", [("", self.prompt_tokens)])
         metric("cached_prompt_tokens_total", "counter", "Prompt tokens whose KV was reused.", [("", self.cached_tokens)])
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])

@@ -8,14 +8,19 @@ read in chat_plan.py.
 """
 from __future__ import annotations
 
+import json
 import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..model.sampling import SamplingParams
-from .errors import APIError, bad_request
+from .errors import bad_request
+from .labels import shown
 
-__all__ = ["Defaults", "GenRequest", "parse_chat", "parse_completion", "check_model"]
+__all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model",
+           "check_size", "longest_token_bytes"]
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +36,9 @@ class Defaults:
     top_p: float = SamplingParams.top_p
     min_p: float = SamplingParams.min_p
     repeat_penalty: float = SamplingParams.repeat_penalty
+    repeat_last_n: int = SamplingParams.repeat_last_n
+    frequency_penalty: float = SamplingParams.frequency_penalty
+    presence_penalty: float = SamplingParams.presence_penalty
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
     reasoning_format: str = "auto"   # --reasoning-format: reasoning apart (auto, deepseek) or left in content (none)
     chat_template: str | None = None  # --chat-template: the file's own template when None
@@ -52,16 +60,30 @@ class GenRequest:
     extra: dict = field(default_factory=dict)  # what an API echoes back (the Responses API's settings)
 
 
+def decode_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it (run off the event loop:
+    a body may be megabytes). Standard JSON only: NaN and Infinity are refused, and so are numbers of
+    more than 4300 digits and nesting too deep for the decoder (a 10^5-deep array)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad_request(None, "the request body is not valid JSON for this server: arrays or objects nested "
+                                "too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(None, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise bad_request(None, f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def check_model(body: dict, served: str) -> None:
-    """A request naming another model is a 404, as OpenAI answers it (no name = the served model)."""
-    name = body.get("model")
-    if name is None:
-        return
-    if not isinstance(name, str):
-        raise bad_request("model", f"'model' must be a string, got {_kind(name)}")
-    if name != served:
-        raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
+    """Any model name is answered by the one model served, as llama-server does (clients and front-ends
+    send a name of their own); the response's "model" says which it is. Only its type is checked."""
+    _text(body, "model")
 
 
 def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool = False) -> GenRequest:
@@ -72,7 +94,7 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool =
     if "functions" in body and body["functions"]:
         raise bad_request("functions", "'functions' is OpenAI's deprecated form: send 'tools' instead")
     plan = plan_chat(body, chat_messages(body.get("messages")), tokenizer, reasoning_format=d.reasoning_format,
-                     template=d.chat_template, recurrent=recurrent)
+                     template=d.chat_template, recurrent=recurrent, n_ctx=n_ctx)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -90,7 +112,7 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool =
 
 
 def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenRequest:
-    ids = _prompt_ids(body.get("prompt"), tokenizer)
+    ids = _prompt_ids(body.get("prompt"), tokenizer, n_ctx)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -107,7 +129,7 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
             default_max: int | None, logprobs: int | None) -> GenRequest:
     n = body.get("n", 1)
     if n is not None and n != 1:
-        raise bad_request("n", f"'n' must be 1 (one choice per request), got {n!r}")
+        raise bad_request("n", f"'n' must be 1 (one choice per request), got {shown(n)}")
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "'logit_bias' is not supported by this server")
     stream = _bool(body, "stream", False)
@@ -132,6 +154,10 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         max_tokens = room if default_max is None else min(default_max, room)
     else:
         max_tokens = _int({limit_name: limit}, limit_name, None, 1, None)
+        if max_tokens > n_ctx:
+            raise bad_request(limit_name, f"'{limit_name}' is {shown(max_tokens)}, more than this model's whole "
+                                          f"context of {n_ctx} tokens. Reduce '{limit_name}'.",
+                              code="context_length_exceeded")
         if P + max_tokens > n_ctx:
             raise bad_request(limit_name,
                               f"This model's maximum context length is {n_ctx} tokens. However, you requested "
@@ -148,6 +174,8 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         stops = list(stop)
     else:
         raise bad_request("stop", f"'stop' must be a string or an array of at most {MAX_STOPS} strings")
+    for s in stops:
+        _text({"stop": s}, "stop")
 
     seed = body.get("seed")
     if seed is not None:
@@ -159,27 +187,26 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         top_k=_int(body, "top_k", d.top_k, 0, None),
         min_p=_num(body, "min_p", d.min_p, 0.0, 1.0),
         repeat_penalty=_num(body, "repeat_penalty", d.repeat_penalty, 0.0, None, open_low=True),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_num(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0),
+        presence_penalty=_num(body, "presence_penalty", d.presence_penalty, -2.0, 2.0),
+        repeat_last_n=_int(body, "repeat_last_n", d.repeat_last_n, -1, None),
         seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
     )
-    if "repeat_last_n" in body:
-        options["repeat_last_n"] = _int(body, "repeat_last_n", 64, -1, None)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request("user", f"'user' must be a string, got {_kind(user)}")
+    user = _text(body, "user")
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
 
 
-def _prompt_ids(prompt, tokenizer) -> list[int]:
+def _prompt_ids(prompt, tokenizer, n_ctx: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        check_size(prompt, tokenizer, n_ctx, "prompt")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.n_vocab]
         if bad:
-            raise bad_request("prompt", f"token ids in 'prompt' must be in [0, {tokenizer.n_vocab}), got {bad[0]}")
+            raise bad_request("prompt", f"token ids in 'prompt' must be in [0, {tokenizer.n_vocab}), "
+                                        f"got {shown(bad[0])}")
         ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("prompt", f"'prompt' holds {len(prompt)} prompts: this server answers one per request")
@@ -189,6 +216,57 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     if not ids:
         raise bad_request("prompt", "'prompt' is empty: give at least one token")
     return ids
+
+
+# -- sizes --------------------------------------------------------------------------------------------
+_LONGEST: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_LONGEST_LOCK = threading.Lock()
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most bytes of text one token of ``tokenizer`` stands for (control tokens' text included:
+    a chat prompt parses them), worked out once per tokenizer."""
+    with _LONGEST_LOCK:
+        n = _LONGEST.get(tokenizer)
+        if n is None:
+            n = max(max(len(tokenizer.token_bytes(i)), len(tokenizer.token_bytes(i, special=True)))
+                    for i in range(tokenizer.n_vocab))
+            _LONGEST[tokenizer] = n = max(n, 1)
+        return n
+
+
+def check_size(text: str, tokenizer, n_ctx: int, param: str, room: int = 1) -> None:
+    """Refuse, before tokenising, a text that cannot fit the context with ``room`` tokens to spare (one
+    to generate). Each token stands for at most ``longest_token_bytes`` bytes of the text, so its UTF-8
+    length divided by that is a floor on its token count: sound (a text that fits is never refused
+    here), and free next to tokenising a multi-megabyte prompt that never had a chance."""
+    longest = longest_token_bytes(tokenizer)
+    limit = n_ctx - room
+    if 4 * len(text) <= longest * limit:  # (a character is at most 4 bytes: cannot be too long)
+        return
+    n_bytes = len(text.encode("utf-8", "surrogatepass"))
+    floor = -(-n_bytes // longest)
+    if floor > limit:
+        raise bad_request(param, f"This model's maximum context length is {n_ctx} tokens, but the text is at "
+                                 f"least {floor} tokens ({n_bytes} bytes, and no token of this model stands for "
+                                 f"more than {longest}). Shorten it.", code="context_length_exceeded")
+
+
+def _text(body: dict, name: str) -> str | None:
+    """A string field (None when absent) that must be valid Unicode: a lone surrogate ("\\ud800", which
+    JSON can spell) is refused rather than carried into a comparison, a log or a reply."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad_request(name, f"'{name}' must be a string, got {_kind(v)}")
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(name, f"'{name}' is not valid Unicode text (it holds a lone surrogate, "
+                                    f"{shown(v, 24)})") from None
+    return v
 
 
 def _kind(v) -> str:
@@ -210,12 +288,14 @@ def _num(body: dict, name: str, default: float, lo: float | None, hi: float | No
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad_request(name, f"'{name}' must be a number, got {_kind(v)}")
+    if not math.isfinite(v):
+        raise bad_request(name, f"'{name}' must be a finite number, got {v}")
     if lo is not None and (v <= lo if open_low else v < lo) or hi is not None and v > hi:
         lo_s = "-inf" if lo is None else f"{lo:g}"
         hi_s = "inf" if hi is None else f"{hi:g}"
-        raise bad_request(name, f"'{name}' must be in {'(' if open_low else '['}{lo_s}, {hi_s}], got {v}")
+        raise bad_request(name, f"'{name}' must be in {'(' if open_low else '['}{lo_s}, {hi_s}], got {shown(v)}")
     return float(v)
 
 
@@ -230,5 +310,5 @@ def _int(body: dict, name: str, default: int | None, lo: int | None, hi: int | N
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad_request(name, f"'{name}' must be an integer, got {_kind(v)}")
     if lo is not None and v < lo or hi is not None and v > hi:
-        raise bad_request(name, f"'{name}' must be in [{lo}, {'inf' if hi is None else hi}], got {v}")
+        raise bad_request(name, f"'{name}' must be in [{lo}, {'inf' if hi is None else hi}], got {shown(v)}")
     return v

@@ -8,14 +8,35 @@ responses_api.py) answers the same calls, so one generation loop (app._Generatio
     error(e) -> the body of an error in this API's shape; done: the bytes that end the stream, if any
 
 ``message`` and ``delta`` are the reply as its chat format's parser read it (clutor.formats): content,
-reasoning and tool calls apart. A completion (no chat format) is all content.
+reasoning and tool calls apart. A completion (no chat format) is all content. Every body goes out
+through ``json_bytes`` (``JSON`` for whole responses).
 """
 from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
 
 from ..formats import Delta, Message
 from ..model.generate import GenerationChunk, GenerationStats
 
-__all__ = ["Shaper", "timings", "usage"]
+__all__ = ["Shaper", "timings", "usage", "JSON", "json_bytes"]
+
+
+def json_bytes(obj) -> bytes:
+    """UTF-8 JSON, the one encoding of every body the server sends; a lone surrogate in a string (JSON
+    allows "\\ud800") comes out as its escape, not an encoding error."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+
+
+class JSON(JSONResponse):
+    """A JSON response: ``JSON(body, status, headers)``."""
+
+    def __init__(self, content, status_code: int = 200, headers: dict[str, str] | None = None):
+        super().__init__(content, status_code=status_code, headers=headers)
+
+    def render(self, content) -> bytes:
+        return json_bytes(content)
 
 
 def finish_reason(stats: GenerationStats, message: Message | None = None) -> str:

@@ -17,6 +17,7 @@ import json
 from ..formats import Delta, Message
 from .blocks import Blocks, Fill, Start, Stop
 from .errors import bad_request
+from .labels import shown
 
 __all__ = ["parse_responses", "ResponsesShaper"]
 
@@ -134,7 +135,7 @@ def _input(raw) -> list[dict]:
             texts = [p.get("text", "") for p in (it.get("content") or it.get("summary") or []) if isinstance(p, dict)]
             reasoning = "".join(texts) or None
         else:
-            raise bad_request(f"{where}.type", f"'{where}.type' {kind!r} is not an input item this server reads "
+            raise bad_request(f"{where}.type", f"'{where}.type' {shown(kind)} is not an input item this server reads "
                                                "(message, function_call, function_call_output, reasoning)")
     return msgs
 

@@ -32,11 +32,23 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Server(uvicorn.Server):
-    """uvicorn.Server whose signals drain the app (app.state.clutor) instead of re-raising."""
+    """uvicorn.Server whose signals drain the app (app.state.clutor) instead of re-raising, and whose
+    connections keep the app's Limits (clutor.server.protocol): header, body and write timeouts, a cap
+    on connections. ``http``: "httptools" (llhttp, the default where installed) or "h11"."""
 
-    def __init__(self, app, *, drain_timeout: float = 30.0, **config):
+    def __init__(self, app, *, drain_timeout: float = 30.0, http: str | None = None, **config):
+        from .limits import Limits
+        from .metrics import Metrics
+        from .protocol import available, protocol_class
+
+        state = getattr(getattr(app, "state", None), "clutor", None)
+        limits = state.limits if state is not None else Limits()
+        metrics = state.metrics if state is not None else Metrics()
+        self.http = http or available()[0]
         cfg = uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
-                             timeout_graceful_shutdown=max(float(drain_timeout), 0.0), **config)
+                             timeout_graceful_shutdown=max(float(drain_timeout), 0.0),
+                             http=protocol_class(self.http, limits, metrics),
+                             timeout_keep_alive=limits.keep_alive_timeout, **config)
         super().__init__(cfg)
         self._app = app
 

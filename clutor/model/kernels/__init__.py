@@ -49,6 +49,7 @@ block type's layout, how a tile sits in registers, how to add a type);
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,8 @@ from ...errors import ClutorError
 from ..kernel_settings import DEFAULT, KernelSettings
 from ..weight_types import QT, TYPES, type_name
 
-__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "dequantize", "mode", "info", "KernelInfo"]
+__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "compiled", "cache_dir", "dequantize", "mode", "info",
+           "KernelInfo"]
 
 # The types are weight_types.TYPES; the ids this module names itself.
 F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba would type an IntEnum apart
@@ -93,8 +95,10 @@ class KernelInfo:
 
 
 from . import _ir  # noqa: E402
+from . import activations as _act  # noqa: E402
 from . import drivers as _drv  # noqa: E402
 
+log = logging.getLogger("clutor.kernels")
 _tls = threading.local()
 # numba's "workqueue" threading layer (used when neither TBB nor OpenMP is available) aborts the
 # process if two threads launch parallel kernels at once; then launches are serialised.
@@ -113,17 +117,16 @@ def _guard_cache() -> None:
     digest = hashlib.sha1(_ir.BACKEND.encode())
     for p in sorted(here.glob("*.py")) + [here.parent / "weight_types.py"]:
         digest.update(p.name.encode() + p.read_bytes())
-    try:
-        cache_dir = Path(_drv.matmul_jobs_f32._cache._cache_path)  # numba's locator (NUMBA_CACHE_DIR aware)
-    except AttributeError:  # caching off or a numba without this attribute: nothing to guard
+    where = cache_dir()  # numba's locator (NUMBA_CACHE_DIR aware)
+    if where is None:  # caching off or a numba without this attribute: nothing to guard
         return
-    stamp = cache_dir / "clutor-kernels-sources.sha1"
+    stamp = where / "clutor-kernels-sources.sha1"
     try:
         if stamp.exists() and stamp.read_text() == digest.hexdigest():
             return
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        where.mkdir(parents=True, exist_ok=True)
         for mod in ("drivers", "activations"):
-            for f in cache_dir.glob(f"{mod}.*.nb[ic]"):
+            for f in where.glob(f"{mod}.*.nb[ic]"):
                 f.unlink()
         stamp.write_text(digest.hexdigest())
     except OSError:  # read-only install: numba then caches elsewhere or not at all
@@ -412,11 +415,60 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
         np.matmul(x2, wc.T, out=out2[:, r0:r1])
 
 
+def _warm_drivers():
+    """The compiled drivers warmup() launches (each compiles its helpers with it)."""
+    return [d for d in (_drv.dequantize_rows, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _act.quantize_activations)
+            if d is not None]
+
+
+def compiled() -> bool | None:
+    """Whether numba's on-disk cache holds this machine's code for every kernel warmup() needs (then
+    warmup only loads it, in about a second); None when that cannot be told (caching off, another numba)."""
+    global _cache_checked
+    if not _cache_checked:
+        _cache_checked = True
+        _guard_cache()
+    try:
+        for d in _warm_drivers():
+            index = d._cache._cache_file._load_index()  # numba's: {(signature, machine, code hash): file}
+            codegen = d.targetctx.codegen()
+            if not any(key == d._cache._index_key(key[0], codegen) for key in index):
+                return False
+        return True
+    except Exception:  # numba's cache internals are not an API: when they move, say "don't know"
+        return None
+
+
 def warmup(settings: KernelSettings = DEFAULT) -> None:
     """Compile (or load from the on-disk cache) every kernel, for writable and read-only weights.
 
+    The first run on a machine compiles them (about a minute on two cores) and says so before and
+    after, as INFO records of the ``clutor.kernels`` logger; afterwards they load from numba's cache.
     The weight type is a runtime argument of each compiled driver, so one call per driver and
     weight flavour covers every type."""
+    import time
+
+    cached = compiled()
+    if cached is not True:
+        log.info("compiling the compute kernels for %s%s: once per machine and version, about a minute on "
+                 "two cores (`clutor warmup` does it ahead of time); cached in %s", _ir.BACKEND,
+                 "" if cached is False else " (or loading them)", cache_dir() or "memory only")
+    t0 = time.perf_counter()
+    _warmup(settings)
+    took = time.perf_counter() - t0
+    if cached is not True or took > 5:
+        log.info("compute kernels ready in %.0f s", took)
+
+
+def cache_dir() -> Path | None:
+    """Where numba keeps the compiled kernels (NUMBA_CACHE_DIR, else __pycache__ beside them)."""
+    try:
+        return Path(_drv.matmul_jobs_f32._cache._cache_path)
+    except AttributeError:
+        return None
+
+
+def _warmup(settings: KernelSettings) -> None:
     _apply_threads(_n_threads(settings))
     n_cols = 256
     x = np.zeros((1, n_cols), np.float32)

@@ -1,0 +1,244 @@
+"""HTTP/1.1 connections: uvicorn's protocol (httptools' llhttp parser, else h11) with the bounds it lacks.
+
+uvicorn times out only idle keep-alive connections. Here, per connection (the numbers are Limits'):
+
+- the head of a request must arrive within ``header_timeout`` of its first byte (of the connection
+  for the first request), its body within ``body_timeout`` plus a second per ``min_body_rate``
+  bytes: a client dribbling a byte every few seconds gets 408 and is closed (slowloris);
+- a client that reads nothing for ``write_timeout`` while its response waits in our buffer is cut
+  off; the app sees it leave, which cancels its generation;
+- beyond ``max_connections`` a new connection gets 503 and is closed at once, before it can hold
+  a file descriptor for long;
+- a client that half-closes (sends FIN after its request) still gets its answer: the connection
+  stays open for writing until the response is complete, then closes. The app learns of the
+  half-close through ``scope["extensions"]["clutor.connection"]`` (a Connection, below);
+- a request the parser refuses gets OpenAI's JSON error body and is counted, not a text/plain page.
+
+Every cut is counted in ``clutor_connections_closed_total{reason}`` and logged at INFO (at most one
+line per reason a second, so a flood does not flood the log).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .errors import error_body
+from .limits import Limits
+from .metrics import Metrics
+from .responses import json_bytes
+
+__all__ = ["Connection", "protocol_class", "available"]
+
+log = logging.getLogger("clutor.server")
+
+
+@dataclass
+class Connection:
+    """What a connection tells the app about itself, as ``scope["extensions"]["clutor.connection"]``."""
+
+    eof: asyncio.Event = field(default_factory=asyncio.Event)  # the client half-closed: it sends no more
+    lost: bool = False           # the connection is gone: writes are dropped
+    closed: str | None = None    # why the server cut it ("write_timeout", "body_timeout", ...), or None
+
+
+def available() -> tuple[str, ...]:
+    """The HTTP parsers uvicorn can use here, preferred first."""
+    out = []
+    try:
+        import httptools  # noqa: F401
+
+        out.append("httptools")
+    except ImportError:
+        pass
+    out.append("h11")
+    return tuple(out)
+
+
+def protocol_class(http: str, limits: Limits, metrics: Metrics) -> type:
+    """uvicorn's ``http`` protocol ("httptools" or "h11") with the bounds above."""
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    elif http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        raise ValueError(f"http must be one of {', '.join(available())}, got {http!r}")
+    return type(f"Bounded{base.__name__}", (_Bounded, base),
+                {"limits": limits, "metrics": metrics, "max_connections": limits.connections(), "http": http})
+
+
+def _raw_response(status: int, reason: str, message: str, code: str, extra: bytes = b"") -> bytes:
+    body = json_bytes(error_body(status, message, code=code))
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n").encode() + extra + b"\r\n" + body
+
+
+_last_log: dict[str, float] = {}
+
+
+def _note(metrics: Metrics, reason: str, message: str) -> None:
+    metrics.closed[reason] += 1
+    now = time.monotonic()
+    if now - _last_log.get(reason, -1e9) >= 1.0:
+        _last_log[reason] = now
+        log.info("connection closed: %s", message)
+
+
+class _Bounded:
+    """Mixed in before uvicorn's HttpToolsProtocol or H11Protocol (both keep ``self.cycle``, a
+    RequestResponseCycle with ``more_body``, ``response_started``, ``response_complete``,
+    ``disconnected`` and ``message_event``, and call ``send_400_response`` on a parse error)."""
+
+    limits: Limits
+    metrics: Metrics
+    max_connections: int
+
+    # -- connection ---------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._conn = Connection()
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._read_phase: str | None = None   # "header" | "body" while a timer runs
+        self._phase_start = 0.0
+        self._body_seen = 0
+        self._seen_cycle = None                # the cycle whose head was complete last
+        self._write_timer: asyncio.TimerHandle | None = None
+        conn, app = self._conn, self.app
+
+        async def app_with_connection(scope, receive, send):
+            scope.setdefault("extensions", {})["clutor.connection"] = conn
+            await app(scope, receive, send)
+
+        self.app = app_with_connection
+        self.metrics.connections = len(self.connections)
+        if len(self.connections) > self.max_connections:
+            _note(self.metrics, "over_capacity", f"{len(self.connections) - 1} connections open, the limit is "
+                                                 f"{self.max_connections}: refused with 503")
+            transport.write(_raw_response(503, "Service Unavailable", f"the server has {self.max_connections} "
+                                          "connections open, its limit; retry shortly", "too_many_connections",
+                                          b"retry-after: 1\r\n"))
+            transport.close()
+            return
+        self._arm_read("header")
+
+    def connection_lost(self, exc) -> None:
+        self._conn.lost = True
+        self._disarm_read()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().connection_lost(exc)
+        self.metrics.connections = len(self.connections)
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_phase is None and not self._in_request():
+            self._arm_read("header")  # the first bytes of the next request on a kept-alive connection
+        elif self._read_phase == "body":
+            self._body_seen += len(data)
+        super().data_received(data)
+        self._follow()
+
+    def eof_received(self):
+        c = self.cycle
+        if c is not None and not c.response_complete and not c.more_body and self._seen_cycle is c:
+            self._conn.eof.set()  # a whole request, not answered yet: keep the connection to answer it
+            return True
+        return False  # idle, or a request that can never complete: close
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (may start a pipelined request already read)
+        if self._conn.eof.is_set() and not self.transport.is_closing() and not self._in_request():
+            self.transport.close()  # the client said it sends no more: nothing to keep alive for
+        self._follow()
+
+    def send_400_response(self, msg: str) -> None:
+        _note(self.metrics, "bad_request", "a request the HTTP parser refused: 400")
+        if self.cycle is not None and self.cycle.response_started:
+            self.transport.close()
+            return
+        self.transport.write(_raw_response(400, "Bad Request", f"invalid HTTP request: {msg.rstrip('.')}",
+                                           "bad_http_request"))
+        self.transport.close()
+
+    # -- reading: the head and the body, each against its clock ---------------------------------------
+    def _in_request(self) -> bool:
+        c = self.cycle
+        return c is not None and not c.response_complete
+
+    def _arm_read(self, phase: str) -> None:
+        self._disarm_read()
+        self._read_phase, self._phase_start, self._body_seen = phase, time.monotonic(), 0
+        self._read_timer = self.loop.call_later(self._read_allowance(), self._read_expired)
+
+    def _disarm_read(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer, self._read_phase = None, None
+
+    def _read_allowance(self) -> float:
+        """Seconds from the phase's start the client has for it (a body earns more as it arrives)."""
+        if self._read_phase == "header":
+            return self.limits.header_timeout
+        return self.limits.body_timeout + self._body_seen / self.limits.min_body_rate
+
+    def _follow(self) -> None:
+        """After the parser ran: a head completed starts the body's clock (or stops the clock); a body
+        completed stops it."""
+        if self.transport.is_closing():
+            self._disarm_read()
+            return
+        c = self.cycle
+        if c is not None and c is not self._seen_cycle:
+            self._seen_cycle = c
+            if c.more_body:
+                self._arm_read("body")
+            else:
+                self._disarm_read()
+        elif self._read_phase == "body" and c is not None and not c.more_body:
+            self._disarm_read()
+
+    def _read_expired(self) -> None:
+        self._read_timer = None
+        phase = self._read_phase
+        if phase is None or self.transport.is_closing():
+            return
+        left = self._phase_start + self._read_allowance() - time.monotonic()
+        if left > 0:  # the body kept coming: its allowance grew
+            self._read_timer = self.loop.call_later(left, self._read_expired)
+            return
+        self._read_phase = None
+        c = self.cycle
+        what = "its headers" if phase == "header" else "its body"
+        seconds = time.monotonic() - self._phase_start
+        _note(self.metrics, f"{phase}_timeout", f"the client took over {seconds:.0f} s to send {what}: 408")
+        self._conn.closed = f"{phase}_timeout"
+        answerable = c is None or c.response_complete or (phase == "body" and not c.response_started)
+        if phase == "body" and c is not None and not c.response_complete:
+            c.disconnected = True  # the app, waiting for the body, sees the client leave; its writes are dropped
+            c.message_event.set()
+        if answerable:
+            self.transport.write(_raw_response(408, "Request Timeout", f"the request's {what[4:]} did not arrive "
+                                               f"within {seconds:.0f} s", "request_timeout"))
+        self.transport.close()
+
+    # -- writing: a client that takes nothing ------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if self.transport.is_closing() and self._conn.lost:
+            return
+        _note(self.metrics, "write_timeout", f"the client read nothing for {self.limits.write_timeout:g} s: "
+                                             "cut off")
+        self._conn.closed = "write_timeout"
+        self.transport.abort()  # (close() would wait for the buffer to drain, which it never will)
