@@ -125,15 +125,15 @@ def write_gguf(
 
 
 def copy_gguf(src: Path, dst: Path, split_max_tensors: int = 0,
-              retype: dict[str, tuple[int, np.ndarray]] | None = None) -> None:
+              retype: dict[str, tuple[int, np.ndarray]] | None = None, drop: frozenset[str] = frozenset()) -> None:
     """Rewrite src with GGUFWriter: every key and tensor as it is, except the tensors named in
-    `retype` (name -> (qtype, raw bytes uint8 [..., row_bytes])); split in parts of
-    split_max_tensors tensors when given (llama.cpp's NAME-0000k-of-0000N.gguf)."""
+    `retype` (name -> (qtype, raw bytes uint8 [..., row_bytes])) and the keys in `drop` (left out);
+    split in parts of split_max_tensors tensors when given (llama.cpp's NAME-0000k-of-0000N.gguf)."""
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
     for name, fld in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
             continue
         vtype = fld.types[0]
         w.add_key_value(name, fld.contents(), vtype, sub_type=fld.types[-1] if vtype == VT.ARRAY else None)

@@ -139,6 +139,50 @@ _BASE = {"block_count": 2, "context_length": 64, "embedding_length": 32, "attent
          "attention.layer_norm_rms_epsilon": 1e-5, "feed_forward_length": 32}
 
 
+def test_gptoss_rope_dimension_count_defaults_to_the_head_size(tmp_path):
+    """llama.cpp reads rope.dimension_count for every architecture with the key's head size
+    (attention.key_length, itself defaulting to n_embd / n_head) as its default: a gpt-oss file
+    without the key opens and computes exactly what the file with it computes."""
+    from gguf_util import copy_gguf
+
+    src, dst = fixture_path("gptoss", "Q8_0"), tmp_path / "no-rope-dims.gguf"
+    copy_gguf(src, dst, drop=frozenset({"gpt-oss.rope.dimension_count"}))
+    with GGUFFile.open(src) as f:
+        want = read_arch(f).cfg
+    with GGUFFile.open(dst) as f:
+        assert "gpt-oss.rope.dimension_count" not in f.metadata
+        cfg = read_arch(f).cfg
+    assert cfg == want and cfg.n_rot == cfg.head_dim
+
+    async def logits(path):
+        async with clutor.Model.open(path) as model:
+            return await model.logits(golden("gptoss", "Q8_0")["prompt_ids"].tolist()[:12])
+
+    np.testing.assert_array_equal(run(logits(dst)), run(logits(src)))
+
+
+def test_qwen2moe_expert_sizes_default_as_in_llama_cpp(tmp_path):
+    """llama.cpp's defaults for Qwen2-MoE (and Qwen3-MoE): expert_feed_forward_length =
+    feed_forward_length / expert_used_count, expert_shared_feed_forward_length = feed_forward_length
+    (the fixture's keys equal those defaults, as in Qwen1.5-MoE-A2.7B: 5632 / 4 = 1408)."""
+    from gguf_util import copy_gguf
+
+    src = fixture_path("qwen2moe", "Q8_0")
+    with GGUFFile.open(src) as f:
+        want = read_arch(f).cfg
+    for drop in ("qwen2moe.expert_feed_forward_length", "qwen2moe.expert_shared_feed_forward_length"):
+        dst = tmp_path / f"{drop}.gguf"
+        copy_gguf(src, dst, drop=frozenset({drop}))
+        with GGUFFile.open(dst) as f:
+            assert drop not in f.metadata
+            assert read_arch(f).cfg == want, drop
+    dst = tmp_path / "neither.gguf"  # no size at all: the error names the expert size's key
+    copy_gguf(src, dst, drop=frozenset({"qwen2moe.expert_feed_forward_length", "qwen2moe.feed_forward_length"}))
+    with GGUFFile.open(dst) as f, pytest.raises(clutor.ModelFileError) as e:
+        read_arch(f)
+    assert e.value.field == "qwen2moe.expert_feed_forward_length"
+
+
 @pytest.mark.parametrize("arch, keys, field", [
     ("llama", {}, "llama.expert_count"),                                     # a dense llama: nothing to stream
     ("deepseek2", {"expert_count": 6, "expert_used_count": 2, "expert_group_count": 4,

@@ -32,13 +32,18 @@ def test_info(capsys):
     assert d["dense_bytes"] + d["expert_bytes_total"] <= sum(v["bytes"] for v in d["tensor_types"].values())
 
 
-def test_info_names_the_types_without_a_kernel(capsys, tmp_path):
-    """A type Clutor has no kernel for (Q3_K) works but is dequantised on every product: `clutor
-    info` says so, and lists the types that do have one."""
+def test_info_names_the_types_without_a_kernel(capsys, tmp_path, monkeypatch):
+    """A type without a kernel on this machine (Q3_K made so here: every type Clutor reads has one
+    on x86 with AVX2) works but is dequantised on every product: `clutor info` says so, and lists the
+    types that do have one."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
     from gguf_util import copy_gguf
+    from clutor.model import kernels
+
+    has = kernels.has_kernel
+    monkeypatch.setattr(kernels, "has_kernel", lambda q: int(q) != int(QT.Q3_K) and has(q))
 
     block, nbytes = GGML_QUANT_SIZES[QT.Q3_K]
     rng = np.random.default_rng(0)
@@ -54,6 +59,23 @@ def test_info_names_the_types_without_a_kernel(capsys, tmp_path):
     types = json.loads(capsys.readouterr().out)["tensor_types"]
     assert {k: v["kernel"] for k, v in types.items()} == {"F32": True, "Q3_K": False, "Q4_K": True, "Q6_K": True,
                                                            "Q8_0": True}
+
+
+def test_info_lists_every_type_and_how_it_runs_here(capsys):
+    """`clutor info` lists every type Clutor reads with how its products run on this machine."""
+    from clutor.model import kernels
+    from clutor.model.weight_types import TYPES
+
+    assert main(["info", "--json", str(fixture_path("olmoe", "Q8_0"))]) == 0
+    m = json.loads(capsys.readouterr().out)["machine"]
+    assert set(m["types"]) == {t.name for t in TYPES.values()}
+    for q, t in TYPES.items():
+        assert (m["types"][t.name] == "dequantised per product") == (not kernels.has_kernel(q)), t.name
+    if kernels.mode() == "q8":  # x86 with AVX2: every quantised type takes the int8 path
+        assert all(m["types"][t.name] == "int8" for t in TYPES.values() if t.q8_block), m
+    assert main(["info", str(fixture_path("olmoe", "Q8_0"))]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("this machine"))
+    assert all(t.name in line for t in TYPES.values()) and m["backend"] in line
 
 
 def test_generate_streams_text_and_stats(capsys):

@@ -66,11 +66,15 @@ def test_matmul_equals_reference(qtype, T):
                                rtol=1e-6, atol=1e-6)
 
 
-def test_matmul_jobs_with_types_without_kernels():
-    """quants.matmul_jobs: a layer mixing a type with a kernel and one without (Q2_K) takes the
-    one-product-at-a-time path and gives each job's own matmul."""
+def test_matmul_jobs_with_types_without_kernels(monkeypatch):
+    """quants.matmul_jobs: a layer mixing a type with a kernel and one without (Q2_K and IQ4_XS made
+    so here) takes the one-product-at-a-time path and gives each job's own matmul."""
+    from clutor.model import kernels
     from clutor.model.kernels import Job
     from clutor.model.quants import matmul_jobs
+
+    has = kernels.has_kernel
+    monkeypatch.setattr(kernels, "has_kernel", lambda q: int(q) not in (int(QT.Q2_K), int(QT.IQ4_XS)) and has(q))
 
     rng = np.random.default_rng(7)
     n_cols = 256

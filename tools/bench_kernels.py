@@ -48,7 +48,8 @@ SHAPES = {  # name -> (n_rows, n_cols) in numpy order
 }
 # byte offsets of the f16 scales inside a block, set to small finite values in random blocks
 _F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (), "IQ1_M": (),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (),
+           "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,), "IQ1_M": (),
            **{t: (0,) for t in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")}}
 
 

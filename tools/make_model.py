@@ -32,7 +32,8 @@ from widen import WIDE_PRESETS, default_source, widen_model  # noqa: E402
 
 # llama.cpp's llama_ftype values for the mixes we make.
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
-                "MXFP4_MOE": 38, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ3_S": 26, "IQ3_M": 27,
+                "MXFP4_MOE": 38, "Q2_K": 10, "Q3_K_M": 12, "IQ4_XS": 30,
+                "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ3_S": 26, "IQ3_M": 27,
                 "IQ2_S": 28, "IQ2_M": 29, "IQ1_M": 31}
 # file types whose tensors llama.cpp quantises only with an importance matrix (llama-quant.cpp)
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ1_S", "IQ1_M"}
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r{done / 2**20:9.1f} / {total / 2**20:.1f} MiB", end="", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
-    preset = None
     if args.preset in WIDE_PRESETS:
         spec = WIDE_PRESETS[args.preset]
         source = args.source or default_source()
@@ -118,21 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         preset = PRESETS[args.preset]
         if args.layers is not None:
             preset = dataclasses.replace(preset, n_layer=args.layers, name=f"{preset.name}-{args.layers}l")
-    if preset is None:
-        pass
-    elif args.quantize:
-        master = args.out.with_suffix(f".{args.master.lower()}.gguf")
-        write_model(master, preset, seed=args.seed, qtype=args.master, progress=progress)
-        print(file=sys.stderr)
-        try:
-            llama_quantize(master, args.out, args.quantize,
-                           imatrix=uniform_imatrix(master) if args.quantize in NEEDS_IMATRIX else None)
-        finally:
-            if not args.keep_master:
-                master.unlink(missing_ok=True)
-    else:
-        write_model(args.out, preset, seed=args.seed, qtype=args.qtype, progress=progress)
-        print(file=sys.stderr)
+        if args.quantize:
+            master = args.out.with_suffix(f".{args.master.lower()}.gguf")
+            write_model(master, preset, seed=args.seed, qtype=args.master, progress=progress)
+            print(file=sys.stderr)
+            try:
+                llama_quantize(master, args.out, args.quantize,
+                               imatrix=uniform_imatrix(master) if args.quantize in NEEDS_IMATRIX else None)
+            finally:
+                if not args.keep_master:
+                    master.unlink(missing_ok=True)
+        else:
+            write_model(args.out, preset, seed=args.seed, qtype=args.qtype, progress=progress)
+            print(file=sys.stderr)
     size = args.out.stat().st_size
     print(f"{args.out}: {size} bytes ({size / 2**30:.2f} GiB) in {time.monotonic() - t0:.1f} s")
     return 0

@@ -157,6 +157,15 @@ PRESETS: dict[str, ModelSpec] = {
         n_dense_lead=1, n_ff=192, n_expert_shared=2, n_rot=16, gating=1, w_scale=1.0, q_lora_rank=0,
         kv_lora_rank=64, v_head_dim=32, mla_split=False, fused_gate_up=True,
     ),
+    # DeepSeek-V3's form at rows K-quants take (n_embd 512, nope 128 as in V3, so llama.cpp's Q4_K_M
+    # mix really has Q4_K / Q6_K matrices and Q5_0 attn_k_b / attn_v_b): for numerics checks (~30 MB F16).
+    "small-deepseek3": ModelSpec(
+        name="small-deepseek3", arch="deepseek2", n_layer=4, n_embd=512, n_head=4, n_head_kv=1, head_dim=192,
+        n_expert=16, n_expert_used=4, n_ff_exp=256, vocab_size=2048, n_ctx=512, rope_base=1e4, eps=1e-6,
+        n_dense_lead=1, n_ff=768, n_expert_shared=1, n_rot=64, gating=2, norm_w=True, w_scale=2.5,
+        probs_bias=True, n_group=4, n_group_used=2, q_lora_rank=256, kv_lora_rank=256, v_head_dim=128,
+        yarn_factor=4.0, yarn_orig_ctx=128, yarn_log_mul=0.0707,
+    ),
     # gpt-oss: sinks, q/k/v/o biases, router and per-expert biases, sliding window on even layers,
     # attention wider than n_embd (8 heads x 32), YaRN.
     "tiny-gptoss": ModelSpec(

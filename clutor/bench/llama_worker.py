@@ -29,6 +29,9 @@ DEFAULTS: dict = {
     **COMMON_OPTIONS,
     "n_threads": None,  # None: os.cpu_count()
     "n_batch": 512,
+    # llama.cpp's CPU "extra buffers": repacked copies of Q4_K etc. in anonymous memory, its default on
+    # AVX2. Off, the weights stay file pages of the mmap, the only way it runs in a cap below the file.
+    "extra_buffers": True,
 }
 
 
@@ -40,6 +43,19 @@ def _import_llama():
             f"llama-cpp-python is not importable ({e}); install it with `pip install llama-cpp-python` "
             "(or `pip install clutor[bench]`) to compare against llama.cpp") from None
     return llama_cpp
+
+
+def _no_extra_buffers(llama_cpp) -> None:
+    """Make the model parameters llama-cpp-python starts from say use_extra_bufts = false (its Llama
+    class takes no argument for it; this worker process loads one model and exits)."""
+    module = llama_cpp.llama_cpp
+    default = module.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    module.llama_model_default_params = params
 
 
 def _last_logits(llm, llama_cpp, n_vocab: int) -> np.ndarray:
@@ -93,6 +109,8 @@ def run(path: str, options: dict) -> dict:
     ids, warm = workload_prompts(tok, opts["workload"], 2, P, opts["seed"])  # the same as Clutor's worker
     choose = _chooser(opts["workload"], opts["seed"], ids)
 
+    if not opts["extra_buffers"]:
+        _no_extra_buffers(llama_cpp)
     t0 = time.perf_counter()
     try:
         llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,

@@ -138,6 +138,9 @@ def add_parser(sub):
                         "and per token, hit rate, event-loop lag, disk-bound limit (capped with --cap SIZE)")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
+    c.add_argument("--llama-extra-buffers", choices=("on", "off"), default="on",
+                   help="llama.cpp's repacked weight copies in anonymous memory (its default: on); off keeps its "
+                        "weights as mmapped file pages, which a cap below the file size needs")
     c.add_argument("--cap", type=_cap, default="auto",
                    help="memory cap of the capped runs: auto (Clutor's estimated footprint), none, or a size")
     c.add_argument("--cap-budget", type=_budget, default=None,
@@ -372,7 +375,7 @@ def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) ->
         rows.append(row)
     llama = []
     if args.vs_llama_cpp:
-        lcommon = {**common}
+        lcommon = _llama_args(args, common)
         if cap:
             progress.start(f"llama.cpp 1 stream, mmap, capped at {cap}")
             ol = run_worker(args.model, "llama.cpp", lcommon, cap=cap, drop_caches=True, timeout=args.timeout)
@@ -400,6 +403,15 @@ def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tp
     io = result.get("decode_io") or {}
     return bounds(achieved, compute_tps, (disk or {}).get("bytes_per_second"), replay.get("belady_bytes_per_token"),
                   io.get("bytes_per_token")).to_json()
+
+
+def _llama_args(args, common: dict) -> dict:
+    """llama.cpp's worker options: the workload both engines share, and its own extra-buffers setting."""
+    return {**common, "extra_buffers": args.llama_extra_buffers == "on"}
+
+
+def _llama_config(args, how: str) -> str:
+    return how if args.llama_extra_buffers == "on" else f"{how}, extra buffers off"
 
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
@@ -462,12 +474,12 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
                      f"so llama.cpp reads part of it from disk")
     progress.start("llama.cpp unconstrained (model preloaded into the page cache)")
     preload(args.model)
-    o = run_worker(args.model, "llama.cpp", common, timeout=args.timeout)
+    o = run_worker(args.model, "llama.cpp", _llama_args(args, common), timeout=args.timeout)
     progress.done(o)
     rows.append({"setting": "unconstrained", "cap": None,
                  "clutor_config": _config_text(best) + " (the sweep's highest median decode)" if best
                  else "no successful run",
-                 "clutor": best, "llama_config": "mmap, page cache warm", "llama": o.to_json()})
+                 "clutor": best, "llama_config": _llama_config(args, "mmap, page cache warm"), "llama": o.to_json()})
     if plan is None:
         notes.append(skip_note)
         return {"rows": rows, "notes": notes}
@@ -482,11 +494,12 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
                     drop_caches=True, timeout=args.timeout)
     progress.done(oc)
     progress.start(f"llama.cpp capped at {format_bytes(cap)}")
-    ol = run_worker(args.model, "llama.cpp", common, cap=cap, drop_caches=True, timeout=args.timeout)
+    ol = run_worker(args.model, "llama.cpp", _llama_args(args, common), cap=cap, drop_caches=True,
+                    timeout=args.timeout)
     progress.done(ol)
     shown = "none (io memory)" if args.io == "memory" else budget.text
     rows.append({"setting": "capped", "cap": cap, "clutor_config": f"{shown}, prefetch {_onoff(prefetch)}, {policy}",
-                 "clutor": oc.to_json(), "llama_config": "mmap (default)", "llama": ol.to_json()})
+                 "clutor": oc.to_json(), "llama_config": _llama_config(args, "mmap"), "llama": ol.to_json()})
     how = "--cap" if args.cap != "auto" else (
         f"Clutor's footprint: dense + {budget.text} expert cache + KV + {format_bytes(args.allowance)} allowance")
     notes.append(f"capped: cgroup memory limit {format_bytes(cap)} ({100 * cap / file_bytes:.0f}% of the "

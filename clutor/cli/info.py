@@ -50,7 +50,27 @@ def describe(path: str) -> dict:
             "expert_bytes_per_token_worst": sum(b * cfg.n_expert_used for b in per_layer),
             "min_expert_cache": min_budget(layout, cfg.n_expert_used),
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
+            "machine": machine_kernels(),
         }
+
+
+def machine_kernels() -> dict:
+    """Every weight type Clutor reads and how its products run on this machine: "int8" (ggml's
+    activation blocks, the default q8 mode), "float" (a float-activation kernel), "blas" (F32), or
+    "dequantised per product" (no kernel here: slow)."""
+    from ..model import kernels
+    from ..model.weight_types import TYPES
+
+    ki = kernels.info()
+    how = {}
+    for q, t in TYPES.items():
+        if not kernels.has_kernel(q):
+            how[t.name] = "dequantised per product"
+        elif t.kernel == "blas":
+            how[t.name] = "blas"
+        else:
+            how[t.name] = "int8" if t.q8_block and ki.activation_mode == "q8" else "float"
+    return {"backend": ki.backend, "activations": ki.activation_mode, "types": how}
 
 
 def suggestions(layout, top_k: int, dense: int) -> dict[str, int]:
@@ -83,6 +103,16 @@ def _fmt(n: int) -> str:
         if n >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n} B"
+
+
+def _machine_line(m: dict) -> str:
+    by: dict[str, list[str]] = {}
+    for name, how in m["types"].items():
+        by.setdefault(how, []).append(name)
+    parts = [f"{how} {' '.join(names)}" for how, names in by.items() if how != "dequantised per product"]
+    slow = by.get("dequantised per product")
+    return (f"this machine    {m['backend']}, every type Clutor reads: " + "; ".join(parts)
+            + (f"; no kernel here (dequantised on every product, slow): {' '.join(slow)}" if slow else ""))
 
 
 def run(args) -> int:
@@ -119,6 +149,7 @@ def run(args) -> int:
         "weight types    " + ", ".join(f"{k} x{v['tensors']} ({_fmt(v['bytes'])})" for k, v in d["tensor_types"].items()),
         "kernels         " + (", ".join(with_kernel) or "none")
         + (f"; no kernel for {', '.join(without)}: dequantised on every product (slow)" if without else ""),
+        _machine_line(d["machine"]),
         f"dense bytes     {_fmt(d['dense_bytes'])} (resident)",
         f"expert bytes    {_fmt(d['expert_bytes_total'])} in all, {_fmt(d['expert_bytes_one'])} per expert",
         f"read per token  {_fmt(d['expert_bytes_per_token_worst'])} at worst (every routed expert a miss)",

@@ -16,7 +16,8 @@ from .kernel_settings import DEFAULT, KernelSettings
 from .profile import kernel_done
 from .weight_types import QT, SUPPORTED, row_bytes, type_name, weight_type
 
-__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight", "apply_all"]
+__all__ = ["QT", "SUPPORTED", "type_name", "row_bytes", "dequantize", "dequantize_rows", "matmul", "matmul_jobs", "Weight",
+           "apply_all", "matmul_heads", "ggml_activations"]
 
 
 def dequantize(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -130,3 +131,27 @@ def apply_all(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:
     matmul_jobs([Job(w.raw, w.qtype, w.shape[0], 0, len(x), c) for w, c in zip(weights, cols)], weights[0].shape[1],
                 x, out, weights[0].kernels)
     return [out[:, a:b] for a, b in zip(cols[:-1], cols[1:])]
+
+
+def matmul_heads(w: Weight, x: np.ndarray) -> np.ndarray:
+    """x [R, H, K] times each head's own matrix: w holds H matrices of N rows of K (a "heads" tensor
+    [H, N, K] as one Weight of H * N rows) -> [R, H, N], every head one job of one kernel launch.
+    What llama.cpp's batched mul_mat of a 3-D weight computes (each head's activations rounded as
+    the type's own products round them)."""
+    from .kernels import Job
+
+    R, H, K = x.shape
+    N = w.shape[0] // H
+    xs = np.ascontiguousarray(x.transpose(1, 0, 2), dtype=np.float32).reshape(H * R, K)  # [H*R, K]
+    out = np.empty((H * R, N), np.float32)  # [H*R, N]
+    per_head = N * row_bytes(w.qtype, K)
+    matmul_jobs([Job(w.raw[h * per_head : (h + 1) * per_head], w.qtype, N, h * R, R) for h in range(H)], K, xs, out,
+                w.kernels)
+    return out.reshape(H, R, N).transpose(1, 0, 2)
+
+
+def ggml_activations(x: np.ndarray, qtype: int, settings: KernelSettings = DEFAULT) -> np.ndarray:
+    """x as a product with a `qtype` weight rounds it in this activation mode (kernels.ggml_activations)."""
+    from . import kernels
+
+    return kernels.ggml_activations(x, qtype, settings)

@@ -87,9 +87,9 @@ TYPES: dict[QT, WeightType] = {t.qtype: t for t in (
     WeightType(QT.IQ2_S, "iquants", 256),
     WeightType(QT.IQ1_S, "iquants", 256),
     WeightType(QT.IQ1_M, "iquants", 256),
-    WeightType(QT.Q2_K, None),
-    WeightType(QT.Q3_K, None),
-    WeightType(QT.IQ4_XS, None),
+    WeightType(QT.Q2_K, "kquants", 256),
+    WeightType(QT.Q3_K, "kquants", 256),
+    WeightType(QT.IQ4_XS, "kquants", 256),
 )}
 
 SUPPORTED: frozenset[QT] = frozenset(TYPES)

@@ -119,6 +119,8 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
             progress(raw.nbytes)
         if t.kind == "weight":
             return Weight(t.name, raw, info.qtype, tuple(info.shape))
+        if t.kind == "heads":  # [H, R, K]: one matrix per head, rows of all heads in one Weight [H * R, K]
+            return Weight(t.name, raw, info.qtype, (int(np.prod(info.shape[:-1])), int(info.shape[-1])))
         return np.ascontiguousarray(dequantize(raw, info.qtype, tuple(info.shape)), dtype=np.float32).reshape(t.shape)
 
     glob, *layer_tables = _tables(arch)

@@ -9,6 +9,12 @@ The model's layer loop (clutor.model.model) calls, for each layer, on the comput
     arch.ffn_extra(lw, h)                  -> [R, D] or None: shared expert(s) or a dense layer's FFN
 The base class implements the GQA attention with a float KV cache of keys and values, softmax top-k
 routing and SwiGLU experts; an architecture module overrides what it does differently.
+
+Metadata follows llama.cpp's load_hparams (src/llama-model.cpp and src/models/<arch>.cpp): a key
+llama.cpp reads with a default is read here with the same default (read_int / read_float's default=,
+derived defaults such as head size = n_embd / n_head computed the same way); a key it requires is
+read without one, so a file lacking it is a ModelFileError naming that key. A new architecture module
+does the same for each key its llama.cpp counterpart reads.
 """
 from __future__ import annotations
 
@@ -53,11 +59,20 @@ def read_bool(f, key: str, default: bool) -> bool:
     return v
 
 
+def _ff_over_k(f, k: int) -> int:
+    """feed_forward_length / expert_used_count (0, refused by the caller's range, without an integer one)."""
+    n_ff = f.get(f"{f.arch}.feed_forward_length", 0)
+    return n_ff // k if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 0
+
+
 def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: int = 0, n_ff_shexp: int = 0,
                 n_ff: int = 0, head_dim: int | None = None, head_dim_v: int | None = None,
-                n_head_kv: int | None = None, kv_floats: int | None = None, eps: float | None = None) -> ModelConfig:
+                n_head_kv: int | None = None, kv_floats: int | None = None, eps: float | None = None,
+                ff_from_dense: bool = False) -> ModelConfig:
     """The ModelConfig fields every architecture reads the same way; the arguments are what an
-    architecture reads its own way (layer count without MTP layers, MLA head sizes, ...)."""
+    architecture reads its own way (layer count without MTP layers, MLA head sizes, ...).
+    ff_from_dense: an absent ff_key means feed_forward_length / expert_used_count (llama.cpp's
+    default for the Qwen MoE architectures)."""
     n_embd = read_int(f, "embedding_length", 1, MAX_DIM)
     n_head = read_int(f, "attention.head_count", 1, 4096)
     if n_head_kv is None:
@@ -98,7 +113,7 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
         eps=read_float(f, "attention.layer_norm_rms_epsilon") if eps is None else eps,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
-        n_ff_exp=read_int(f, ff_key, 1, MAX_DIM),
+        n_ff_exp=read_int(f, ff_key, 1, MAX_DIM, default=_ff_over_k(f, n_expert_used) if ff_from_dense else _MISSING),
         n_ff_shexp=n_ff_shexp,
         n_ff=n_ff,
         moe_layers=tuple(range(n_dense_lead, n_layers)),
@@ -110,7 +125,8 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
 # ---- tensors ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class T:
-    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "vector"
+    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "heads" (a
+    matrix per head [H, R, K] kept in its file type, as one Weight of H * R rows), "vector"
     (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store)."""
 
     name: str

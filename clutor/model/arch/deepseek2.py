@@ -26,7 +26,7 @@ import numpy as np
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import LatentKV, Rope, Yarn, attention, gate, rmsnorm
-from ..quants import apply_all
+from ..quants import apply_all, dequantize, ggml_activations, matmul_heads
 from .common import _MISSING, Arch, T, read_bool, read_common, read_float, read_int
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
@@ -110,11 +110,11 @@ class DeepSeek2(Arch):
                      "wq_b": T(b + "attn_q_b.weight", (H * hk, self.q_lora))}
         else:
             want["wq"] = T(b + "attn_q.weight", (H * hk, D))
-        if self.split:
-            want |= {"wk_b": T(b + "attn_k_b.weight", (H, C, self.nope), "vector"),
-                     "wv_b": T(b + "attn_v_b.weight", (H, hv, C), "vector")}
+        if self.split:  # products of their own, as llama.cpp computes them (quantised, per head)
+            want |= {"wk_b": T(b + "attn_k_b.weight", (H, C, self.nope), "heads"),
+                     "wv_b": T(b + "attn_v_b.weight", (H, hv, C), "heads")}
         else:
-            want["wkv_b"] = T(b + "attn_kv_b.weight", (H * (self.nope + hv), C), "vector")
+            want["wkv_b"] = T(b + "attn_kv_b.weight", (H * (self.nope + hv), C))
         return want
 
     def ffn_tensors(self, l):
@@ -124,12 +124,16 @@ class DeepSeek2(Arch):
         return want
 
     def prepare(self, lw) -> None:
-        """The older attn_kv_b split into the per-head key and value up-projections."""
+        """The older attn_kv_b split into the per-head key and value up-projections, in float32 for
+        the absorbed products; its type is kept (kv_b_type): llama.cpp multiplies the latents by it
+        as a quantised product, so the cached latents are rounded as that product rounds them."""
         if lw.wkv_b is not None:
             cfg = self.cfg
-            kv = lw.wkv_b.reshape(cfg.n_head, self.nope + cfg.head_dim_v, self.kv_lora)  # [H, nope + v, C]
+            w = lw.wkv_b
+            kv = dequantize(w.raw, w.qtype, w.shape).reshape(cfg.n_head, self.nope + cfg.head_dim_v, self.kv_lora)
             lw.wk_b = np.ascontiguousarray(kv[:, : self.nope].transpose(0, 2, 1))  # [H, C, nope]
             lw.wv_b = np.ascontiguousarray(kv[:, self.nope :])  # [H, v, C]
+            lw.kv_b_type = w.qtype
             lw.wkv_b = None
 
     # -- compute ------------------------------------------------------------------------------------
@@ -150,8 +154,14 @@ class DeepSeek2(Arch):
             q, kv = apply_all((lw.wq, lw.wkv_a), h)
         q = q.reshape(R, H, cfg.head_dim)
         c = rmsnorm(kv[:, :C], lw.kv_a_norm, cfg.eps)  # [R, C]
-        # q_nope absorbed into latent space: per head, W_kb [C, nope] @ q_nope [nope]
-        q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
+        if self.split:
+            # q_nope absorbed into latent space: per head, W_kb [C, nope] @ q_nope [nope], a quantised product
+            q_lat = matmul_heads(lw.wk_b, q[..., :nope])  # [R, H, C]
+        else:
+            # llama.cpp expands each latent through attn_kv_b (k = W_kb c, v = W_vb c, c rounded as that
+            # product rounds its input): the same as caching c so rounded and absorbing W_kb into q in float
+            c = ggml_activations(c, lw.kv_b_type, lw.wo.kernels)
+            q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
         o_lat = np.empty((R, H, C), np.float32)  # [R, H, C]: attention-weighted latents
         for s in step.segments:
             rows = slice(s.r0, s.r0 + len(s.ids))
@@ -160,7 +170,10 @@ class DeepSeek2(Arch):
             s.seq.kv.write(l, s.p0, np.concatenate([c[rows, None, :], k_pe], axis=-1))
             qs = np.concatenate([q_lat[rows], q_pe], axis=-1)  # [T, H, C + r]
             o_lat[rows] = attention(qs, s.seq.kv, l, s.p0, self.kq_scale).reshape(-1, H, C)
-        o = np.einsum("hvc,rhc->rhv", lw.wv_b, o_lat, optimize=True).astype(np.float32)  # [R, H, v]
+        if self.split:
+            o = matmul_heads(lw.wv_b, o_lat)  # [R, H, v]
+        else:
+            o = np.einsum("hvc,rhc->rhv", lw.wv_b, o_lat, optimize=True).astype(np.float32)  # [R, H, v]
         return lw.wo(o.reshape(R, -1))
 
     def route(self, lw, h):

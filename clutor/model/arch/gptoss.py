@@ -1,6 +1,7 @@
 """gpt-oss (`gpt-oss`, llama.cpp's OPENAI_MOE): gpt-oss-20b / 120b.
 
-- Attention: head size = `rope.dimension_count` (the width n_head x head need not equal n_embd); q/k/v
+- Attention: head size = `attention.key_length` (the width n_head x head need not equal n_embd; RoPE on
+  `rope.dimension_count` dims, by default all of them, as llama.cpp reads both); q/k/v
   biases (optional) and an output bias; one learned "sink" logit per head that joins the softmax
   denominator; sliding-window layers (`attention.sliding_window`) alternating with full ones (pattern
   `attention.sliding_window_pattern`, default 2: even layers slide); NEOX RoPE, with YaRN the cos/sin
@@ -16,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
-from ..config import MAX_DIM
 from ..layers import Rope, Yarn, attention, gate, rmsnorm
 from .common import Arch, T, read_common, read_float, read_int
 
@@ -35,8 +35,9 @@ class GptOss(Arch):
     @classmethod
     def read(cls, f) -> "GptOss":
         a = f.arch
-        n_rot = read_int(f, "rope.dimension_count", 2, MAX_DIM)
-        cfg = read_common(f, ff_key="expert_feed_forward_length", head_dim=n_rot, head_dim_v=n_rot)
+        # head sizes from key_length / value_length (default n_embd / n_head), rope.dimension_count
+        # defaulting to the key's head size: llama.cpp's load_hparams for every architecture
+        cfg = read_common(f, ff_key="expert_feed_forward_length")
         window = read_int(f, "attention.sliding_window", 1, 1 << 24)
         base_swa = f.get(f"{a}.rope.freq_base_swa", cfg.rope_base)
         if base_swa != cfg.rope_base:

@@ -14,8 +14,11 @@ class Qwen2MoE(Arch):
 
     @classmethod
     def read(cls, f) -> "Qwen2MoE":
-        return cls(f.path, read_common(f, ff_key="expert_feed_forward_length",
-                                       n_ff_shexp=read_int(f, "expert_shared_feed_forward_length", 1, MAX_DIM)))
+        # llama.cpp's defaults: experts feed_forward_length / expert_used_count, the shared expert
+        # feed_forward_length
+        shexp = f.get(f"{f.arch}.expert_shared_feed_forward_length", None)
+        n_ff_shexp = read_int(f, "expert_shared_feed_forward_length" if shexp is not None else "feed_forward_length", 1, MAX_DIM)
+        return cls(f.path, read_common(f, ff_key="expert_feed_forward_length", n_ff_shexp=n_ff_shexp, ff_from_dense=True))
 
     def ffn_tensors(self, l):
         return super().ffn_tensors(l) | {"sh_gate_inp": T(f"blk.{l}.ffn_gate_inp_shexp.weight", (self.cfg.n_embd,), "vector")}

@@ -12,7 +12,7 @@ class Qwen3MoE(Arch):
 
     @classmethod
     def read(cls, f) -> "Qwen3MoE":
-        return cls(f.path, read_common(f, ff_key="expert_feed_forward_length"))
+        return cls(f.path, read_common(f, ff_key="expert_feed_forward_length", ff_from_dense=True))
 
     def attention_tensors(self, l):
         b, hd = f"blk.{l}.", self.cfg.head_dim

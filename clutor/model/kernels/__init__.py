@@ -9,19 +9,24 @@ the file or an expert-cache slot. Types: those clutor.model.weight_types.TYPES g
 Every function takes ``settings`` (clutor.model.kernel_settings.KernelSettings: activations, threads,
 BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
 
-- "q8" activations (x86 with AVX2): each row
-  of x is rounded to int8 blocks with one float scale per 32 (Q8_0-style) or per 256 (K-quants,
-  Q8_K-style) elements, then int8 x int8 dot products run block by block, as llama.cpp does on
-  CPUs. Error bound, per output element r of token t:
-      |y_q8 - y| <= ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| / 254)**2)   (+ float rounding)
-  because rounding moves each element of block b (n_b elements) by at most max|x_tb| / 254. For
-  Gaussian-like x the actual error is ~0.5-1.5% of max|y|. tests/test_kernels.py checks the bound.
+- "q8" activations (x86 with AVX2): ggml's CPU numerics. Each row of x is rounded to the int8 blocks
+  ggml pairs with the weight type (its vec_dot_type: Q8_0 / Q8_1 with a half scale per 32 elements,
+  Q8_K with a float scale per 256; activations.py reproduces llama.cpp's bytes bit for bit), then
+  int8 x int8 dot products run block by block as ggml's x86 code computes them: float(integer dot)
+  times the product of the two scales, per block. F16 / BF16 weights take x rounded to half /
+  bfloat16 (as ggml converts it), F32 weights x itself. The result is x' @ W.T up to float rounding,
+  x' being x as ggml rounds it (Q4_1 / Q5_1 add each block's min times Q8_1's rounded sum), so it
+  differs from x @ W.T by the rounding, per output element r of token t at most
+      ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| * (1/254 + 1/2048))**2)   (+ float rounding)
+  (an element moves by at most half a step, d / 2 = max / 254, plus up to 127 times the half
+  scale's own rounding of at most d / 2048). tests/test_kernels.py checks the equality with x'.
 - "f32" activations: the weight is dequantised on the fly (bit-identical to gguf-py's
   dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available. Tiles of
   2 rows x 8/4/2/1 tokens unpack each block once per tile and keep one accumulator per (row,
   token) in registers (_ir.tile_intrinsic).
 - T >= settings.blas_min_tokens (default 256 for int8 products, 32 for float ones): rows are dequantised in
-  chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm.
+  chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm; in q8
+  mode with x' (the activation blocks as floats), so that a long prefill rounds as a short one does.
 In q8 mode below that threshold, the row kernels take tokens four at a time, x rounded to int8 in the
 same launch.
 
@@ -63,7 +68,7 @@ from ..kernel_settings import DEFAULT, KernelSettings
 from ..weight_types import QT, TYPES, type_name
 
 __all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "compiled", "cache_dir", "dequantize", "mode", "info",
-           "KernelInfo"]
+           "KernelInfo", "ggml_activations"]
 
 # The types are weight_types.TYPES; the ids this module names itself.
 F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba would type an IntEnum apart
@@ -211,7 +216,8 @@ def _scratch(name: str, n: int, dtype) -> np.ndarray:
 
 
 def _act_buffers(n_tok: int, n_cols: int, block: int) -> tuple[np.ndarray, ...]:
-    """Per-thread int8-activation scratch for this shape: xq [T, K], xd [T, K/block], xs32, xs16."""
+    """Per-thread int8-activation scratch for this shape: xq [T, K], xd [T, K/block], xs1 [T, K/32]
+    (Q8_1's s), xs16 [T, K/16] (Q8_K's bsums); activations.py says what each holds."""
     cache = getattr(_tls, "act", None)
     if cache is None:
         cache = _tls.act = {}
@@ -221,7 +227,7 @@ def _act_buffers(n_tok: int, n_cols: int, block: int) -> tuple[np.ndarray, ...]:
         if len(cache) > 64:  # many shapes seen (prefill lengths): start over rather than grow
             cache.clear()
         bufs = cache[key] = (np.empty((n_tok, n_cols), np.int8), np.empty((n_tok, n_cols // block), np.float32),
-                             np.empty((n_tok, n_cols // 32), np.int32), np.empty((n_tok, n_cols // 16), np.int16))
+                             np.empty((n_tok, n_cols // 32), np.float32), np.empty((n_tok, n_cols // 16), np.int16))
     return bufs
 
 
@@ -244,7 +250,7 @@ def _row_bytes(qtype: int, n_cols: int) -> int:
 #   (matmul_jobs): matmul, matmul_jobs; a read-only x is copied (numba would compile another variant)
 # - each job's rows t0 .. t0 + n_tok inside x and out, columns col .. col + n_rows inside out: matmul_jobs
 # - dequantize's out C-contiguous, aligned float32 [n_rows, n_cols]: dequantize
-# - the int8 scratch (xq, xd, xs32, xs16) shaped for x and the activation block: _run_jobs_q8
+# - the int8 scratch (xq, xd, xs1, xs16) shaped for x and the activation block: _run_jobs_q8
 # - a job's weight alive while the driver uses its address: the caller's Job holds the array for the call
 
 
@@ -311,8 +317,16 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
         return out
     # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
     _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
-    q8 = mode(settings) == "q8" and qtype in _Q8_BLOCK
-    if n_tok >= _blas_from(settings, q8):
+    ggml = mode(settings) == "q8"
+    q8 = ggml and qtype in _Q8_BLOCK
+    if ggml and qtype in _ROUNDED:  # F16 / BF16: ggml multiplies them with activations of their own type
+        x2 = _rounded(x2, qtype, "xround")
+    if n_tok >= _blas_from(settings, q8) and q8:  # BLAS on ggml's activation blocks as floats
+        xf, blocks = _q8_floats(x2, _Q8_BLOCK[qtype])
+        _blas(w, qtype, rb, n_rows, n_cols, xf, out2)
+        if qtype in _WITH_MIN:
+            _q8_1_sums(w, n_rows, rb, blocks, out2)
+    elif n_tok >= _blas_from(settings, q8):
         _blas(w, qtype, rb, n_rows, n_cols, x2, out2)
     elif q8:
         _run_jobs_q8(_Q8_BLOCK[qtype], [(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
@@ -350,7 +364,8 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         xc = _scratch("xcopy", x.size, np.float32).reshape(x.shape)
         xc[...] = x
         x = xc
-    batched: list[tuple[int, int, int, int, int, int, int]] = []
+    # float tiles, by the rounding their activations take (0: none; F16 / BF16 in q8 mode: their type)
+    batched: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}
     by_block: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}  # int8 path: activation block -> jobs
     work = 0
     q8 = mode(settings) == "q8"
@@ -368,12 +383,15 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
             continue
         job = (j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col)
-        (by_block.setdefault(_Q8_BLOCK[qtype], []) if int8 else batched).append(job)
+        if int8:
+            by_block.setdefault(_Q8_BLOCK[qtype], []).append(job)
+        else:
+            batched.setdefault(qtype if q8 and qtype in _ROUNDED else 0, []).append(job)
         work += j.w.size * j.n_tok
     if batched or by_block:
         _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
-    if batched:
-        _run_jobs(batched, n_cols, x, out)
+    for rounding, group in batched.items():
+        _run_jobs(group, n_cols, _rounded(x, rounding, "xround") if rounding else x, out)
     for block, group in by_block.items():
         _run_jobs_q8(block, group, n_cols, x, out)
     return out
@@ -398,11 +416,61 @@ def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]
     """The int8 driver on checked jobs whose types all take activation blocks of `block` elements:
     x is rounded once for all of them, in the same launch."""
     ws, qts, rbs, nrs, t0s, nts, cols = _job_columns(jobs)
-    xq, xd, xs32, xs16 = _act_buffers(x.shape[0], n_cols, block)
+    xq, xd, xs1, xs16 = _act_buffers(x.shape[0], n_cols, block)
     # quantize_activations and the int8 kernels index these without bounds checks
     assert n_cols % block == 0 and n_cols % 32 == 0 and xq.shape == x.shape, (block, n_cols, xq.shape, x.shape)
-    assert xd.shape[1] * block == xs32.shape[1] * 32 == xs16.shape[1] * 16 == n_cols
-    _launch(_drv.matmul_jobs_q8, ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs32, xs16, t0s, nts, out, cols)
+    assert xd.shape[1] * block == xs1.shape[1] * 32 == xs16.shape[1] * 16 == n_cols
+    _launch(_drv.matmul_jobs_q8, ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs1, xs16, t0s, nts, out, cols)
+
+
+# q8 mode: the float types whose activations ggml rounds to their own type first (vec_dot_type F16 / BF16)
+_ROUNDED = {F16: _act.as_half, int(QT.BF16): _act.as_bf16}
+
+
+def _rounded(x: np.ndarray, qtype: int, name: str) -> np.ndarray:
+    """x rounded as ggml rounds the activations of a `qtype` (F16 or BF16) weight, in per-thread scratch."""
+    return _ROUNDED[qtype](x, _scratch(name, x.size, np.float32).reshape(x.shape))
+
+
+def _q8_floats(x: np.ndarray, block: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """x as the int8 kernels see it, for BLAS: (d * q f32 [T, K], the blocks (xq, xd, xs1, xs16)) of
+    ggml's activation blocks of `block` elements, in per-thread scratch."""
+    blocks = _act_buffers(x.shape[0], x.shape[1], block)
+    _act.quantize_activations(x, block, *blocks)
+    return _act.dequantised(blocks[0], blocks[1], _scratch("xq8f", x.size, np.float32).reshape(x.shape)), blocks
+
+
+# Q4_1 / Q5_1: ggml adds m * s per block, with Q8_1's s = half(d * sum q) rounded apart from d
+_WITH_MIN = frozenset((int(QT.Q4_1), int(QT.Q5_1)))
+
+
+def _q8_1_sums(w: np.ndarray, n_rows: int, rb: int, blocks: tuple[np.ndarray, ...], out2: np.ndarray) -> None:
+    """After a BLAS product with d * q (which counts each block's min as m * d * sum(q)): add
+    m * (s - d * sum(q)), so the result is what ggml's Q4_1 / Q5_1 dot product computes. blocks:
+    the activation blocks (xq, xd, xs1, xs16) the product's floats were made from."""
+    xq, xd, xs1, _ = blocks
+    T, K = xq.shape
+    nb = K // 32
+    gap = xs1 - xd * xq.reshape(T, nb, 32).sum(axis=2, dtype=np.int32)  # [T, nb]
+    mins = w.reshape(n_rows, nb, rb // nb)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, nb]
+    out2 += gap @ mins.T
+
+
+def ggml_activations(x: np.ndarray, qtype: int, settings: KernelSettings = DEFAULT) -> np.ndarray:
+    """x f32 [T, K] as a product with a `qtype` weight sees it in this mode (a new array): in q8 mode
+    ggml's activation blocks of that type as floats (d * q) or x rounded to half / bfloat16 for F16 /
+    BF16; x itself for F32 and in f32 mode. For a computation that multiplies in float what llama.cpp
+    multiplies as a quantised product (MLA's latents through the absorbed key projection)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    qtype = int(qtype)
+    if mode(settings) != "q8" or x.size == 0:
+        return x.copy()
+    if qtype in _ROUNDED:
+        return _ROUNDED[qtype](x, np.empty_like(x))
+    if qtype in _Q8_BLOCK and x.shape[-1] % _Q8_BLOCK[qtype] == 0:
+        x2 = x.reshape(-1, x.shape[-1])
+        return _q8_floats(x2, _Q8_BLOCK[qtype])[0].copy().reshape(x.shape)
+    return x.copy()
 
 
 def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:

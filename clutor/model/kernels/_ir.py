@@ -259,9 +259,9 @@ class IEnv:
     """What an int8 block function needs: pointers and the element index of its first element."""
     wptr: ir.Value   # i8* weights
     xq: ir.Value   # i8* int8 activations
-    xd: ir.Value   # f32* activation scales, one per `Format.elems` elements
-    xs32: ir.Value  # i32* sums of xq per 32
-    xs16: ir.Value  # i16* sums of xq per 16
+    xd: ir.Value   # f32* activation scales, one per `Format.elems` elements (activations.py)
+    xs1: ir.Value  # f32* Q8_1's s per 32 elements: half(d * sum of xq) (32-element activations only)
+    xs16: ir.Value  # i16* Q8_K's bsums: sums of xq per 16 (256-element activations only)
     xe: ir.Value   # i64 element index (into xq) of the block's first element
 
 
@@ -272,11 +272,15 @@ class Format:
     fvals(bld, wptr, off) -> list of <32 x float>: the block at byte `off`, exactly as the reference
         dequantises it, 32 elements per vector.
     iprep(bld, wptr, off) -> state: the block unpacked once (quant vectors, scales) for int8 dots ...
-    itok(bld, state, env) -> ([(ivec <8 x i32>, wscale f32, xscale f32), ...], corr f32 | None): ...
-        with one token's activations: sum(hsum(ivec) * xscale * wscale) + corr. The horizontal sums
-        happen once per row, not per block; the weight's scale is the same for every token of the
-        call, so it is splat once per block (the activation's is a broadcast load). None when the
-        type has no int8 kernel.
+    itok(bld, state, env) -> ([(ivec <8 x i32>, scale f32 | <8 x float>[, "side"]), ...], corr f32 | None): ...
+        with one token's activations: sum(hsum(ivec * scale)) + corr, where scale is the product of
+        the weight's and the activation's scales computed as ggml's dot product computes it (its
+        rounding is part of the result) and ivec an exact integer sum. Each part is accumulated as
+        float(ivec) * scale + acc (one fused multiply-add per lane, as ggml's x86 code does), into a
+        second accumulator for parts marked "side" (ggml's separate sum of Q4_K's mins); corr sums per
+        block in block order (Q4_1/Q5_1's m * s). The horizontal sums happen once per row: that of the
+        main accumulator, plus that of the side one, plus corr.
+        None when the type has no int8 kernel.
     """
     name: str
     elems: int      # elements per block (32 or 256); int8 activations use one scale per block
@@ -399,23 +403,23 @@ IDOT_CHAINS = {1: 4, 2: 2}
 
 
 def idot_intrinsic(formats: dict[int, Format], ntok: int):
-    """-> intrinsic idot(qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride): the row of type qt at
+    """-> intrinsic idot(qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride): the row of type qt at
     byte base of w times `ntok` int8 activation rows (activations.py) starting at element xe,
     xstride elements apart; a float32 (ntok == 1) or a UniTuple of ntok float32. Each block is
     unpacked once for all the tokens. Only formats with an int8 path (``iprep``); x86 AVX2 only."""
     rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
 
     @intrinsic
-    def idot(typingctx, qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride):
-        sig = rtype(qt, w, base, n_cols, xq, xd, xs32, xs16, xe, xstride)
+    def idot(typingctx, qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride):
+        sig = rtype(qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride)
 
         def codegen(context, bld, signature, args):
-            qtype, w_arg, row_base, n_elems, xq_arg, xd_arg, xs32_arg, xs16_arg, x_elem0, x_stride = args
+            qtype, w_arg, row_base, n_elems, xq_arg, xd_arg, xs1_arg, xs16_arg, x_elem0, x_stride = args
             arg_types = signature.args
             wptr = data_ptr(context, bld, arg_types[1], w_arg)
             xq = data_ptr(context, bld, arg_types[4], xq_arg)
             xd = data_ptr(context, bld, arg_types[5], xd_arg, f32)
-            xs32 = data_ptr(context, bld, arg_types[6], xs32_arg, i32)
+            xs1 = data_ptr(context, bld, arg_types[6], xs1_arg, f32)
             xs16 = data_ptr(context, bld, arg_types[7], xs16_arg, i16)
             starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
             # [token][chain]: a few tokens leave the FMA latency exposed, so consecutive blocks
@@ -424,6 +428,7 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
             accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
                     for _ in range(ntok)]
             corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
+            sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
 
             # grouped formats: per token, the block's integer sum over its sub-blocks
             iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(ntok)]
@@ -438,29 +443,30 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
                     def group(g):
                         state = fmt.iprep(bld, wptr, off, g)
                         for x_block, iacc in zip(x_blocks, iaccs):
-                            env = IEnv(wptr, xq, xd, xs32, xs16, _group_elem(bld, fmt, x_block, g))
+                            env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
                             bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
 
                     _each_group(bld, fmt, group)
                     wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
                     for x_block, iacc, chains in zip(x_blocks, iaccs, accs):
-                        env = IEnv(wptr, xq, xd, xs32, xs16, x_block)
+                        env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
                         acc = chains[k % n_chains]
                         scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
                         bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
 
+                # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
+                # sums its blocks in order into one accumulator, as ggml does)
                 def body(blk, k):
                     off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                     state = fmt.iprep(bld, wptr, off)
-                    for x_start, chains, corr in zip(starts, accs, corrs):
-                        env = IEnv(wptr, xq, xd, xs32, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
+                    for x_start, chains, corr, side in zip(starts, accs, corrs, sides):
+                        env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
                         parts, block_corr = fmt.itok(bld, state, env)
                         acc = chains[k % n_chains]
-                        total = bld.load(acc)
-                        for ivec, wscale, xs in parts:
-                            scaled = bld.fmul(bld.sitofp(ivec, V8f), splat(bld, xs, V8f))
-                            total = fma(bld, scaled, splat(bld, wscale, V8f), total)
-                        bld.store(total, acc)
+                        for ivec, scale, *where in parts:
+                            to = side if where and where[0] == "side" else acc
+                            sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
+                            bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
                         if block_corr is not None:
                             bld.store(bld.fadd(bld.load(corr), block_corr), corr)
 
@@ -471,11 +477,12 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
 
             _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
             vals = []
-            for chains, corr in zip(accs, corrs):
+            for chains, corr, side in zip(accs, corrs, sides):
                 total = bld.load(chains[0])
                 for acc in chains[1:]:
                     total = bld.fadd(total, bld.load(acc))
-                vals.append(bld.fadd(hsum_f(bld, total), bld.load(corr)))
+                # (a side accumulator nobody used is zeros: adding it changes no bit)
+                vals.append(bld.fadd(bld.fadd(hsum_f(bld, total), hsum_f(bld, bld.load(side))), bld.load(corr)))
             return _result(context, bld, vals, rtype)
 
         return sig, codegen
@@ -602,9 +609,11 @@ def xscale(bld: ir.IRBuilder, env: IEnv, elems: int) -> ir.Value:
     return bld.load(bld.gep(env.xd, [xgroup(bld, env, elems)]))
 
 
-def xsum(bld: ir.IRBuilder, env: IEnv, group: int, k: int = 0) -> ir.Value:
-    """Sum of xq over the k-th `group` (16 or 32) elements from env.xe, as int32."""
-    idx = bld.add(xgroup(bld, env, group), c64(k))
-    if group == 32:
-        return bld.load(bld.gep(env.xs32, [idx]))
-    return bld.sext(bld.load(bld.gep(env.xs16, [idx])), i32)
+def xsum1(bld: ir.IRBuilder, env: IEnv) -> ir.Value:
+    """Q8_1's s of the 32-element activation block at env.xe: half(d * sum(xq)) as float."""
+    return bld.load(bld.gep(env.xs1, [xgroup(bld, env, 32)]))
+
+
+def xsum16(bld: ir.IRBuilder, env: IEnv, k: int = 0) -> ir.Value:
+    """Q8_K's bsum of the k-th 16 elements from env.xe, as int32."""
+    return bld.sext(bld.load(bld.gep(env.xs16, [bld.add(xgroup(bld, env, 16), c64(k))])), i32)

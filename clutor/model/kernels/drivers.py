@@ -120,7 +120,7 @@ if _ir.HAVE_INT8_SIMD:
         out[t + 3, col] = v[3]
 
     @njit(**_one)
-    def _idot_rows(w, qtype, row_bytes, r0, r1, n_cols, xq, xd, xs32, xs16, t0, n_tok, out, col0):
+    def _idot_rows(w, qtype, row_bytes, r0, r1, n_cols, xq, xd, xs1, xs16, t0, n_tok, out, col0):
         """out[t0 + t, col0 + r] = W[r] . xq[t0 + t] for r in r0..r1, t < n_tok (int8 activations,
         quantised by the caller); w is the weight's address.
 
@@ -133,32 +133,33 @@ if _ir.HAVE_INT8_SIMD:
         for r in range(r0, r1):
             t = t0
             while t + 4 <= end:
-                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols))
+                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs1, xs16, t * n_cols, n_cols))
                 t += 4
             if end - t == 3 and n_tok >= 4:
                 t = end - 4
-                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols))
+                _store4(out, t, col0 + r, _idot4(qtype, w, r * row_bytes, n_cols, xq, xd, xs1, xs16, t * n_cols, n_cols))
                 continue
             if t + 2 <= end:
-                v2 = _idot2(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                v2 = _idot2(qtype, w, r * row_bytes, n_cols, xq, xd, xs1, xs16, t * n_cols, n_cols)
                 out[t, col0 + r] = v2[0]
                 out[t + 1, col0 + r] = v2[1]
                 t += 2
             if t < end:
-                out[t, col0 + r] = _idot1(qtype, w, r * row_bytes, n_cols, xq, xd, xs32, xs16, t * n_cols, n_cols)
+                out[t, col0 + r] = _idot1(qtype, w, r * row_bytes, n_cols, xq, xd, xs1, xs16, t * n_cols, n_cols)
 
     @njit(**_par)
-    def matmul_jobs_q8(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, block, xq, xd, xs32, xs16, t0s, n_toks, out,
+    def matmul_jobs_q8(w_addrs, qtypes, row_bytes, n_rows, n_cols, x, block, xq, xd, xs1, xs16, t0s, n_toks, out,
                        col0s):
-        """matmul_jobs_f32's contract with x rounded to int8 blocks of `block` elements first
-        (activations.py; xq [T, K], xd [T, K/block], xs32 [T, K/32], xs16 [T, K/16] are caller-owned
-        scratch), in the same launch: every job's type must take activation blocks of that size."""
-        quantize_activations(x, block, xq, xd, xs32, xs16)
+        """matmul_jobs_f32's contract with x rounded to ggml's int8 activation blocks of `block`
+        elements first (activations.py: Q8_0/Q8_1 for 32, Q8_K for 256; xq [T, K], xd [T, K/block],
+        xs1 [T, K/32], xs16 [T, K/16] are caller-owned scratch), in the same launch: every job's type
+        must take activation blocks of that size."""
+        quantize_activations(x, block, xq, xd, xs1, xs16)
         n_jobs = w_addrs.shape[0]
         for task in prange(_n_tasks(n_rows)):
             j, first = _job_chunk(task, n_jobs)
             if first < n_rows[j]:
                 _idot_rows(w_addrs[j], qtypes[j], row_bytes[j], first, min(n_rows[j], first + ROWS_PER_TASK), n_cols,
-                           xq, xd, xs32, xs16, t0s[j], n_toks[j], out, col0s[j])
+                           xq, xd, xs1, xs16, t0s[j], n_toks[j], out, col0s[j])
 else:
     matmul_jobs_q8 = None

@@ -56,8 +56,8 @@ def _compile(op: str, qtype: int):
     else:
         idot = _ir.idot_intrinsic(formats, int(op[4:]))
 
-        def kernel_idot(qt, w, row_base, n_cols, xq, xd, xs32, xs16, x_elem0, x_stride):
-            return idot(qt, w, row_base, n_cols, xq, xd, xs32, xs16, x_elem0, x_stride)
+        def kernel_idot(qt, w, row_base, n_cols, xq, xd, xs1, xs16, x_elem0, x_stride):
+            return idot(qt, w, row_base, n_cols, xq, xd, xs1, xs16, x_elem0, x_stride)
 
         fn, sig = kernel_idot, (_I, _ADDR, _I, _I, _arr(types.int8, 2), _arr(types.float32, 2),
                                 _arr(types.int32, 2), _arr(types.int16, 2), _I, _I)

@@ -7,9 +7,11 @@ qh, qs, value d*q+m (24); IQ4_NL d, qs, value d*IQ4NL_VALUES[q] (18); MXFP4 e:u8
 qs[16] (nibbles as Q4_0), value 2^(e-128) * MXFP4_VALUES[q] (17: the E2M1 levels doubled, the scale halved,
 as ggml stores them).
 
-The int8 path rounds activations per 32 elements (like llama.cpp's Q8_0 / Q8_1 activations): the
-block dot is d*dx*dot(q, xq), plus -bias*d*dx*sum(xq) for the offset types and m*dx*sum(xq) for
-the types with a min.
+The int8 path multiplies with ggml's 32-element activation blocks (activations.py: Q8_0, and Q8_1 for
+the types with a min) the way ggml's x86 dot products do: per block, float(integer dot) times
+(d * dx), the integer dot taken over the signed values (q - 8 for Q4_0, q - 16 for Q5_0, the table
+values for IQ4_NL / MXFP4); Q4_1 / Q5_1 dot their unsigned q and add m * s (Q8_1's s = half(dx *
+sum(xq))), summed block by block.
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ def _legacy(name: str, quants, bias: int = 0, has_min: bool = False, signed: boo
         d = scale(bld, _ir.at(bld, wptr, off))
         m = _ir.half(bld, _ir.at(bld, wptr, off, 2)) if has_min else None
         q = quants(bld, wptr, off)
-        if signed:  # move the weight's sign onto x later: |w| is what the instruction multiplies
+        if bias:  # the signed values, as ggml's dot products take them: q - 8 in -8..7, q - 16 in -16..15
+            q = bld.sub(q, _ir.vconst(_ir.V32i8, bias))
+        if signed or bias:  # move the weight's sign onto x later: |w| is what the instruction multiplies
             aw = bld.call(_ir.declare(bld, "llvm.abs.v32i8", _ir.V32i8, [_ir.V32i8, _ir.i1]), [q, ir.Constant(_ir.i1, 0)])
             neg = bld.icmp_signed("<", q, ir.Constant(_ir.V32i8, None))
             return d, m, aw, neg
@@ -69,14 +73,10 @@ def _legacy(name: str, quants, bias: int = 0, has_min: bool = False, signed: boo
         xv = _ir.load(bld, bld.gep(env.xq, [env.xe]), _ir.V32i8)
         if neg is not None:
             xv = bld.select(neg, bld.neg(xv), xv)
-        dx = _ir.xscale(bld, env, 32)
         ivec = _ir.dot_u8s8(bld, q, xv)
-        corr = None
-        if has_min:
-            corr = bld.fmul(bld.fmul(m, dx), bld.sitofp(_ir.xsum(bld, env, 32), _ir.f32))
-        elif bias:
-            corr = bld.fmul(bld.fmul(bld.fmul(d, dx), ir.Constant(_ir.f32, float(-bias))), bld.sitofp(_ir.xsum(bld, env, 32), _ir.f32))
-        return [(ivec, d, dx)], corr
+        scale = bld.fmul(d, _ir.xscale(bld, env, 32))  # ggml: d(weight) * d(activation), then * the dot
+        corr = bld.fmul(m, _ir.xsum1(bld, env)) if has_min else None
+        return [(ivec, scale)], corr
 
     geometry = TYPES[QT[name]]  # 32 elements, bytes from gguf-py's GGML_QUANT_SIZES
     return Format(name, geometry.block, geometry.block_bytes, 8, fvals, iprep, itok)
