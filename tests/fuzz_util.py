@@ -202,13 +202,13 @@ def vm_hwm() -> int:
 async def exercise(path: str, deep: bool) -> str:
     """What a user does with a file: info-level parsing, the tokenizer, and (deep) open + a forward."""
     import clutor
-    from clutor.model.arch import read_config
+    from clutor.model.arch import read_arch
     from clutor.model.chat import render_chat
     from clutor.model.gguf import GGUFFile
+    from clutor.model.weights import expert_layout
 
     with GGUFFile.open(path) as f:
-        cfg = read_config(f)
-        f.expert_layout(cfg.n_layers, cfg.n_expert)
+        expert_layout(f, read_arch(f))
     tok = clutor.Tokenizer.from_gguf(path)
     ids = tok.encode("Hello, world! <|im_end|> ünïcode", special=True)
     tok.decode(ids)

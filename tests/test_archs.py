@@ -9,8 +9,9 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import _squeezed, expert_layout
 from clutor.model.options import slot_bytes
-from conftest import ACTIVATIONS, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
+from conftest import ACTIVATIONS, FIXTURES, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
@@ -33,7 +34,7 @@ def test_prefill_equals_incremental_decode(arch, activations):
 def _slot(path) -> tuple[int, int]:
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
 
 
 async def _streamed(path, prompt, **opts):
@@ -208,7 +209,7 @@ def test_gptoss_expert_biases_travel_with_the_expert():
     path = fixture_path("gptoss", "Q8_0")
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, read_arch(f))
         bias_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.bias"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
         weight_bytes = sum(f.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) // cfg.n_expert
     assert layout.n_parts == 6 and layout.expert_bytes(0) == weight_bytes + bias_bytes
@@ -253,3 +254,20 @@ def test_prefix_reuse_with_the_arch_kv_layout(arch):
     (tokens, cached), (want, cached_fresh) = run(go())
     assert cached >= 29 and cached_fresh == 0
     assert tokens == want
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.gguf")), ids=lambda p: p.stem)
+def test_each_file_holds_exactly_its_architectures_table(path):
+    """The architecture's tensor table is the one statement of its tensors: every tensor of a file
+    (llama.cpp's converter or quantiser wrote it) is in the table with its shape, every required
+    entry is in the file, and the expert layout names every routed-expert tensor of the file."""
+    with GGUFFile.open(path) as f:
+        arch = read_arch(f)
+        table = {t.name: t for t in arch.file_tensors()}
+        assert len(table) == len(arch.file_tensors())  # no name stated twice
+        assert sorted(set(f.tensors) - set(table)) == []
+        assert sorted(n for n, t in table.items() if t.required and n not in f.tensors) == []
+        # (the loader's rule: leading 1s squeezed, as llama.cpp's converter writes some vectors as [1, D])
+        assert [n for n in f.tensors if _squeezed(f.tensors[n].shape, len(table[n].shape)) != table[n].shape] == []
+        experts = {n for n, t in table.items() if t.kind == "expert" and n in f.tensors}
+        assert experts and experts == {n for n in f.tensors if "_exps." in n}

@@ -198,7 +198,8 @@ def test_expert_layout(tmp_path):
     written = write_gguf(path, tensors, {"olmoe.expert_count": ("uint32", n_exp)})
     raw = path.read_bytes()
     with GGUFFile.open(path) as g:
-        layout = g.expert_layout(n_layers, n_exp)
+        names = lambda n: [[(f"blk.{l}.ffn_{p}_exps.weight", p) for p in ("gate", "up", "down")] for l in range(n)]
+        layout = g.expert_slabs(names(n_layers), n_exp)
         assert layout.n_experts == n_exp and layout.n_layers == n_layers
         assert layout.files == (str(path),)
         for l in range(n_layers):
@@ -212,9 +213,9 @@ def test_expert_layout(tmp_path):
             # gate Q8_0 [ff, d], up F16 [ff, d], down Q8_0 [d, 4 ff]: 34 bytes per 32 Q8_0 values
             assert layout.expert_bytes(l) == ff * (d // 32) * 34 + ff * d * 2 + d * (4 * ff // 32) * 34
         with pytest.raises(ModelFileError, match="blk.0.ffn_gate_exps.weight"):
-            g.expert_layout(n_layers, n_exp + 1)
+            g.expert_slabs(names(n_layers), n_exp + 1)
         with pytest.raises(ModelFileError, match="blk.2.ffn_gate_exps.weight"):
-            g.expert_layout(n_layers + 1, n_exp)
+            g.expert_slabs(names(n_layers + 1), n_exp)
 
 
 # --------------------------------------------------------------------------------------------

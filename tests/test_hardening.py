@@ -21,7 +21,9 @@ from clutor.io.store import _geometry
 from clutor.io.arena import widen
 from clutor.io.trace import TraceHeader, TraceWriter, read_trace
 from clutor.model.chat import render_chat
+from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import expert_layout
 from clutor.model.layers import Rope
 from clutor.model.tokenizer import Tokenizer
 from conftest import fixture_path, run, run_on_loop, tiny_demo_spec
@@ -451,6 +453,6 @@ def test_expert_cache_note_quotes_the_request():
     from clutor.model.options import resolve_budget
 
     with GGUFFile.open(MODEL) as f:
-        layout = f.expert_layout(2, 8)
+        layout = expert_layout(f, read_arch(f))
     budget, why = resolve_budget("1MiB", layout, 2, 0)
     assert budget == 1 << 20 and why == "as asked: 1MiB = 1.00 MiB"

@@ -15,6 +15,7 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import expert_layout
 from clutor.model.options import slot_bytes
 from clutor.model.recurrent import RecurrentState
 from conftest import ACTIVATIONS, HYBRID_ARCHS, HYBRID_TYPES, STEP_TOL, fixture_path, golden, run
@@ -155,7 +156,7 @@ def test_concurrent_generations_produce_their_solo_tokens(arch):
 def _slot(path) -> tuple[int, int]:
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -336,7 +337,7 @@ def test_nemotron_layers_and_ungated_experts():
     path = fixture_path("nemotron_h_moe", "Q4_K_M")
     with GGUFFile.open(path) as f:
         cfg = read_arch(f).cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, read_arch(f))
         up_down = sum(f.tensors[f"blk.1.ffn_{p}_exps.weight"].nbytes for p in ("up", "down")) // cfg.n_expert
     assert cfg.moe_layers == (1, 3, 5) and cfg.kv_layers == (2,)
     assert not layout.gated and layout.n_parts == 2 and layout.expert_bytes(0) == up_down

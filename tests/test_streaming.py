@@ -22,8 +22,9 @@ import streaming_util as su
 from clutor.bench import memcap
 from clutor.io.simulate import simulate, slots_for_budget
 from clutor.io.trace import read_trace
-from clutor.model.arch import read_config
+from clutor.model.arch import read_arch, read_config
 from clutor.model.gguf import GGUFFile
+from clutor.model.weights import expert_layout
 from clutor.model.options import slot_bytes
 from synth import ModelSpec, plan_tensors, write_model
 from clutor.units import format_bytes
@@ -85,7 +86,7 @@ def _minimum(path) -> tuple[int, int]:
     """(the smallest expert_cache the model accepts, one slot's bytes), as Model.open computes them."""
     with GGUFFile.open(path) as f:
         cfg = read_config(f)
-        slot = slot_bytes(f.expert_layout(cfg.moe_layers, cfg.n_expert))
+        slot = slot_bytes(expert_layout(f, read_arch(f)))
     return cfg.n_expert_used * slot, slot
 
 

@@ -209,28 +209,6 @@ PRESETS: dict[str, ModelSpec] = {
 # Tensor plan
 
 
-def _mla_plans(spec: ModelSpec, b: str, w, norm, gain: float) -> list[TensorPlan]:
-    """deepseek2's multi-head latent attention: q through an optional low-rank bottleneck, one
-    compressed latent c_kv (kv_lora_rank) + one shared RoPE key (n_rot) per token, per-head
-    up-projections of the latent to keys (attn_k_b) and values (attn_v_b), or both in attn_kv_b."""
-    D, H, hk, hv = spec.n_embd, spec.n_head, spec.head_dim, spec.v_head_dim
-    rope, C, Lq = spec.n_rot, spec.kv_lora_rank, spec.q_lora_rank
-    nope = hk - rope
-    plans = [norm(b + "attn_norm.weight", D)]
-    if Lq:
-        plans += [w(b + "attn_q_a.weight", (Lq, D), 1 / np.sqrt(D)), norm(b + "attn_q_a_norm.weight", Lq),
-                  w(b + "attn_q_b.weight", (H * hk, Lq), 1 / np.sqrt(Lq))]
-    else:
-        plans.append(w(b + "attn_q.weight", (H * hk, D), 1 / np.sqrt(D)))
-    plans += [w(b + "attn_kv_a_mqa.weight", (C + rope, D), 1 / np.sqrt(D)), norm(b + "attn_kv_a_norm.weight", C)]
-    if spec.mla_split:
-        plans += [w(b + "attn_k_b.weight", (H, C, nope), 1 / np.sqrt(C)), w(b + "attn_v_b.weight", (H, hv, C), 1 / np.sqrt(C))]
-    else:
-        plans.append(w(b + "attn_kv_b.weight", (H * (nope + hv), C), 1 / np.sqrt(C)))
-    plans.append(w(b + "attn_output.weight", (D, H * hv), gain / np.sqrt(H * hv)))
-    return plans
-
-
 def _qtype(where: str, name: str, field: str) -> GGMLQuantizationType:
     try:
         qt = GGMLQuantizationType[name.upper()]
@@ -241,95 +219,74 @@ def _qtype(where: str, name: str, field: str) -> GGMLQuantizationType:
     return qt
 
 
+def spec_arch(spec: ModelSpec):
+    """The clutor Arch a file of this spec is read as: its tensor table is what gets written."""
+    from clutor.model.arch import read_arch
+    from clutor.model.arch.common import TableView
+
+    D, V, E, F = spec.n_embd, spec.vocab_size, spec.n_expert, spec.n_ff_exp
+    shapes = {"token_embd.weight": (V, D)}
+    if not spec.tied_output:
+        shapes["output.weight"] = (V, D)
+    first = f"blk.{spec.n_dense_lead}."
+    if spec.fused_gate_up:
+        shapes[first + "ffn_gate_up_exps.weight"] = (E, 2 * F, D)
+    if spec.probs_bias:
+        shapes[first + "exp_probs_b.bias"] = (E,)
+    return read_arch(TableView(spec.arch, {k: v for k, v, *_ in _arch_keys(spec)}, shapes, f"<synth preset {spec.name}>"))
+
+
+def _written(spec: ModelSpec, name: str) -> bool:
+    """Whether an optional tensor of the table is in this spec's files."""
+    if name.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias")):
+        return spec.qkv_bias or spec.arch == "qwen2moe"
+    if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+        return spec.qk_norm
+    if name.endswith("exp_probs_b.bias"):
+        return spec.probs_bias
+    return False
+
+
+# Residual-stream outputs (scaled by TIED_RESIDUAL_GAIN in tied models) and vectors with their own spread.
+_OUTPUTS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+_VECTOR_STD = {"attn_sinks.weight": 1.0, "ffn_gate_inp.bias": 0.5,
+               # sigmoid probabilities are in (0, 1): a bias of this size reorders close experts only
+               "exp_probs_b.bias": 0.05}
+
+
 def plan_tensors(spec: ModelSpec, qtype: str | None = None) -> list[TensorPlan]:
-    """Every tensor of ``spec`` with its llama.cpp name, numpy shape, type and initialisation."""
+    """Every tensor of ``spec`` (the architecture's own table, clutor.model.arch) with its type and
+    initialisation: matrices N(0, 1/fan_in) in the spec's type (experts in expert_qtype), norms 1 +
+    noise, biases N(0, 0.2), routers sharper; F32 for everything of one dimension and the routers."""
     where = f"<synth preset {spec.name}>"
     if spec.arch not in ARCHS:
         raise UnsupportedError(where, "arch", " | ".join(ARCHS), spec.arch)
     mat = _qtype(where, qtype or spec.qtype, "qtype")
     exp = mat if qtype is not None or spec.expert_qtype is None else _qtype(where, spec.expert_qtype, "expert_qtype")
     f32 = GGMLQuantizationType.F32
-    D, V, E, F = spec.n_embd, spec.vocab_size, spec.n_expert, spec.n_ff_exp
-    Q, KV = spec.n_q, spec.n_kv
-
-    def w(name: str, shape: tuple[int, ...], std: float, qt: GGMLQuantizationType = mat, quiet: bool = False) -> TensorPlan:
-        return TensorPlan(name, shape, qt, "normal", std, quiet)
-
-    def norm(name: str, size: int) -> TensorPlan:
-        return TensorPlan(name, (size,), f32, "norm")
-
+    D = spec.n_embd
     out_std = LOGIT_STD / np.sqrt(D)
     gain = TIED_RESIDUAL_GAIN if spec.tied_output else 1.0
-    # Tied: the embedding doubles as the output matrix, so it takes the output scale.
-    if spec.tied_output:
-        plans = [w("token_embd.weight", (V, D), out_std, quiet=True)]
-    else:
-        plans = [w("token_embd.weight", (V, D), 1.0)]
-    for i in range(spec.n_layer + spec.n_nextn):
-        b = f"blk.{i}."
-        if spec.arch == "deepseek2":
-            plans += _mla_plans(spec, b, w, norm, gain)
-        else:
-            plans += [
-                norm(b + "attn_norm.weight", D),
-                w(b + "attn_q.weight", (Q, D), 1 / np.sqrt(D)),
-                w(b + "attn_k.weight", (KV, D), 1 / np.sqrt(D)),
-                w(b + "attn_v.weight", (KV, D), 1 / np.sqrt(D)),
-                w(b + "attn_output.weight", (D, Q), gain / np.sqrt(Q)),
-            ]
-        if spec.arch == "qwen2moe" or spec.qkv_bias:
-            plans += [
-                TensorPlan(b + "attn_q.bias", (Q,), f32, "normal", 0.2),
-                TensorPlan(b + "attn_k.bias", (KV,), f32, "normal", 0.2),
-                TensorPlan(b + "attn_v.bias", (KV,), f32, "normal", 0.2),
-            ]
-        if spec.arch == "olmoe":  # QK-norm over the whole q / k vectors
-            plans += [norm(b + "attn_q_norm.weight", Q), norm(b + "attn_k_norm.weight", KV)]
-        if spec.arch == "qwen3moe" or spec.qk_norm:  # QK-norm per head
-            plans += [norm(b + "attn_q_norm.weight", spec.head_dim), norm(b + "attn_k_norm.weight", spec.head_dim)]
-        if spec.arch == "gpt-oss":
-            plans += [TensorPlan(b + "attn_output.bias", (D,), f32, "normal", 0.2),
-                      TensorPlan(b + "attn_sinks.weight", (spec.n_head,), f32, "normal", 1.0)]
-        post = spec.arch in ("glm4moe", "gpt-oss")
-        plans.append(norm(b + ("post_attention_norm.weight" if post else "ffn_norm.weight"), D))
-        if i < spec.n_dense_lead:
-            Fd = spec.n_ff
-            plans += [w(b + "ffn_gate.weight", (Fd, D), 1 / np.sqrt(D)), w(b + "ffn_up.weight", (Fd, D), 1 / np.sqrt(D)),
-                      w(b + "ffn_down.weight", (D, Fd), gain / np.sqrt(Fd))]
-            continue
-        plans.append(w(b + "ffn_gate_inp.weight", (E, D), ROUTER_STD / np.sqrt(D), f32))
-        if spec.fused_gate_up:
-            plans.append(w(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), 1 / np.sqrt(D), exp))
-        else:
-            plans += [w(b + "ffn_gate_exps.weight", (E, F, D), 1 / np.sqrt(D), exp),
-                      w(b + "ffn_up_exps.weight", (E, F, D), 1 / np.sqrt(D), exp)]
-        plans.append(w(b + "ffn_down_exps.weight", (E, D, F), gain / np.sqrt(F), exp))
-        if spec.arch == "gpt-oss":
-            plans += [TensorPlan(b + "ffn_gate_inp.bias", (E,), f32, "normal", 0.5),
-                      TensorPlan(b + "ffn_gate_exps.bias", (E, F), f32, "normal", 0.2),
-                      TensorPlan(b + "ffn_up_exps.bias", (E, F), f32, "normal", 0.2),
-                      TensorPlan(b + "ffn_down_exps.bias", (E, D), f32, "normal", 0.2)]
-        if spec.probs_bias:
-            # sigmoid probabilities are in (0, 1): a bias of this size reorders close experts only
-            plans.append(TensorPlan(b + "exp_probs_b.bias", (E,), f32, "normal", 0.05))
-        if spec.arch == "qwen2moe":
-            S = spec.n_ff_shexp
-            plans += [
-                TensorPlan(b + "ffn_gate_inp_shexp.weight", (D,), f32, "normal", 1 / np.sqrt(D)),
-                w(b + "ffn_gate_shexp.weight", (S, D), 1 / np.sqrt(D)),
-                w(b + "ffn_up_shexp.weight", (S, D), 1 / np.sqrt(D)),
-                w(b + "ffn_down_shexp.weight", (D, S), gain / np.sqrt(S)),
-            ]
-        if spec.n_expert_shared:
-            S = spec.n_ff_exp * spec.n_expert_shared
-            plans += [w(b + "ffn_gate_shexp.weight", (S, D), 1 / np.sqrt(D)), w(b + "ffn_up_shexp.weight", (S, D), 1 / np.sqrt(D)),
-                      w(b + "ffn_down_shexp.weight", (D, S), gain / np.sqrt(S))]
-        if i >= spec.n_layer:  # an MTP (nextn) layer: its own projection and norms
-            plans += [w(b + "nextn.eh_proj.weight", (D, 2 * D), 1 / np.sqrt(2 * D)), norm(b + "nextn.enorm.weight", D),
-                      norm(b + "nextn.hnorm.weight", D), norm(b + "nextn.shared_head_norm.weight", D)]
-    plans.append(norm("output_norm.weight", D))
-    if not spec.tied_output:
-        plans.append(w("output.weight", (V, D), out_std, quiet=True))
+
+    def plan(t) -> TensorPlan:
+        name, shape = t.name, t.shape
+        if name == "token_embd.weight":  # tied: the embedding doubles as the output matrix, at its scale
+            return TensorPlan(name, shape, mat, "normal", out_std if spec.tied_output else 1.0, spec.tied_output)
+        if name == "output.weight":
+            return TensorPlan(name, shape, mat, "normal", out_std, True)
+        if name.endswith("norm.weight"):
+            return TensorPlan(name, shape, f32, "norm")
+        if name.endswith("ffn_gate_inp.weight"):
+            return TensorPlan(name, shape, f32, "normal", ROUTER_STD / np.sqrt(D))
+        if len(shape) == 1 or name.endswith(".bias"):
+            suffix = name.split(".", 2)[-1]
+            std = _VECTOR_STD.get(suffix, 1 / np.sqrt(D) if suffix == "ffn_gate_inp_shexp.weight" else 0.2)
+            return TensorPlan(name, shape, f32, "normal", std)
+        fan_in = shape[1] if name.endswith("attn_k_b.weight") else shape[-1]  # [H, C, nope]: each head reads C
+        std = (gain if name.endswith(_OUTPUTS) else 1.0) / np.sqrt(fan_in)
+        return TensorPlan(name, shape, exp if t.kind == "expert" else mat, "normal", std)
+
+    plans = [plan(t) for t in spec_arch(spec).file_tensors() if t.required or _written(spec, t.name)]
     for i, p in enumerate(plans):
         block = GGML_QUANT_SIZES[p.qtype][0]
         if p.shape[-1] % block and spec.k_fallback and block == 256:
@@ -459,14 +416,23 @@ def model_fingerprint(spec: ModelSpec, seed: int, qtype: str | None = None) -> s
 
 
 def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorPlan]) -> list[KV]:
-    U32, F32, STR, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING, GGUFValueType.BOOL
-    a = spec.arch
+    U32, STR = GGUFValueType.UINT32, GGUFValueType.STRING
     fp = model_fingerprint(spec, seed, qtype)
     kvs = [
         kv("general.name", STR, f"clutor-synth {spec.name} seed {seed} ({fp[:12]})"),
         kv("general.file_type", U32, file_type(plans)),
         kv("general.quantization_version", U32, 2),
         kv("clutor.synth.fingerprint", STR, fp),
+    ] + _arch_keys(spec)
+    pre = "olmo" if spec.arch == "olmoe" else "qwen2"
+    return kvs + tokenizer_metadata(spec.vocab_size, pre, OLMOE_TEMPLATE if spec.arch == "olmoe" else CHATML_TEMPLATE)
+
+
+def _arch_keys(spec: ModelSpec) -> list[KV]:
+    """The architecture's keys (``{arch}.*``), as llama.cpp's converter writes them for this spec."""
+    U32, F32, STR, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING, GGUFValueType.BOOL
+    a = spec.arch
+    kvs = [
         kv(f"{a}.context_length", U32, spec.n_ctx),
         kv(f"{a}.embedding_length", U32, spec.n_embd),
         kv(f"{a}.block_count", U32, spec.n_layer + spec.n_nextn),
@@ -518,9 +484,6 @@ def _metadata(spec: ModelSpec, seed: int, qtype: str | None, plans: list[TensorP
             kv(f"{a}.feed_forward_length", U32, spec.n_ff_shexp),
             kv(f"{a}.expert_shared_feed_forward_length", U32, spec.n_ff_shexp),
         ]
-
-    pre = "olmo" if a == "olmoe" else "qwen2"
-    kvs += tokenizer_metadata(spec.vocab_size, pre, OLMOE_TEMPLATE if a == "olmoe" else CHATML_TEMPLATE)
     return kvs
 
 

@@ -93,14 +93,16 @@ def cache_bytes_for(path: str, describe: dict, budget: Budget) -> int:
     Asks the model's own budget resolver when there is one (it sizes by O_DIRECT-aligned slots), so a
     cap computed from this figure matches what the worker really allocates."""
     try:
+        from ..model.arch import read_arch
         from ..model.gguf import GGUFFile
         from ..model.options import resolve_budget
+        from ..model.weights import expert_layout
     except ImportError:
         resolve_budget = None
     if resolve_budget is not None:
         cfg = describe["config"]
         with GGUFFile.open(path) as f:
-            layout = f.expert_layout(cfg["moe_layers"], cfg["n_expert"])
+            layout = expert_layout(f, read_arch(f))
         nbytes, _why = resolve_budget(budget.worker_value, layout, cfg["n_expert_used"], describe["dense_bytes"])
         return int(nbytes)
     if budget.fraction is not None:

@@ -142,13 +142,13 @@ def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int
     from ..io.trace import read_trace
     from ..model.gguf import GGUFFile
     from ..model.arch import read_arch
+    from ..model.weights import expert_layout
     from .bounds import expert_read_bytes, replay_window
 
     if not n_slots:
         return None
     with GGUFFile.open(path) as f:
-        cfg = read_arch(f).cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, read_arch(f))
     trace = read_trace(trace_path)
     return replay_window(trace, n_slots, expert_read_bytes(layout), first_position, policy).to_json()
 

@@ -23,12 +23,12 @@ def describe(path: str) -> dict:
     from ..model.options import min_budget
     from ..model import kernels  # whether a kernel runs is decided on this machine (F16 needs F16C)
     from ..model.weight_types import type_name
-    from ..model.weights import resident_bytes
+    from ..model.weights import expert_layout, resident_bytes
 
     with GGUFFile.open(path) as f:
         arch = read_arch(f)
         cfg = arch.cfg
-        layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+        layout = expert_layout(f, arch)
         types = Counter()
         type_bytes = Counter()
         kernel: dict[str, bool] = {}  # False: dequantised on every product (slow)

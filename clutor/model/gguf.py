@@ -561,45 +561,38 @@ class GGUFFile:
             done += n
         return out
 
-    def expert_layout(self, layers_: int | Sequence[int], n_experts: int) -> ExpertLayout:
-        """Where each routed expert's gate/up/down slabs lie (blk.L.ffn_{gate,up,down}_exps.weight),
-        for the layers 0..n-1 or the listed ones (the MoE layers of a model with leading dense
-        layers); the layout's layer i is the i-th of them. Where the file has per-expert biases
-        (blk.L.ffn_{gate,up,down}_exps.bias, gpt-oss) each expert has three more slabs, its biases; where
-        it has no gate (ffn_up_exps and ffn_down_exps only: Nemotron-H), two, up and down."""
-        layers = []
-        ls = list(range(layers_) if isinstance(layers_, int) else layers_)
-        biased = bool(ls) and f"blk.{ls[0]}.ffn_gate_exps.bias" in self.tensors
-        gated = not ls or any(f"blk.{ls[0]}.{t}.weight" in self.tensors for t in ("ffn_gate_exps", "ffn_gate_up_exps"))
-        kinds = ("weight",) + (("bias",) if biased else ())
-        names = ("gate", "up", "down") if gated else ("up", "down")
-        for l in ls:
-            parts = []
-            for kind, part in ((k, p) for k in kinds for p in names):
-                fused = f"blk.{l}.ffn_gate_up_exps.weight"
-                if kind == "weight" and part in ("gate", "up") and fused in self.tensors:
-                    # one tensor [E, 2F, D]: each expert's gate rows, then its up rows
-                    t = self.tensor(fused)
+    def expert_slabs(self, layers: Sequence[Sequence[tuple[str, str]]], n_experts: int) -> ExpertLayout:
+        """Where each routed expert's slabs lie, from the tensors that hold them: per layer, (tensor
+        name, part) pairs in the order clutor.io.layout.PARTS gives them (gate, up, down, then the
+        biases; no gate: up, down). A part "gate+up" is one tensor [E, 2F, D] holding each expert's
+        gate rows then its up rows: two slabs. Which tensors those are is the architecture's table
+        (clutor.model.weights.expert_layout); this checks that each splits into n_experts slabs."""
+        out = []
+        gated = True
+        for parts in layers:
+            slabs = []
+            for name, part in parts:
+                t = self.tensor(name)
+                if part == "gate+up":
                     if len(t.shape) != 3 or t.shape[0] != n_experts or t.nbytes % (2 * n_experts):
-                        raise ModelFileError(t.path, f"tensor {fused} shape", f"({n_experts}, 2 x rows, cols)",
+                        raise ModelFileError(t.path, f"tensor {name} shape", f"({n_experts}, 2 x rows, cols)",
                                              str(t.shape))
                     half = t.nbytes // n_experts // 2
-                    parts.append(ExpertTensor(t.path, t.offset + (half if part == "up" else 0), half, 2 * half))
+                    slabs += [ExpertTensor(t.path, t.offset, half, 2 * half),
+                              ExpertTensor(t.path, t.offset + half, half, 2 * half)]
                     continue
-                name = f"blk.{l}.ffn_{part}_exps.{kind}"
-                t = self.tensor(name)
-                if kind == "bias" and (len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0):
-                    raise ModelFileError(t.path, f"tensor {name}", f"F32 of shape ({n_experts}, rows)",
-                                         f"{type_name(t.qtype)} {tuple(t.shape)}")
-                if kind == "weight" and (len(t.shape) != 3 or t.shape[0] != n_experts):
+                if part.endswith("bias"):
+                    if len(t.shape) != 2 or t.shape[0] != n_experts or t.qtype != 0:
+                        raise ModelFileError(t.path, f"tensor {name}", f"F32 of shape ({n_experts}, rows)",
+                                             f"{type_name(t.qtype)} {tuple(t.shape)}")
+                elif len(t.shape) != 3 or t.shape[0] != n_experts:
                     raise ModelFileError(t.path, f"tensor {name} shape", f"({n_experts}, rows, cols)", str(t.shape))
                 if t.nbytes % n_experts:
-                    raise ModelFileError(
-                        t.path, f"tensor {name} size", f"a multiple of {n_experts} experts", t.nbytes
-                    )
-                parts.append(ExpertTensor(t.path, t.offset, t.nbytes // n_experts))
-            layers.append(tuple(parts))
-        return ExpertLayout(n_experts, tuple(layers), gated)
+                    raise ModelFileError(t.path, f"tensor {name} size", f"a multiple of {n_experts} experts", t.nbytes)
+                slabs.append(ExpertTensor(t.path, t.offset, t.nbytes // n_experts))
+            gated = any(p in ("gate", "gate+up") for _, p in parts)
+            out.append(tuple(slabs))
+        return ExpertLayout(n_experts, tuple(out), gated)
 
     # -- lifetime --------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from .options import ModelOptions, resolve_budget
 from .profile import NO_PROFILE, Profile
 from .source import ExpertSource, InMemoryExperts
 from .tokenizer import Tokenizer
-from .weights import DenseWeights, load_dense, resident_bytes
+from .weights import DenseWeights, expert_layout, load_dense, resident_bytes
 
 if TYPE_CHECKING:
     from .generate import GenerationChunk
@@ -199,7 +199,7 @@ class Model:
                 tok = Tokenizer.from_metadata(f.metadata, path)
                 if tok.n_vocab != cfg.n_vocab:
                     raise ModelFileError(path, "tokenizer.ggml.tokens", f"{cfg.n_vocab} tokens (rows of token_embd)", tok.n_vocab)
-                layout = f.expert_layout(cfg.moe_layers, cfg.n_expert)
+                layout = expert_layout(f, arch)
                 if opts.trace:
                     check_output(opts.trace, f.paths)  # refused before the dense read, not after
                 ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)

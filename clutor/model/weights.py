@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ModelFileError
 from .quants import SUPPORTED, Weight, dequantize, type_name
 
-__all__ = ["LayerWeights", "ExpertTypes", "DenseWeights", "load_dense"]
+__all__ = ["LayerWeights", "ExpertTypes", "DenseWeights", "load_dense", "expert_layout", "resident_bytes"]
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,27 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
 
 def _expert_types(f, table: dict) -> ExpertTypes | None:
     """The routed expert matrices' types in this layer (gate and up share one when fused), or None."""
-    types = [f.tensors[t.name].qtype for t in table.values() if not t.resident and t.name.endswith("_exps.weight")]
-    if not types:
+    qtype = {t.part: f.tensors[t.name].qtype for t in table.values() if t.kind == "expert"}
+    if not qtype:
         return None
-    return ExpertTypes(types[0], types[0], types[1]) if len(types) == 2 else ExpertTypes(*types)
+    if "gate+up" in qtype:
+        qtype["gate"] = qtype["up"] = qtype["gate+up"]
+    return ExpertTypes(qtype.get("gate", qtype["up"]), qtype["up"], qtype["down"])
+
+
+_SLAB_ORDER = ("gate", "gate+up", "up", "down", "gate bias", "up bias", "down bias")  # clutor.io.layout.PARTS
+
+
+def expert_layout(f, arch):
+    """Where each routed expert's slabs lie in the file (clutor.io.layout.ExpertLayout), for the
+    architecture's MoE layers in order: built from the expert entries of its tensor table."""
+    cfg = arch.cfg
+    layers = []
+    for l in cfg.moe_layers:
+        parts = [t for t in arch.layer_tensors(l).values() if t.kind == "expert"]
+        parts.sort(key=lambda t: _SLAB_ORDER.index(t.part))
+        layers.append([(t.name, t.part) for t in parts])
+    return f.expert_slabs(layers, cfg.n_expert)
 
 
 def resident_bytes(f, arch) -> int:

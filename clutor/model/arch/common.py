@@ -28,7 +28,7 @@ from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MA
 from ..layers import KVCache, Rope, attention, gate, rmsnorm, silu
 from ..quants import apply_all
 
-__all__ = ["Arch", "T", "read_int", "read_float", "read_common"]
+__all__ = ["Arch", "T", "TableView", "read_int", "read_float", "read_common"]
 
 
 # ---- metadata -----------------------------------------------------------------------------------
@@ -125,20 +125,56 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
 # ---- tensors ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class T:
-    """One tensor an architecture reads. kind: "weight" (a matrix kept in its file type), "heads" (a
-    matrix per head [H, R, K] kept in its file type, as one Weight of H * R rows), "vector"
-    (float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store)."""
+    """One tensor of an architecture's files. kind: "weight" (a matrix kept in its file type), "heads"
+    (a matrix per head [H, R, K] kept in its file type, as one Weight of H * R rows), "vector" (read as
+    float32), "expert" (a routed-expert tensor: checked here, streamed by the expert store; ``part``
+    says which slab of each expert it holds: "gate", "up", "down", "gate+up" (both, fused), "gate
+    bias", "up bias", "down bias").
+
+    The table of these (``Arch.file_tensors``) is the one statement of an architecture's tensors:
+    the loader reads it, the expert layout is built from its expert entries, the fixture writers
+    (tools/synth.py, tools/make_bench_model.py) write it."""
 
     name: str
     shape: tuple[int, ...]  # numpy order
     kind: str = "weight"
     required: bool = True
+    part: str = ""
 
     @property
     def resident(self) -> bool:
         """Read into memory at open: every tensor but the routed experts, which the expert store streams.
         The one place that decides what is dense."""
         return self.kind != "expert"
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+class TableView:
+    """A file that is not written yet, as an architecture reads it: its metadata, and the numpy
+    shapes of the tensors whose presence the architecture decides by (``token_embd``, an untied
+    ``output``, fused experts, a selection bias). A writer builds the Arch from this (``read_arch``)
+    and writes the Arch's ``file_tensors()``: the names, shapes and expert parts are never restated."""
+
+    def __init__(self, arch: str, metadata: dict, shapes: dict[str, tuple[int, ...]], path: str = "<writer>"):
+        self.arch, self.path = arch, path
+        self.metadata = {"general.architecture": arch, **metadata}
+        self.tensors = {name: _Shape(shape) for name, shape in shapes.items()}
+
+    def get(self, key: str, default=_MISSING):
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is _MISSING:
+            raise ModelFileError(self.path, key, "present", "absent")
+        return default
+
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ModelFileError(self.path, f"tensor {name}", "present", "absent")
+        return self.tensors[name]
 
 
 class Arch:
@@ -197,11 +233,11 @@ class Arch:
         if l in cfg.moe_layers:
             want["router"] = T(b + "ffn_gate_inp.weight", (E, D), "vector")
             if self.fused_gate_up:  # gate and up of each expert in one tensor (llama.cpp's ffn_gate_up_exps)
-                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert")
+                want["gate_up_exps"] = T(b + "ffn_gate_up_exps.weight", (E, 2 * F, D), "expert", part="gate+up")
             else:
-                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert"),
-                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert")}
-            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert")
+                want |= {"gate_exps": T(b + "ffn_gate_exps.weight", (E, F, D), "expert", part="gate"),
+                         "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert", part="up")}
+            want["down_exps"] = T(b + "ffn_down_exps.weight", (E, D, F), "expert", part="down")
             if cfg.n_ff_shexp:
                 S = cfg.n_ff_shexp
                 want |= {"sh_gate": T(b + "ffn_gate_shexp.weight", (S, D)), "sh_up": T(b + "ffn_up_shexp.weight", (S, D)),
@@ -211,6 +247,20 @@ class Arch:
             want |= {"ffn_gate": T(b + "ffn_gate.weight", (Fd, D)), "ffn_up": T(b + "ffn_up.weight", (Fd, D)),
                      "ffn_down": T(b + "ffn_down.weight", (D, Fd))}
         return want
+
+    def unread_tensors(self) -> list[T]:
+        """Tensors a file of this architecture carries that the forward pass does not read (MTP layers)."""
+        return []
+
+    def file_tensors(self) -> list[T]:
+        """Every tensor a file of this architecture holds (optional ones marked so), in the order
+        llama.cpp's converter writes them: the embedding, each layer's, the unread (MTP) layers,
+        then the output norm and matrix."""
+        glob = self.global_tensors()
+        out = [t for t in glob.values() if t.name == "token_embd.weight"]
+        for l in range(self.cfg.n_layers):
+            out += self.layer_tensors(l).values()
+        return out + self.unread_tensors() + [t for t in glob.values() if t.name != "token_embd.weight"]
 
     def prepare(self, lw) -> None:
         """Rearrange a layer's freshly loaded tensors (deepseek2 splits its older attn_kv_b)."""
@@ -300,6 +350,22 @@ class Arch:
             "layer_kinds": [self.layer_kind(l) for l in range(cfg.n_layers)],
             "recurrent_bytes": cfg.recurrent_bytes,
         }
+
+
+def mtp_layer_tensors(arch: Arch, l: int) -> list[T]:
+    """An MTP (nextn) layer l as llama.cpp's converter writes it for glm4moe and deepseek2: a MoE
+    layer's tensors plus its own projection and norms (not read: the forward pass skips it)."""
+    from dataclasses import replace
+
+    saved = arch.cfg
+    arch.cfg = replace(saved, moe_layers=saved.moe_layers + (l,))
+    try:
+        out = list(arch.layer_tensors(l).values())
+    finally:
+        arch.cfg = saved
+    b, D = f"blk.{l}.", saved.n_embd
+    return out + [T(b + "nextn.eh_proj.weight", (D, 2 * D)), T(b + "nextn.enorm.weight", (D,), "vector"),
+                  T(b + "nextn.hnorm.weight", (D,), "vector"), T(b + "nextn.shared_head_norm.weight", (D,), "vector")]
 
 
 def refuse_tensor(f, name: str, why: str) -> None:

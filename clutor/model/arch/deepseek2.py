@@ -27,7 +27,7 @@ from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
 from ..layers import LatentKV, Rope, Yarn, attention, gate, rmsnorm
 from ..quants import apply_all, dequantize, ggml_activations, matmul_heads
-from .common import _MISSING, Arch, T, read_bool, read_common, read_float, read_int
+from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common, read_float, read_int
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
@@ -116,6 +116,10 @@ class DeepSeek2(Arch):
         else:
             want["wkv_b"] = T(b + "attn_kv_b.weight", (H * (self.nope + hv), C))
         return want
+
+    def unread_tensors(self):
+        n = self.cfg.n_layers
+        return [t for l in range(n, n + self.n_nextn) for t in mtp_layer_tensors(self, l)]
 
     def ffn_tensors(self, l):
         want = super().ffn_tensors(l)

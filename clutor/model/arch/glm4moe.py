@@ -14,7 +14,7 @@ from __future__ import annotations
 from ...errors import UnsupportedError
 from ..config import MAX_DIM
 from ..layers import gate, rmsnorm
-from .common import Arch, T, read_bool, read_common, read_float, read_int
+from .common import mtp_layer_tensors, Arch, T, read_bool, read_common, read_float, read_int
 
 GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -54,6 +54,10 @@ class GLM4MoE(Arch):
         b, hd = f"blk.{l}.", self.cfg.head_dim
         return super().attention_tensors(l) | {"q_norm": T(b + "attn_q_norm.weight", (hd,), "vector", False),
                                                "k_norm": T(b + "attn_k_norm.weight", (hd,), "vector", False)}
+
+    def unread_tensors(self):
+        n = self.cfg.n_layers
+        return [t for l in range(n, n + self.n_nextn) for t in mtp_layer_tensors(self, l)]
 
     def ffn_tensors(self, l):
         want = super().ffn_tensors(l)

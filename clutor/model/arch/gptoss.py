@@ -78,8 +78,9 @@ class GptOss(Arch):
         return super().ffn_tensors(l) | {
             "router_b": T(b + "ffn_gate_inp.bias", (E,), "vector"),
             # streamed with each expert (checked here, read by the expert store)
-            "gate_b": T(b + "ffn_gate_exps.bias", (E, F), "expert"), "up_b": T(b + "ffn_up_exps.bias", (E, F), "expert"),
-            "down_b": T(b + "ffn_down_exps.bias", (E, D), "expert")}
+            "gate_b": T(b + "ffn_gate_exps.bias", (E, F), "expert", part="gate bias"),
+            "up_b": T(b + "ffn_up_exps.bias", (E, F), "expert", part="up bias"),
+            "down_b": T(b + "ffn_down_exps.bias", (E, D), "expert", part="down bias")}
 
     def make_rope(self, n_ctx):
         # YaRN's magnitude correction, which gpt-oss keeps (deepseek2 cancels it)

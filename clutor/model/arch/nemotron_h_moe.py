@@ -144,8 +144,8 @@ class NemotronHMoE(Arch):
         D, E, F, S = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
         return {"router": T(b + "ffn_gate_inp.weight", (E, D), "vector"),
                 "probs_b": T(b + "exp_probs_b.bias", (E,), "vector"),
-                "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert"),
-                "down_exps": T(b + "ffn_down_exps.weight", (E, D, F), "expert"),
+                "up_exps": T(b + "ffn_up_exps.weight", (E, F, D), "expert", part="up"),
+                "down_exps": T(b + "ffn_down_exps.weight", (E, D, F), "expert", part="down"),
                 "sh_up": T(b + "ffn_up_shexp.weight", (S, D)), "sh_down": T(b + "ffn_down_shexp.weight", (D, S))}
 
     # -- compute ----------------------------------------------------------------------------------

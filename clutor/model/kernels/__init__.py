@@ -516,6 +516,10 @@ def warmup(settings: KernelSettings = DEFAULT) -> None:
     weight flavour covers every type."""
     import time
 
+    global _warm
+    if _warm:  # compiled or loaded already in this process: nothing to say
+        _warmup(settings)
+        return
     cached = compiled()
     if cached is not True:
         log.info("compiling the compute kernels for %s%s: once per machine and version, about a minute on "
@@ -526,6 +530,10 @@ def warmup(settings: KernelSettings = DEFAULT) -> None:
     took = time.perf_counter() - t0
     if cached is not True or took > 5:
         log.info("compute kernels ready in %.0f s", took)
+    _warm = True
+
+
+_warm = False  # warmup() has run in this process
 
 
 def cache_dir() -> Path | None:
