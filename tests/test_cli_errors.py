@@ -211,12 +211,16 @@ def test_the_first_run_compile_is_said_before_and_after(monkeypatch, capsys, cap
     from clutor.model import kernels
 
     monkeypatch.setattr(kernels, "compiled", lambda: False)
+    monkeypatch.setattr(kernels, "_warm", False)  # as in a process that has not warmed them yet
     with caplog.at_level(logging.INFO, logger="clutor.kernels"):
         kernels.warmup()
     said = [r.getMessage() for r in caplog.records if r.name == "clutor.kernels"]
     assert len(said) == 2 and said[0].startswith("compiling the compute kernels") and "ready in" in said[1]
     assert "clutor warmup" in said[0] and str(kernels.cache_dir()) in said[0]
     caplog.clear()
+    kernels.warmup()
+    assert not caplog.records  # a second warm-up in the same process has nothing to say
+    monkeypatch.setattr(kernels, "_warm", False)
     assert main(["generate", MODEL, "hi", *FAST]) == 0  # stderr is not a terminal here
     err = capsys.readouterr().err
     assert err.index("clutor: compiling the compute kernels") < err.index("clutor: compute kernels ready in") < err.index("generated")

@@ -7,7 +7,9 @@ tokens at a time (one accumulator per token, blocks in order). Exceptions, withi
 one or two tokens of a 32-element type (several accumulators, for the FMA latency); Q4_K, whose
 kernel sums each super-block whole as ggml's repacked Q4_K product does on x86 (what llama.cpp runs
 for Q4_K there), not as the plain vec_dot recorded here; IQ4_NL and MXFP4, whose vec_dot alternates two
-accumulators (llama.cpp runs them repacked on x86 too).
+accumulators (llama.cpp runs them repacked on x86 too); the i-quants of kernels/iquants.py (IQ3_XXS
+... IQ1_M), whose integer sums are ggml's but whose super-block scales multiply in another order (and
+IQ1's delta is folded into the integers, where ggml adds it as a separate float sum).
 
 Rows whose Q8_1 sum overflows a half (x ~ 1e4) give inf / NaN in ggml; they must give the same here."""
 from __future__ import annotations
@@ -30,7 +32,8 @@ def _golden():
 
 
 X, DOTS = _golden()
-ROUNDING_ONLY = {"Q4_K", "IQ4_NL", "MXFP4"}  # see the module docstring
+IQUANTS = {"IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
+ROUNDING_ONLY = {"Q4_K", "IQ4_NL", "MXFP4"} | IQUANTS  # see the module docstring
 
 
 @pytest.mark.parametrize("name", sorted(DOTS))

@@ -544,7 +544,7 @@ def test_data_extends_past_eof(tmp_path):
     assert "past the end" in str(e)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_1, QT.TQ1_0, QT.Q8_K, QT.I32, QT.F64, QT.IQ2_XXS])
+@pytest.mark.parametrize("qtype", [QT.Q8_1, QT.TQ1_0, QT.Q8_K, QT.I32, QT.F64, QT.Q1_0])
 def test_unsupported_type(tmp_path, qtype):
     g = _base()
     block, size = gguf.GGML_QUANT_SIZES[qtype]

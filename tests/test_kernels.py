@@ -27,16 +27,17 @@ from clutor.model.kernel_settings import KernelSettings as KS
 
 TYPES_32 = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")
 TYPES_256 = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
+TYPES_IQ = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")  # 256 elements, kernels/iquants.py
 TYPES_FLOAT = ("F16", "BF16", "F32")
 TOKENS = (1, 2, 3, 5, 6, 7, 16, 33)  # q8 remainders: two, two + one, one, the overlapped four
 ROWS = (1, 3, 17, 255)
 F32_RTOL = 1e-5  # of ||W_r|| * ||x_t||: float32 rounding of a 2048-long dot is far below this
-Q8_BLOCK = {**{t: 32 for t in TYPES_32}, **{t: 256 for t in TYPES_256}}
+Q8_BLOCK = {**{t: 32 for t in TYPES_32}, **{t: 256 for t in TYPES_256 + TYPES_IQ}}
 _FORCED_BACKEND = {"avx2": "x86-avx2", "portable": "portable"}  # CLUTOR_KERNELS_ISA -> kernels.info().backend
 
 
 def _cases():
-    for name in TYPES_32 + TYPES_256 + TYPES_FLOAT:
+    for name in TYPES_32 + TYPES_256 + TYPES_IQ + TYPES_FLOAT:
         cols = (256, 512, 2048) + ((544,) if name in TYPES_32 + ("F16", "BF16") else ())  # 544: 17 blocks, a tail
         for n_cols in cols:
             yield name, n_cols
@@ -62,10 +63,17 @@ def weight(name: str, n_rows: int, n_cols: int) -> tuple[np.ndarray, np.ndarray]
         if name == "MXFP4":  # E8M0 exponents: values 2^(e-128) * up to 12, kept near 1e-2
             blocks[:, 0] = rng.integers(118, 124, size=len(blocks))
         f16_at = {"IQ4_NL": (0,), "MXFP4": (), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82),
-                  "Q3_K": (108,), "IQ4_XS": (0,)}[name]
+                  "Q3_K": (108,), "IQ4_XS": (0,),
+                  "IQ1_M": (), **{t: (0,) for t in TYPES_IQ if t != "IQ1_M"}}[name]
         for at in f16_at:
             d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16)
             blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+        if name == "IQ1_M":  # its f16 scale is spread over the top nibbles of the four u16 scale words
+            d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16).view(np.uint16)
+            sc = blocks[:, 48:56].copy().view(np.uint16)  # [B, 4]
+            for k in range(4):
+                sc[:, k] = (sc[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+            blocks[:, 48:56] = sc.view(np.uint8)
         raw = blocks.reshape(-1)
     ref = quants.dequantize(raw.reshape(n_rows, -1), qt).astype(np.float32).reshape(n_rows, n_cols)
     return raw, ref
@@ -134,7 +142,7 @@ def test_matmul_matches_reference(name: str, n_cols: int) -> None:
                         assert np.abs(got - exact).max() > 0, where
 
 
-@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + ("F16", "BF16"))
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + TYPES_IQ + ("F16", "BF16"))
 def test_dequantize_is_bit_identical(name: str) -> None:
     raw, ref = weight(name, 17, 512)
     out = np.empty((17, 512), np.float32)
@@ -143,7 +151,7 @@ def test_dequantize_is_bit_identical(name: str) -> None:
     np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + ("F16", "BF16"))
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + TYPES_IQ + ("F16", "BF16"))
 def test_token_tiles_equal_single_tokens(name: str) -> None:
     """Tokens share tiles (8/4/2 in f32 mode, 4 in q8 mode); each must get what it gets alone, up to
     the order of float additions. In f32 mode tiles of 2 or more tokens sum in one order, so a

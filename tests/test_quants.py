@@ -28,9 +28,15 @@ def random_weight(qtype: int, n_rows: int, n_cols: int, rng: np.random.Generator
     # finite values so no NaN/Inf appears.
     half = np.array([0.01], dtype=np.float16).view(np.uint8)
     scale_at = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.IQ4_XS: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2),
-                QT.Q6_K: (208,), QT.IQ4_NL: (0,)}
+                QT.Q6_K: (208,), QT.IQ4_NL: (0,), QT.IQ1_M: ()}
     for off in scale_at.get(QT(qtype), (0,)):
         raw[:, off], raw[:, off + 1] = half[0], half[1]
+    if qtype == QT.IQ1_M:  # its f16 scale: the top nibbles of the four u16 scale words at byte 48
+        d = int(half.view(np.uint16)[0])
+        sc = raw[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            sc[:, k] = (sc[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        raw[:, 48:56] = sc.view(np.uint8)
     return raw.reshape(-1)
 
 

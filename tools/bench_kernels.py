@@ -3,6 +3,7 @@
 
     python tools/bench_kernels.py [--types Q8_0,Q4_K] [--tokens 1,64] [--runs 30] [--repeat 3] [--json]
     python tools/bench_kernels.py --sweep-t --types Q8_0,Q4_K   # where dequantise+BLAS starts to win
+    python tools/bench_kernels.py --vs-llama-cpp --types IQ2_XXS,IQ1_S --threads 1,2 --tokens 1,4,64 --modes q8
 
 Shapes are OLMoE-1B-7B's: an expert's gate/up (1024 x 2048) and down (2048 x 1024), a dense
 attention matrix (2048 x 2048) and the output head (50304 x 2048). Each timed call reads a
@@ -11,6 +12,11 @@ do in a real decode, not from the CPU caches. Reported: median time of --runs ca
 over --repeat rounds, and the fastest single call (the machine may be shared: take the best, and
 say so); GB/s counts the quantised bytes of the weight, GFLOP/s 2*N*K*T. "blas" is x @ W.T with W
 float32 in numpy (its GB/s counts its 4-byte weights).
+
+--vs-llama-cpp also times llama.cpp's own product (ggml's CPU MUL_MAT through ctypes, tools/ggml_mulmat.py:
+what test-backend-ops' perf mode times) on the same weight copies, x and thread count, in the same run: both
+engines are then timed as passes over all the copies (seconds per product = best pass / copies), the two
+interleaved over --repeat rounds, so a burst of other load hits both alike. Needs llama-cpp-python.
 """
 from __future__ import annotations
 
@@ -43,7 +49,8 @@ SHAPES = {  # name -> (n_rows, n_cols) in numpy order
 # byte offsets of the f16 scales inside a block, set to small finite values in random blocks
 _F16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (),
-           "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
+           "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,), "IQ1_M": (),
+           **{t: (0,) for t in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")}}
 
 
 def random_weight(name: str, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -62,6 +69,12 @@ def random_weight(name: str, n_rows: int, n_cols: int, rng: np.random.Generator)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
     if name == "MXFP4":  # an E8M0 exponent byte: 2^(e-128), kept near 1e-2
         blocks[:, 0] = rng.integers(118, 124, size=len(blocks))
+    if name == "IQ1_M":  # its f16 scale: the top nibbles of the four u16 scale words at byte 48
+        d = rng.uniform(1e-3, 5e-2, size=len(blocks)).astype(np.float16).view(np.uint16)
+        sc = blocks[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            sc[:, k] = (sc[:, k] & 0x0FFF) | (((d >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = sc.view(np.uint8)
     return blocks.reshape(-1)
 
 
@@ -80,7 +93,7 @@ def _times(fn, copies: list, runs: int, repeat: int) -> tuple[float, float]:
     return min(medians), fastest
 
 
-def bench_one(name: str, shape: str, n_tok: int, mode: str, args, rng) -> dict:
+def bench_one(name: str, shape: str, n_tok: int, mode: str, threads: int | None, args, rng, ggml=None) -> dict:
     n_rows, n_cols = SHAPES[shape]
     qt = int(QT[name])
     w = random_weight(name, n_rows, n_cols, rng)
@@ -88,17 +101,29 @@ def bench_one(name: str, shape: str, n_tok: int, mode: str, args, rng) -> dict:
     copies = [w] + [w.copy() for _ in range(n_copies - 1)]
     x = rng.standard_normal((n_tok, n_cols)).astype(np.float32)
     out = np.empty((n_tok, n_rows), np.float32)
-    ks = KernelSettings(mode, threads=args.threads)
+    ks = KernelSettings(mode, threads=threads)
 
     def ours(ww):
         kernels.matmul(ww, qt, n_rows, n_cols, x, out=out, settings=ks)
 
     ours(w)  # compile / load
-    t, fastest = _times(ours, copies, args.runs, args.repeat)
+    row = {"type": name, "shape": shape, "n_rows": n_rows, "n_cols": n_cols, "tokens": n_tok,
+           "mode": kernels.mode(ks), "threads": kernels.info(ks).threads, "weight_bytes": int(w.nbytes)}
+    if ggml is None:
+        t, fastest = _times(ours, copies, args.runs, args.repeat)
+    else:  # passes over the copies, interleaved with llama.cpp's (see the module docstring)
+        t = fastest = tg = float("inf")
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            for ww in copies:
+                ours(ww)
+            t = fastest = min(t, (time.perf_counter() - t0) / len(copies))
+            tg = min(tg, ggml.time(copies, qt, n_rows, n_cols, x, row["threads"], passes=1))
+        row.update({"llama_ms": tg * 1e3, "llama_GBps": w.nbytes / tg / 1e9, "vs_llama": tg / t})
     del copies
-    return {"type": name, "shape": shape, "n_rows": n_rows, "n_cols": n_cols, "tokens": n_tok,
-            "mode": kernels.mode(ks), "ms": t * 1e3, "ms_min": fastest * 1e3, "weight_bytes": int(w.nbytes),
-            "GBps": w.nbytes / t / 1e9, "GFLOPs": 2.0 * n_rows * n_cols * n_tok / t / 1e9}
+    row.update({"ms": t * 1e3, "ms_min": fastest * 1e3, "GBps": w.nbytes / t / 1e9,
+                "GFLOPs": 2.0 * n_rows * n_cols * n_tok / t / 1e9})
+    return row
 
 
 def bench_blas(shape: str, n_tok: int, args, rng) -> dict:
@@ -132,7 +157,7 @@ def sweep_t(args, rng) -> list[dict]:
                 out = np.empty((n_tok, n_rows), np.float32)
                 res = {}
                 for path, thr in (("rows", 10**9), ("blas", 1)):
-                    ks = KernelSettings(mode, threads=args.threads, blas_min_tokens=thr)
+                    ks = KernelSettings(mode, threads=thread_counts[0], blas_min_tokens=thr)
 
                     def call(ww):
                         kernels.matmul(ww, qt, n_rows, n_cols, x, out=out, settings=ks)
@@ -155,7 +180,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30, help="calls per median")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the best median is kept")
     ap.add_argument("--rotate-mb", type=float, default=256, help="weight copies cycled per call (cache-cold)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", default=None, type=lambda s: [int(v) for v in s.split(",")],
+                    help="thread counts, comma-separated (default: the CPUs this process may use)")
+    ap.add_argument("--vs-llama-cpp", action="store_true", help="also time llama.cpp's product (ggml MUL_MAT) in the same run")
     ap.add_argument("--sweep-t", action="store_true", help="find the row-kernel / BLAS crossover")
     ap.add_argument("--sweep-shape", default="expert_gate_up", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true", help="print results as JSON on stdout")
@@ -163,7 +190,8 @@ def main() -> None:
     sleeping_kernel_workers()  # as Model.open does
     t0 = time.perf_counter()
     kernels.warmup()
-    info = kernels.info(KernelSettings(threads=args.threads))
+    thread_counts = args.threads or [None]
+    info = kernels.info(KernelSettings(threads=thread_counts[0]))
     print(f"backend {info.backend}, {info.threads} threads, warmup {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rng = np.random.default_rng(0)
 
@@ -173,22 +201,32 @@ def main() -> None:
             print(json.dumps({"info": info.__dict__, "sweep": rows}, indent=1))
         return
 
+    ggml = None
+    if args.vs_llama_cpp:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from ggml_mulmat import GGMLMulMat
+
+        ggml = GGMLMulMat()
     results = []
     for shape in args.shapes:
-        for n_tok in args.tokens:
-            blas = bench_blas(shape, n_tok, args, rng)
-            for name in args.types:
-                modes = args.modes if name not in ("F16", "BF16", "F32") else ["f32"]
-                for mode in modes:
-                    r = bench_one(name, shape, n_tok, mode, args, rng)
-                    r["blas_ms"], r["blas_ms_min"], r["blas_GBps"] = blas["ms"], blas["ms_min"], blas["GBps"]
-                    r["time_vs_blas"] = r["ms"] / blas["ms"]
-                    results.append(r)
-                    if not args.json:
-                        print(f"{shape:15s} {r['n_rows']:5d}x{r['n_cols']:<5d} T={n_tok:<3d} {name:6s} {r['mode']:3s} "
-                              f"{r['ms']:9.3f} ms {r['GBps']:6.1f} GB/s {r['GFLOPs']:7.1f} GFLOP/s | blas f32 "
-                              f"{blas['ms']:9.3f} ms {blas['GBps']:6.1f} GB/s  time x{r['time_vs_blas']:.2f}",
-                              flush=True)
+        for threads in thread_counts:
+            for n_tok in args.tokens:
+                blas = None if ggml else bench_blas(shape, n_tok, args, rng)
+                for name in args.types:
+                    modes = args.modes if name not in ("F16", "BF16", "F32") else ["f32"]
+                    for mode in modes:
+                        r = bench_one(name, shape, n_tok, mode, threads, args, rng, ggml)
+                        head = (f"{shape:15s} {r['n_rows']:5d}x{r['n_cols']:<5d} T={n_tok:<3d} {r['threads']}t {name:7s} "
+                                f"{r['mode']:3s} {r['ms']:9.3f} ms {r['GBps']:6.2f} GB/s {r['GFLOPs']:7.1f} GFLOP/s")
+                        if blas:
+                            r["blas_ms"], r["blas_ms_min"], r["blas_GBps"] = blas["ms"], blas["ms_min"], blas["GBps"]
+                            r["time_vs_blas"] = r["ms"] / blas["ms"]
+                            tail = (f" | blas f32 {blas['ms']:9.3f} ms {blas['GBps']:6.1f} GB/s  time x{r['time_vs_blas']:.2f}")
+                        else:
+                            tail = f" | llama.cpp {r['llama_ms']:9.3f} ms {r['llama_GBps']:6.2f} GB/s  speed x{r['vs_llama']:.2f}"
+                        results.append(r)
+                        if not args.json:
+                            print(head + tail, flush=True)
     if args.json:
         print(json.dumps({"info": info.__dict__, "results": results}, indent=1))
 

@@ -12,14 +12,9 @@ import sys, time
 import numpy as np
 import llama_cpp
 path, n_prompt, n_gen, repack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "repack"
-orig = llama_cpp.llama_model_default_params
-def params():
-    p = orig()
-    p.use_extra_bufts = repack
-    return p
-llama_cpp.llama_model_default_params = params
-import llama_cpp.llama as L
-L.llama_cpp.llama_model_default_params = params
+if not repack:
+    from clutor.bench.llama_worker import without_extra_buffers
+    without_extra_buffers(llama_cpp)
 llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=2, n_threads_batch=2, n_batch=512, use_mmap=True, verbose=False)
 V = llm.n_vocab()
 ids = np.random.default_rng(0).integers(0, min(V, 700), n_prompt).tolist()

@@ -11,9 +11,11 @@ Writes tests/golden/ggml_activations.npz:
   q8_K     [T, 4 * 292]    uint8, quantize_row_q8_K
   llama_cpp_version 0-d str  llama-cpp-python's version (its libggml-cpu, built for this CPU)
 
-and tests/golden/ggml_dots.npz, per weight type T with an int8 path in ggml (Q8_0 ... IQ4_XS):
+and tests/golden/ggml_dots.npz, per weight type T with an int8 path in ggml (Q8_0 ... IQ4_XS, the
+i-quants IQ3_XXS ... IQ1_M):
   T.w      [R, row bytes] uint8   R rows of K = 1024, quantised by llama.cpp's own quantiser
                                   (ggml_quantize_chunk) from Gaussian floats with a few large columns
+                                  (with a uniform importance matrix where ggml requires one)
   T.dot    [N, R] f32             ggml's x86 vec_dot of each row with each activation row
                                   x[DOT_ROWS] (quantised by its vec_dot_type's from_float)
   dot_rows [N] int                the rows of x used (those whose blocks have finite scales)
@@ -57,6 +59,10 @@ DOT_TYPES = {
     "Q2_K": (10, "ggml_vec_dot_q2_K_q8_K", "q8_K"), "Q3_K": (11, "ggml_vec_dot_q3_K_q8_K", "q8_K"),
     "Q4_K": (12, "ggml_vec_dot_q4_K_q8_K", "q8_K"), "Q5_K": (13, "ggml_vec_dot_q5_K_q8_K", "q8_K"),
     "Q6_K": (14, "ggml_vec_dot_q6_K_q8_K", "q8_K"), "IQ4_XS": (23, "ggml_vec_dot_iq4_xs_q8_K", "q8_K"),
+    "IQ2_XXS": (16, "ggml_vec_dot_iq2_xxs_q8_K", "q8_K"), "IQ2_XS": (17, "ggml_vec_dot_iq2_xs_q8_K", "q8_K"),
+    "IQ3_XXS": (18, "ggml_vec_dot_iq3_xxs_q8_K", "q8_K"), "IQ1_S": (19, "ggml_vec_dot_iq1_s_q8_K", "q8_K"),
+    "IQ3_S": (21, "ggml_vec_dot_iq3_s_q8_K", "q8_K"), "IQ2_S": (22, "ggml_vec_dot_iq2_s_q8_K", "q8_K"),
+    "IQ1_M": (29, "ggml_vec_dot_iq1_m_q8_K", "q8_K"),
 }
 N_DOT_ROWS = 16  # weight rows per type
 
@@ -70,15 +76,20 @@ def ggml_base() -> ctypes.CDLL:
     dll.ggml_quantize_chunk.restype = ctypes.c_size_t
     dll.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
     dll.ggml_row_size.restype = ctypes.c_size_t
+    dll.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    dll.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
     return dll
 
 
 def quantize_weights(base: ctypes.CDLL, type_id: int, wf: np.ndarray) -> np.ndarray:
-    """float32 [R, K] -> uint8 [R, row bytes] by llama.cpp's quantiser (no importance matrix)."""
+    """float32 [R, K] -> uint8 [R, row bytes] by llama.cpp's quantiser (no importance matrix, or a
+    uniform one for the types it refuses to quantise without: IQ2_XXS, IQ2_XS, IQ1_S)."""
     rb = base.ggml_row_size(type_id, wf.shape[1])
     out = np.zeros((wf.shape[0], rb), np.uint8)
     src = np.ascontiguousarray(wf, np.float32)
-    base.ggml_quantize_chunk(type_id, src.ctypes.data, out.ctypes.data, 0, wf.shape[0], wf.shape[1], None)
+    imatrix = np.ones(wf.shape[1], np.float32) if base.ggml_quantize_requires_imatrix(type_id) else None
+    base.ggml_quantize_chunk(type_id, src.ctypes.data, out.ctypes.data, 0, wf.shape[0], wf.shape[1],
+                             None if imatrix is None else imatrix.ctypes.data)
     return out
 
 

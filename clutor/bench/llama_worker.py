@@ -23,7 +23,7 @@ from .process import peak_memory, storage_read_bytes
 from .prompt import prompt_digest, sampling_options, workload_prompts
 from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
-__all__ = ["DEFAULTS", "run"]
+__all__ = ["DEFAULTS", "run", "without_extra_buffers"]
 
 DEFAULTS: dict = {
     **COMMON_OPTIONS,
@@ -45,7 +45,7 @@ def _import_llama():
     return llama_cpp
 
 
-def _no_extra_buffers(llama_cpp) -> None:
+def without_extra_buffers(llama_cpp) -> None:
     """Make the model parameters llama-cpp-python starts from say use_extra_bufts = false (its Llama
     class takes no argument for it; this worker process loads one model and exits)."""
     module = llama_cpp.llama_cpp
@@ -110,7 +110,7 @@ def run(path: str, options: dict) -> dict:
     choose = _chooser(opts["workload"], opts["seed"], ids)
 
     if not opts["extra_buffers"]:
-        _no_extra_buffers(llama_cpp)
+        without_extra_buffers(llama_cpp)
     t0 = time.perf_counter()
     try:
         llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,

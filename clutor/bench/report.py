@@ -132,13 +132,18 @@ peak RSS: the worker's peak resident set (ru_maxrss), including file pages it ma
 disk limit: decode tok/s if each token's reads ran at the fio bandwidth with zero compute; of limit: decode / limit"""
 
 
+def _sweep_head(run: dict) -> list:
+    """A sweep row's first cells: the configuration it ran."""
+    return [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
+            _onoff(run["prefetch"]), run["policy"]]
+
+
 def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
     if any(run.get("bounds") for run in sweep):
         return _render_sweep_bounds(sweep)
     rows = []
     for run in sweep:
-        head = [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
-                _onoff(run["prefetch"]), run["policy"]]
+        head = _sweep_head(run)
         r = run.get("result")
         if not run.get("ok") or r is None:
             rows.append(head + [f"error: {run.get('error')}"])
@@ -157,8 +162,7 @@ def render_sweep(sweep: Sequence[dict], disk_bps: float | None) -> str:
 def _render_sweep_bounds(sweep: Sequence[dict]) -> str:
     rows = []
     for run in sweep:
-        head = [run["budget"], _bytes(_io(run.get("result")).get("cache_bytes") or run.get("cache_bytes")),
-                _onoff(run["prefetch"]), run["policy"]]
+        head = _sweep_head(run)
         r = run.get("result")
         if not run.get("ok") or r is None:
             rows.append(head + [f"error: {run.get('error')}"])

@@ -145,6 +145,7 @@ def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int
     from ..io.trace import read_trace
     from ..model.gguf import GGUFFile
     from ..model.arch import read_arch
+    from ..model.weights import expert_layout
     from .bounds import expert_read_bytes, replay_window
 
     if not n_slots:

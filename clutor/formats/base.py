@@ -364,25 +364,7 @@ def scan_json_value(s: str, i: int) -> int | None:
         return None
     c = s[i]
     if c in "{[":
-        depth, in_str, esc = 0, False, False
-        for j in range(i, n):
-            ch = s[j]
-            if in_str:
-                if esc:
-                    esc = False
-                elif ch == "\\":
-                    esc = True
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-        return None
+        return ValueScanner(i).feed(s)
     if c == '"':
         esc = False
         for j in range(i + 1, n):

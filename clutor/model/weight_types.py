@@ -41,7 +41,7 @@ def _gguf_py(rows: np.ndarray, qtype: QT) -> np.ndarray:
 @dataclass(frozen=True)
 class WeightType:
     qtype: QT
-    # "blas": used in place by BLAS (F32); "floats" | "legacy" | "kquants": the module of
+    # "blas": used in place by BLAS (F32); "floats" | "legacy" | "kquants" | "iquants": the module of
     # clutor.model.kernels whose FORMATS[name] describes its blocks; None: no kernel (dequantised per call)
     kernel: str | None
     q8_block: int | None = None  # int8 path: activation elements per scale (Q8_0-style 32, Q8_K-style 256)
@@ -80,6 +80,13 @@ TYPES: dict[QT, WeightType] = {t.qtype: t for t in (
     WeightType(QT.Q4_K, "kquants", 256),
     WeightType(QT.Q5_K, "kquants", 256),
     WeightType(QT.Q6_K, "kquants", 256),
+    WeightType(QT.IQ3_XXS, "iquants", 256),
+    WeightType(QT.IQ3_S, "iquants", 256),
+    WeightType(QT.IQ2_XXS, "iquants", 256),
+    WeightType(QT.IQ2_XS, "iquants", 256),
+    WeightType(QT.IQ2_S, "iquants", 256),
+    WeightType(QT.IQ1_S, "iquants", 256),
+    WeightType(QT.IQ1_M, "iquants", 256),
     WeightType(QT.Q2_K, "kquants", 256),
     WeightType(QT.Q3_K, "kquants", 256),
     WeightType(QT.IQ4_XS, "kquants", 256),

@@ -20,7 +20,8 @@ intrinsics whose first argument is the runtime type id (one switch per call, one
   (``HAVE_INT8_SIMD``).
 
 Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
-lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD``.
+lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD`` (as are
+iquants.py's vpsignb and pdep).
 No bounds checks: callers derive every offset from validated shapes (the list: __init__.py, above
 ``_check``). A newcomer's guide to this file: README.md in this package.
 """
@@ -288,6 +289,38 @@ class Format:
     fvals: Callable
     iprep: Callable | None = None
     itok: Callable | None = None
+    # groups > 1: the block is walked in a runtime loop over `groups` sub-blocks of elems/groups (32)
+    # elements, for types whose unpacking is long (table lookups: the i-quants). Emitting it once per
+    # sub-block instead of once per block divides the generated code, and the compile time, by
+    # `groups`. Then fvals(bld, wptr, off, g) and iprep(bld, wptr, off, g) take the sub-block index g
+    # (an i64 value), itok returns the sub-block's integer dot alone (<8 x i32>), summed in integers
+    # over the block, and iscale(bld, wptr, off) gives the block's weight scale that sum is multiplied
+    # by (with the activation scale of the block).
+    groups: int = 1
+    iscale: Callable | None = None
+
+    @property
+    def group_elems(self) -> int:
+        return self.elems // self.groups
+
+    def values(self, bld: ir.IRBuilder, wptr: ir.Value, off: ir.Value, g: ir.Value | None) -> list[ir.Value]:
+        """fvals of the block at off (g None), or of its sub-block g."""
+        return self.fvals(bld, wptr, off) if g is None else self.fvals(bld, wptr, off, g)
+
+
+def _each_group(bld: ir.IRBuilder, fmt: Format, emit: Callable[[ir.Value | None], None]) -> None:
+    """emit(None) for a format walked block by block; else emit(g) inside a runtime loop over its
+    sub-blocks (not unrolled: that is the point)."""
+    if fmt.groups == 1:
+        emit(None)
+        return
+    with cgutils.for_range(bld, c64(fmt.groups)) as loop:  # (unrolling it by two measured no faster)
+        emit(loop.index)
+
+
+def _group_elem(bld: ir.IRBuilder, fmt: Format, e0: ir.Value, g: ir.Value | None) -> ir.Value:
+    """Element index of sub-block g of the block starting at element e0."""
+    return e0 if g is None else bld.add(e0, bld.mul(g, c64(fmt.group_elems)))
 
 
 def _blocks_loop(bld: ir.IRBuilder, fmt: Format, nblocks: ir.Value, body: Callable[[ir.Value, int], None],
@@ -346,8 +379,13 @@ def deq_intrinsic(formats: dict[int, Format]):
                 def body(blk, _k):
                     off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                     e0 = bld.mul(blk, c64(fmt.elems))
-                    for k, v in enumerate(fmt.fvals(bld, wptr, off)):
-                        store(bld, v, at(bld, out_ptr, e0, 32 * k))
+
+                    def group(g):
+                        ge = _group_elem(bld, fmt, e0, g)
+                        for k, v in enumerate(fmt.values(bld, wptr, off, g)):
+                            store(bld, v, at(bld, out_ptr, ge, 32 * k))
+
+                    _each_group(bld, fmt, group)
 
                 _blocks_loop(bld, fmt, bld.sdiv(n_elems, c64(fmt.elems)), body, wptr, [row_base])
 
@@ -392,7 +430,30 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
             corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
             sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
 
+            # grouped formats: per token, the block's integer sum over its sub-blocks
+            iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(ntok)]
+
             def case(fmt: Format) -> None:
+                def grouped_body(blk, k):
+                    off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
+                    for iacc in iaccs:
+                        bld.store(ir.Constant(V8i32, None), iacc)
+                    x_blocks = [bld.add(x_start, bld.mul(blk, c64(fmt.elems))) for x_start in starts]
+
+                    def group(g):
+                        state = fmt.iprep(bld, wptr, off, g)
+                        for x_block, iacc in zip(x_blocks, iaccs):
+                            env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
+                            bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
+
+                    _each_group(bld, fmt, group)
+                    wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
+                    for x_block, iacc, chains in zip(x_blocks, iaccs, accs):
+                        env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
+                        acc = chains[k % n_chains]
+                        scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
+                        bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
+
                 # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
                 # sums its blocks in order into one accumulator, as ggml does)
                 def body(blk, k):
@@ -411,7 +472,8 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
 
                 # the token loop already multiplies the code per block; keep compile time sane
                 nblocks = bld.sdiv(n_elems, c64(fmt.elems))
-                _blocks_loop(bld, fmt, nblocks, body, wptr, [row_base], max(1, fmt.unroll // ntok))
+                _blocks_loop(bld, fmt, nblocks, grouped_body if fmt.groups > 1 else body, wptr, [row_base],
+                             max(1, fmt.unroll // ntok))
 
             _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
             vals = []
@@ -513,19 +575,23 @@ def _tile_case(bld: ir.IRBuilder, fmt: Format, ntok: int, wptr: ir.Value, row_ba
     split = acc_ty.count < 32
 
     def block(blk, _k):
-        e0 = bld.mul(blk, c64(fmt.elems))
         block_off = bld.mul(blk, c64(fmt.nbytes))
-        # [row][piece]: the block's values in accumulator-sized vectors
-        rows = [[piece for v in fmt.fvals(bld, wptr, bld.add(base, block_off))
-                 for piece in (_pieces(bld, v, acc_ty.count) if split else [v])]
-                for base in row_bases]
-        for t, tok_ptr in enumerate(token_ptrs):
-            x_vecs = [load(bld, at(bld, tok_ptr, e0, acc_ty.count * i), acc_ty, 4) for i in range(len(rows[0]))]
-            for k, pieces in enumerate(rows):
-                total = bld.load(accs[k][t])
-                for piece, x_vec in zip(pieces, x_vecs):
-                    total = fma(bld, piece, x_vec, total)
-                bld.store(total, accs[k][t])
+
+        def group(g):
+            e0 = _group_elem(bld, fmt, bld.mul(blk, c64(fmt.elems)), g)
+            # [row][piece]: the block's (sub-block's) values in accumulator-sized vectors
+            rows = [[piece for v in fmt.values(bld, wptr, bld.add(base, block_off), g)
+                     for piece in (_pieces(bld, v, acc_ty.count) if split else [v])]
+                    for base in row_bases]
+            for t, tok_ptr in enumerate(token_ptrs):
+                x_vecs = [load(bld, at(bld, tok_ptr, e0, acc_ty.count * i), acc_ty, 4) for i in range(len(rows[0]))]
+                for k, pieces in enumerate(rows):
+                    total = bld.load(accs[k][t])
+                    for piece, x_vec in zip(pieces, x_vecs):
+                        total = fma(bld, piece, x_vec, total)
+                    bld.store(total, accs[k][t])
+
+        _each_group(bld, fmt, group)
 
     _blocks_loop(bld, fmt, nblocks, block, wptr, row_bases, unroll)
 

@@ -18,13 +18,14 @@ from numba import njit, prange
 
 from ..weight_types import TYPES
 from . import _ir
-from . import floats, kquants, legacy
+from . import floats, iquants, kquants, legacy
 from .activations import quantize_activations
 
 __all__ = ["FORMATS", "ROWS_PER_TASK", "dequantize_rows", "matmul_jobs_f32", "matmul_jobs_q8"]
 
 # GGML type id -> block description, for every type weight_types.TYPES gives a kernel module.
-_FAMILIES = {"floats": floats.FORMATS, "legacy": legacy.FORMATS, "kquants": kquants.FORMATS}
+_FAMILIES = {"floats": floats.FORMATS, "legacy": legacy.FORMATS, "kquants": kquants.FORMATS,
+             "iquants": iquants.FORMATS}
 FORMATS = {int(q): _FAMILIES[t.kernel][t.name] for q, t in TYPES.items() if t.kernel in _FAMILIES}
 
 ROWS_PER_TASK = 16
