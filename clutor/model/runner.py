@@ -10,9 +10,9 @@ computed group by group as its experts' bytes arrive.
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
-    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, h)
-    x = x + sum over routed experts (each read once per step, for every row that chose it)
-          + arch.ffn_extra(lw, h)
+    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, arch.router_input(lw, x, h))
+    x = arch.ffn_out(lw, x, h, sum over routed experts (each read once per step, for every row that
+          chose it)): by default x + that sum + arch.ffn_extra(lw, h)
 then the output rows each segment wants (logits, or the final hidden states), and its head (sampling)
 on the compute thread.
 
@@ -65,6 +65,7 @@ class Runner:
         self._w = weights
         self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
         self._rope = arch.make_rope(n_ctx)
+        arch.ggml_numerics = kernels.mode(kernels_) == "q8"
         self._trace = trace
         # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
         # prefetch option for why it is off unless asked for).
@@ -135,7 +136,7 @@ class Runner:
         if l == 0:
             step.prepare()
             with prof.span("embed"):
-                x = self._w.tok_embd.rows(step.plan.ids)  # [R, D]
+                x = arch.embed(self._w.tok_embd.rows(step.plan.ids))  # [R, D]
         else:
             with prof.span("shared + sum"):
                 x = self._moe_add(l - 1, x, h, ys)  # [R, D]
@@ -145,7 +146,7 @@ class Runner:
             h = arch.ffn_input(lw, x)  # [R, D]
             if lw.experts is None:
                 return x, h, None, None, None
-            sel, w = arch.route(lw, h)  # [R, K], [R, K]
+            sel, w = arch.route(lw, arch.router_input(lw, x, h))  # [R, K], [R, K]
         nxt = None
         if step.plan.decode and l + 1 in self._moe_index and self._predicting(len(sel)):
             # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
@@ -210,10 +211,7 @@ class Runner:
         out = np.zeros_like(h)  # [R, D]
         for rows, y in ys:
             out[rows] += y
-        extra = self.arch.ffn_extra(self._w.layers[l], h)
-        if extra is not None:
-            out += extra
-        return x + out
+        return self.arch.ffn_out(self._w.layers[l], x, h, out)
 
     def _finish(self, x: np.ndarray, h: np.ndarray, ys: list, step: Step) -> list[Outcome]:
         """The last layer's output, then what each segment wants: the output projection of the
@@ -252,7 +250,7 @@ class Runner:
         if wanted:
             rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted]) if len(wanted) > 1 else \
                 np.arange(wanted[0][0], wanted[0][0] + wanted[0][1])
-            logits = w.output(rmsnorm(x[rows], w.output_norm, cfg.eps))  # [rows, V]
+            logits = self.arch.final_logits(w.output(rmsnorm(x[rows], w.output_norm, cfg.eps)))  # [rows, V]
             at = 0
             for i, sp in enumerate(spans):
                 if sp is not None:
@@ -273,7 +271,7 @@ class Runner:
     def _predict(self, l: int, x: np.ndarray) -> list[int]:
         """Experts layer l will likely want: its router on the current residual, most-voted first."""
         lw = self._w.layers[l]
-        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))
+        sel, _ = self.arch.route(lw, self.arch.router_input(lw, x, self.arch.ffn_input(lw, x)))
         return _by_votes(sel)[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------------
