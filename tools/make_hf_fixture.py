@@ -76,6 +76,24 @@ PRESETS = {
                 routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, layer_norm_epsilon=1e-5,
                 max_position_embeddings=4096, tie_word_embeddings=False, use_conv_bias=True,
                 pad_token_id=0, bos_token_id=1, eos_token_id=4)),
+    # Gemma-4-26B-A4B's form at toy size: five sliding-window layers (window 16, so ~90-token prompts
+    # leave it) to one global, global layers with their own head size and KV heads and V = K
+    # (attention_k_eq_v), 25% proportional RoPE there; every layer a shared GELU MLP plus fused experts.
+    "gemma4": dict(
+        cls="Gemma4ForCausalLM", config="Gemma4TextConfig", vocab=1024, spm=True,
+        specials=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
+                  "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|think|>"],
+        eos="<eos>", pad="<pad>", bos="<bos>",
+        hf=dict(hidden_size=128, num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=32,
+                global_head_dim=64, attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                moe_intermediate_size=32, intermediate_size=96, sliding_window=16, final_logit_softcapping=30.0,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=1024, num_kv_shared_layers=0,
+                rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}},
+                pad_token_id=0, eos_token_id=1, bos_token_id=2)),
 }
 
 
@@ -120,6 +138,27 @@ def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str 
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
+def write_spm_tokenizer(out: Path, n_vocab: int, specials: list[str], eos: str, pad: str, bos: str) -> None:
+    """A SentencePiece-style BPE tokenizer.json as Gemma's: spaces normalised to U+2581, merges over
+    characters, byte fallback (<0x00>..<0xFF>) for what no token spells; trained on Clutor's corpus
+    (clutor/data/corpus.txt) with the control tokens first and the byte tokens after them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    # (the alphabet limited so that merges fill the rest of the vocabulary)
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab, special_tokens=specials + byte_tokens, limit_alphabet=150,
+                                  show_progress=False)
+    tok.train([str(ROOT / "clutor" / "data" / "corpus.txt")], trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False,
+              "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": "<unk>", "model_max_length": 4096}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
 # ---- weights ----------------------------------------------------------------------------------
 def init_weights(model, seed: int) -> None:
     """Random weights at scales that keep a tiny model's activations and logits well spread: linear
@@ -133,11 +172,13 @@ def init_weights(model, seed: int) -> None:
     def normal(shape, std):
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    offset_norms = not type(model).__name__.startswith("NemotronH")
+    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
-            if name.endswith("A_log"):
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):  # Gemma 4's scales
+                v = normal(shape, 0.2) + 1.0
+            elif name.endswith("A_log"):
                 v = torch.log(torch.rand(shape, generator=g) * 0.95 + 0.05)
             elif name.endswith("dt_bias"):
                 v = normal(shape, 0.5)
@@ -150,12 +191,23 @@ def init_weights(model, seed: int) -> None:
                 v = normal(shape, 0.3) + (1.0 if name.endswith(".D") else 0.0)
             elif name.endswith("e_score_correction_bias"):  # Nemotron's expert selection bias
                 v = normal(shape, 0.1)
+            elif ("embed_tokens" in name or "embeddings" in name) and not offset_norms and "Gemma4" in type(model).__name__:
+                # Gemma multiplies its embeddings by sqrt(n_embd) and ties the head to them: rows of
+                # N(0, 9 / n_embd) give a residual of N(0, 9) and logits of about N(0, 3^2) before the
+                # 30 tanh(z / 30) cap, as a trained model's sit (N(0, 1) rows would put them at 11^2,
+                # in the cap's flat part, every sublayer's output a tenth of the embedding)
+                v = normal(shape, 3.0 / np.sqrt(shape[-1]))
             elif "embed_tokens" in name or "embeddings" in name:
                 v = normal(shape, 1.0)
             elif name == "lm_head.weight":
                 v = normal(shape, 3.0 / np.sqrt(shape[-1]))
-            elif name.endswith("mlp.gate.weight") or name.endswith("mixer.gate.weight"):  # the router
+            elif name.endswith(("mlp.gate.weight", "mixer.gate.weight")):  # the router
                 v = normal(shape, 2.0 / np.sqrt(shape[-1]))
+            elif name.endswith("router.proj.weight"):
+                # Gemma 4's router reads rms_norm(x) / sqrt(n_embd): weights sqrt(n_embd) times the
+                # others' give its logits the same spread (N(0, 2^2)); at 2 / sqrt(n_embd) they would
+                # be N(0, 0.18^2) and every top-k choice a near-tie (gaps of 1e-3..3e-2)
+                v = normal(shape, 2.0)
             else:
                 fan_in = shape[-1]
                 v = normal(shape, 1.0 / np.sqrt(fan_in))
@@ -176,10 +228,10 @@ runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
 """
 
 
-def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str) -> None:
+def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str, mtp: bool = True) -> None:
     env = dict(os.environ, PYTHONPATH=f"{llama_dir}{os.pathsep}{llama_dir / 'gguf-py'}", FIXTURE_PRE=pre)
     cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(llama_dir)!r}); exec({CONVERT!r})",
-           "convert", str(hf_dir), "--outtype", "f16", "--no-mtp", "--outfile", str(out)]
+           "convert", str(hf_dir), "--outtype", "f16", "--outfile", str(out)] + (["--no-mtp"] if mtp else [])
     subprocess.run(cmd, check=True, env=env, cwd=llama_dir)
 
 
@@ -205,7 +257,9 @@ def make_checkpoint(preset: str, out: Path, seed: int) -> None:
     model = getattr(transformers, spec["cls"])(cfg)
     init_weights(model, seed)
     model.save_pretrained(out, safe_serialization=True)
-    if "specials" in spec:
+    if spec.get("spm"):
+        write_spm_tokenizer(out, spec["vocab"], spec["specials"], eos=spec["eos"], pad=spec["pad"], bos=spec["bos"])
+    elif "specials" in spec:
         write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
                         specials_first=spec.get("specials_first", False))
     else:
@@ -227,7 +281,8 @@ def main(argv=None) -> int:
         hf = args.keep_hf or Path(tmp) / "hf"
         make_checkpoint(args.preset, hf, args.seed)
         f16 = args.out_dir / f"tiny-{args.preset}-F16.gguf"
-        convert(hf, args.llama_cpp.resolve(), f16, PRESETS[args.preset].get("pre", "qwen35"))
+        spec = PRESETS[args.preset]  # (Gemma 4's converter has no MTP layers to leave out, and refuses --no-mtp)
+        convert(hf, args.llama_cpp.resolve(), f16, spec.get("pre", "qwen35"), mtp=not spec.get("spm"))
         for t in args.types:
             if t != "F16":
                 quantize(f16, args.out_dir / f"tiny-{args.preset}-{t}.gguf", t)
