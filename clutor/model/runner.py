@@ -207,8 +207,8 @@ class Runner:
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
         """The layer's output from x and the routed experts' outputs (arch.ffn_out: by default x + them
-        + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are summed in its router's slot order (as llama.cpp adds
-        them), never in the order they were asked for or read: that order depends on the other rows
+        + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are
+        summed in its router's slot order (as llama.cpp adds them), never in the order they were asked for or read: that order depends on the other rows
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
