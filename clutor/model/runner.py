@@ -64,6 +64,12 @@ class Runner:
         self.profile = profile
         self._w = weights
         self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
+        # MoE layer -> the MoE layer whose experts decode predicts from its residual: l + 1 when that one
+        # is MoE; the last MoE layer's is the first (the next token's).
+        moe = cfg.moe_layers
+        self._ahead = {l: l + 1 for l in moe if l + 1 in self._moe_index}
+        if moe:
+            self._ahead[moe[-1]] = moe[0]
         self._rope = arch.make_rope(n_ctx)
         self._trace = trace
         # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
@@ -147,15 +153,21 @@ class Runner:
                 return x, h, None, None, None
             sel, w = arch.route(lw, h)  # [R, K], [R, K]
         nxt = None
-        if step.plan.decode and l + 1 in self._moe_index and self._predicting(len(sel)):
-            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
-            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+        ahead = self._ahead.get(l)
+        if step.plan.decode and ahead is not None and (self._predicting(len(sel)) if ahead == l + 1
+                                                       else self._prefetching(len(sel))):
+            # Decode (one row per sequence): the next MoE layer's router on this residual predicts its
+            # experts, told to the cache before this layer's get (and read ahead by prefetch when it is
+            # on). After the last MoE layer that is the first one, for the next token: read while this
+            # token's last layers, output and sampling compute (prefetch only: hints and the trace
+            # speak of layer l+1).
             with prof.span("predict"):
-                nxt = self._predict(l + 1, x)
+                nxt = self._predict(ahead, x)
         if self._trace is not None:
             pos = step.plan.pos
             for r in range(len(sel)):
-                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
+                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(),
+                                  next=nxt if ahead == l + 1 else None)
         return x, h, sel, w, nxt
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
@@ -285,7 +297,8 @@ class Runner:
         wanted = _by_votes(sel)  # each expert once per layer per step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         layer = self._moe_index[l]
-        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
+        ahead = self._ahead.get(l)
+        if nxt is not None and ahead == l + 1:  # before this layer's get: its misses then spare layer l+1's experts
             self.experts.hint(self._moe_index[l + 1], nxt)
         users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
         todo = list(wanted)
@@ -305,9 +318,10 @@ class Runner:
                     first_group = False
                     if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
                         # This layer's experts are pinned and its misses submitted: queue the experts
-                        # layer l+1's router picks from the current hidden state, read while this
-                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
-                        self.experts.prefetch(self._moe_index[l + 1], nxt)
+                        # the next MoE layer's router picks from the current hidden state, read once
+                        # this layer's misses are in (the store's idle-disk rule) while it computes.
+                        # (In a prefill nearly every expert is demanded anyway.)
+                        self.experts.prefetch(self._moe_index[ahead], nxt)
                     first_get = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
                     t_wait = time.perf_counter()
