@@ -504,8 +504,10 @@ def test_prefetch_raises_accuracy_on_the_same_greedy_run(six_layers):
 
 def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_layers):
     """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
-    predicted experts are queued; after the last layer's, the first layer's for the next token (read
+    best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
     while the output and the sampling compute). A prefill step prefetches nothing."""
+    from clutor.model.runner import PREFETCH_RANKS
+
     minimum, slot = _minimum(six_layers)
 
     async def go():
@@ -514,12 +516,15 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
             calls: list[tuple[str, int]] = []
             get_ready, prefetch = store.get_ready, store.prefetch
             store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
-            store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), prefetch(layer, experts))[1]
+            asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
+            store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
+                                                     prefetch(layer, experts))[2]
             async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
                 pass
-            return calls, model.config.n_layers
+            return calls, model.config.n_layers, asked
 
-    calls, n = run(go())
+    calls, n, asked = run(go())
+    assert asked and all(1 <= k <= PREFETCH_RANKS for k in asked), asked
     prefill, decode = calls[:n], calls[n:]
     assert prefill == [("get", l) for l in range(n)], prefill
     # one get per layer per decode step; each followed by the prefetch of the next layer, the last by layer 0's
