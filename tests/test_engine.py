@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import clutor
+from clutor.model.kernels import _ir
 from clutor.model.kv import PAGE
 from synth import ModelSpec, write_model
 
@@ -53,6 +54,34 @@ def test_forward_batch_equals_each_sequence_alone(arch, activations):
         assert np.array_equal(np.argmax(b, -1), np.argmax(s, -1))
     for s, a in zip(step, alone):
         assert _max_err(s, a) <= TOL
+
+
+@pytest.mark.skipif(not _ir.HAVE_INT8_SIMD, reason="q8 mode needs x86 AVX2 (elsewhere it is f32, whose float "
+                    "tiles sum a row in an order that depends on the tile width)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_rows_have_their_solo_bits(arch):
+    """In q8 mode (ggml's numerics) a row's logits do not depend on the rows batched beside it, to the
+    bit: its products sum each token's blocks in one order whatever the token count of the call,
+    the routers and attention compute each row alone, and a row's experts are summed in its slot
+    order. (Within float rounding is not enough: a router choosing between two experts within 1e-7
+    of each other would pick differently, and a sampled request's tokens would change.)"""
+    rng = np.random.default_rng(3)
+
+    async def go():
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), io="memory", activations="q8") as model:
+            V = model.config.n_vocab
+            a, b, c = (rng.integers(0, V, n).tolist() for n in (20, 3, 5))
+            solo = await model.logits(b)
+            out = []
+            for batch in ([c, b], [b, c], [a[:1], b], [a[:1], c, b]):
+                seqs = [model.new_sequence() for _ in batch]
+                res = await model.forward_batch(list(zip(seqs, batch)), all_logits=True)
+                out.append(res[[i for i, p in enumerate(batch) if p is b][0]])
+            return solo, out
+
+    solo, out = run(go())
+    for got in out:
+        assert np.array_equal(got.view(np.uint32), solo.view(np.uint32))
 
 
 # -- 2. concurrent generations == the same requests alone ----------------------------------------

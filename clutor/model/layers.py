@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from .kernels.rowwise import rowdot
 from .profile import kernel_done
 
 __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention", "route", "gate"]
@@ -184,9 +185,10 @@ def _attention_masked(q, K, V, p0, k0, scale, window, sinks):
 
 
 def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
-    """h [T, D] @ router [E, D].T -> [T, E] (float32 BLAS; timed as a kernel by a running profile)."""
+    """h [T, D] @ router [E, D].T -> [T, E] (float32, each row alone: a row's logits, and so its
+    experts, do not depend on the rows beside it; timed as a kernel by a running profile)."""
     t0 = time.perf_counter()
-    logits = h @ router.T
+    logits = rowdot(h, router)
     kernel_done(t0)
     return logits
 

@@ -216,15 +216,27 @@ class Runner:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)
             y *= w.reshape(-1)[picked][:, None]
-            return {v.expert: (rows[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
+            # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
+            return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
-        """x + the routed experts' outputs (summed in the order the experts were asked for, so the
-        result never depends on which read finished first) + what the architecture adds (shared
-        experts, or a dense layer's FFN)."""
-        out = np.zeros_like(h)  # [R, D]
-        for rows, y in ys:
-            out[rows] += y
+        """x + the routed experts' outputs + what the architecture adds (shared experts, or a dense
+        layer's FFN). Each row's experts are summed in its router's slot order (as llama.cpp adds
+        them), never in the order they were asked for or read: that order depends on the other rows
+        of the step (most-voted first) and on the cache, and float sums in another order differ in
+        their last bits, so a row's result would depend on what it was batched with."""
+        R, D = h.shape
+        if ys:
+            K = self.config.n_expert_used
+            slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
+            for flat, y in ys:
+                slots[flat] = y
+            slots = slots.reshape(R, K, D)
+            out = slots[:, 0].copy()  # [R, D]
+            for k in range(1, K):
+                out += slots[:, k]
+        else:
+            out = np.zeros_like(h)  # [R, D]
         extra = self.arch.ffn_extra(self._w.layers[l], h)
         if extra is not None:
             out += extra

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .kernels.kvpages import gather_f16
+from .kernels.rowwise import attend
 from .kv import PAGE
-from .layers import attention
 
 if TYPE_CHECKING:
     from .kv import KVPool
@@ -89,7 +89,8 @@ class Step:
             end = s.p0 + s.n
             lo = max(0, s.p0 - window + 1) // PAGE if window else 0  # keys no query of this step sees are not read
             K, V = _gather(g, li, s.seq.tables[gi][lo : -(-end // PAGE)], end - lo * PAGE)
-            outs.append(attention(q[s.rows], K, V, s.p0, lo * PAGE, scale, window=window, sinks=sinks))
+            # each (row, head) alone, in a fixed order: a row's result is the same in any batch
+            outs.append(attend(q[s.rows], K, V, s.p0, lo * PAGE, scale, window=window, sinks=sinks))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
 
