@@ -55,7 +55,7 @@ class Runner:
     """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
 
     def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
-                 kernels_: "KernelSettings", prefetch: bool, profile: Profile = NO_PROFILE,
+                 kernels_: "KernelSettings", prefetch: bool | None, profile: Profile = NO_PROFILE,
                  trace: "TraceWriter | None" = None):
         cfg = arch.cfg
         self.arch = arch
@@ -74,8 +74,8 @@ class Runner:
             self._ahead[moe[-1]] = moe[0]
         self._rope = arch.make_rope(n_ctx)
         self._trace = trace
-        # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
-        # prefetch option for why it is off unless asked for).
+        # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
+        # or None: in steps of one sequence only (see Model.open's prefetch option).
         self._prefetch = prefetch
         self._hints = experts.wants_hints
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
@@ -290,7 +290,9 @@ class Runner:
         return out
 
     def _prefetching(self, n_seq: int) -> bool:
-        return self._prefetch
+        """Prefetch in a decode step of n_seq sequences: True always, False never, None (the default)
+        alone only (a batched step is disk-bound: its wrong guesses would only add bytes)."""
+        return n_seq == 1 if self._prefetch is None else self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode
