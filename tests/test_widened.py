@@ -31,8 +31,8 @@ def _corpus_ids(tok, n: int) -> list[int]:
 
 
 async def _logits(path, ids, activations):
-    # f32 keys and values: the check is that both files compute the same network, and a float16 KV
-    # cache rounds the wide heads' products apart from the narrow ones' (5 logits of 0.8M by up to 1.3e-3 against a tolerance of 1.2e-3)
+    # an f32 KV cache: the claim is about the products; a float16 one rounds keys and values that
+    # differ in their last float bits (sums over 512 dims, not 256) to halves apart (1.1e-4 of max |logit|)
     async with clutor.Model.open(path, io="memory", activations=activations, kv_type="f32") as model:
         return await model.logits(ids)
 
