@@ -158,8 +158,7 @@ def _q6_fvals(bld, wptr, off):
 def _q6_iprep(bld, wptr, off):
     scales = bld.sext(_ir.load(bld, _ir.at(bld, wptr, off, 192), _ir.V16i8), _ir.V16i16)  # [16]
     # lanes 0..7 of a chunk's pair sums cover 16-element group 2i, lanes 8..15 group 2i+1
-    lanes = [bld.shuffle_vector(scales, ir.Constant(_ir.V16i16, ir.Undefined),
-                              _ir.vconst(ir.VectorType(_ir.i32, 16), [2 * i] * 8 + [2 * i + 1] * 8)) for i in range(8)]
+    lanes = _pair_lanes(bld, scales)
     return _ir.half(bld, _ir.at(bld, wptr, off, 208)), scales, lanes, _q6_quants(bld, wptr, off)
 
 
