@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ModelFileError, UnsupportedError  # noqa: F401
+from .errors import (BudgetError, ClosedError, ClutorError, ClutorIOError, ExpertReadError, ModelFileError,  # noqa: F401
+                     QueueFullError, UnsupportedError)
 from .errors import __all__ as _error_names  # the error hierarchy, exported whole
 
 if TYPE_CHECKING:

@@ -12,7 +12,9 @@ __all__ = [
     "ModelFileError",
     "UnsupportedError",
     "ClutorIOError",
+    "ExpertReadError",
     "BudgetError",
+    "QueueFullError",
     "ClosedError",
 ]
 
@@ -50,8 +52,27 @@ class ClutorIOError(ClutorError):
         super().__init__(f"{self.path}: read of {length} bytes at offset {offset} failed: {reason}")
 
 
+class ExpertReadError(ClutorIOError):
+    """Reading one routed expert failed: ``layer`` (the expert store's layer) and ``expert`` say which,
+    so that only the requests routed to it fail."""
+
+    def __init__(self, path: str | os.PathLike, offset: int, length: int, reason: str, layer: int, expert: int):
+        super().__init__(path, offset, length, reason)
+        self.layer = layer
+        self.expert = expert
+
+
 class BudgetError(ClutorError):
     """A memory budget is too small for what must fit in it."""
+
+
+class QueueFullError(ClutorError):
+    """The model's engine holds as many waiting requests as it was told to (``max_queue``);
+    ``retry_after``: whole seconds after which a place is likely free."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ClosedError(ClutorError):

@@ -110,7 +110,7 @@ async def _baseline(args) -> dict:
             pass
         dense = model._w.nbytes
         cache = out.stats.io.cache_bytes
-        kv = model.new_sequence().kv.nbytes
+        kv = model.kv.stats().resident_bytes
     return {"os": os_figures(), "dense_bytes": dense, "cache_bytes": cache, "kv_bytes": kv}
 
 

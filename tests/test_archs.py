@@ -72,17 +72,30 @@ def test_streamed_equals_memory_bit_for_bit(arch, io, activations):
 
 
 def test_kv_cache_follows_the_architecture():
-    """MLA caches the latent (kv_lora + rope floats per layer and position), the engine counts that."""
-    async def go(arch):
-        async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
+    """MLA caches the latent (kv_lora + rope floats per layer and position), the engine counts that;
+    gpt-oss's sliding-window layers are a page group of their own, which gives back what falls behind."""
+    from clutor.model.kv import PAGE
+
+    async def go(arch, n=3):
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), kv_type="f32") as model:
             seq = model.new_sequence()
-            await model.forward(seq, [1, 2, 3])
-            return model.config, seq.kv, model.engine.bytes_per_token
-    cfg, kv, per_token = run(go("deepseek2"))
+            await model.forward(seq, list(range(1, n + 1)))
+            await model.forward(seq, [1])
+            model.kv.trim_window(seq)
+            groups = [(g.window, len(g.layers), g.data.shape, [p >= 0 for p in seq.tables[i]])
+                      for i, g in enumerate(model.kv.groups)]
+            return model.config, model.kv.page_bytes, model.engine.bytes_per_token, sorted(groups)
+    cfg, page_bytes, per_token, groups = run(go("deepseek2"))
     assert cfg.kv_floats == 64 + 16 and per_token == cfg.n_layers * (64 + 16) * 4
-    assert kv.k.shape[-1] == 64 + 16 and kv.nbytes == per_token * kv.n_ctx
-    cfg, kv, per_token = run(go("glm4moe"))
-    assert per_token == cfg.n_layers * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4 == kv.nbytes // kv.n_ctx
+    assert len(groups) == 1 and groups[0][2][2:] == (1, PAGE, 64 + 16) and page_bytes == per_token * PAGE
+    cfg, page_bytes, per_token, _ = run(go("glm4moe"))
+    assert per_token == cfg.n_layers * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * 4 == page_bytes // PAGE
+    cfg, page_bytes, per_token, groups = run(go("gptoss", 3 * PAGE + 8))
+    (_, n_full, _, full), (window, n_window, _, slid) = groups
+    assert window == 8 and n_full + n_window == cfg.n_layers
+    # 3 pages + 9 positions: the full layers hold all 4 pages; the window layers only the last, which
+    # holds every key the next position sees (the 8 before it)
+    assert full == [True] * 4 and slid == [False, False, False, True]
 
 
 @pytest.mark.parametrize("arch, words", [

@@ -245,10 +245,11 @@ def test_absurd_head_dim_and_vocab_are_named_errors():
 
 
 def test_kv_cache_that_cannot_be_mapped_is_a_budget_error():
-    from clutor.model.layers import KVCache
+    from clutor.model.kv import KVPool
+    from clutor.model.state import FullKV
 
-    with pytest.raises(BudgetError, match="n_ctx"):
-        KVCache(1 << 12, 1 << 10, 1 << 24, 4096, 4096)  # 2^60 bytes of address space
+    with pytest.raises(BudgetError, match="kv_cache"):
+        KVPool([FullKV(1 << 10, 4096, 4096)] * (1 << 12), n_ctx=1 << 24, budget=1 << 60)  # 2^60 bytes of address space
 
 
 # -- 5. templates are bounded ---------------------------------------------------------------------

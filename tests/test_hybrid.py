@@ -42,7 +42,8 @@ def test_logits_match_llama_cpp(arch, qtype):
     ref = g["logits"].astype(np.float32)
 
     async def go():
-        async with clutor.Model.open(fixture_path(arch, qtype)) as model:
+        # llama.cpp's logits were recorded with an f32 KV cache (tools/record_reference.py)
+        async with clutor.Model.open(fixture_path(arch, qtype), kv_type="f32") as model:
             return await model.logits(g["prompt_ids"].tolist())
 
     got = run(go())
@@ -60,7 +61,7 @@ def test_greedy_matches_llama_cpp(arch):
     g = golden(arch, "F16")
 
     async def gen():
-        async with clutor.Model.open(fixture_path(arch, "F16")) as model:
+        async with clutor.Model.open(fixture_path(arch, "F16"), kv_type="f32") as model:
             return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=24,
                                                          temperature=0, ignore_eos=True) if o.token is not None]
 
@@ -281,13 +282,13 @@ def test_second_chat_turn_on_a_reused_prefix_equals_a_fresh_run(arch):
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
 def test_only_attention_layers_hold_a_kv_cache(arch):
     async def go():
-        async with clutor.Model.open(fixture_path(arch, "Q4_K_M")) as model:
+        async with clutor.Model.open(fixture_path(arch, "Q4_K_M"), kv_type="f32") as model:
             seq = model.new_sequence()
             await model.forward(seq, [1, 2, 3])
-            return model.config, seq, model.engine.bytes_per_token
+            return model.config, seq, model.engine.bytes_per_token, [g.layers for g in model.kv.groups]
 
-    cfg, seq, per_token = run(go())
-    assert cfg.kv_layers == (3,) and seq.kv.k.shape[0] == 1
+    cfg, seq, per_token, kv_layers = run(go())
+    assert cfg.kv_layers == (3,) and kv_layers == [[3]]
     assert per_token == cfg.n_head_kv * 2 * cfg.head_dim * 4
     # 3 Gated DeltaNet layers: conv (2*2*32 + 4*32 channels x 3) + 4 heads x 32 x 32, float32
     assert cfg.recurrent_bytes == 3 * 4 * (256 * 3 + 4 * 32 * 32) == seq.rs.state_bytes
@@ -350,12 +351,12 @@ def test_nemotron_layers_and_ungated_experts():
             await model.forward(seq, [5, 6, 7])
             batch = await model._experts.get(0, [1])
             try:
-                return seq, batch[0].gate is None, bytes(batch[0].up)
+                return seq, batch[0].gate is None, bytes(batch[0].up), [g.layers for g in model.kv.groups]
             finally:
                 batch.release()
 
-    seq, no_gate, up = run(go())
-    assert no_gate and sorted(seq.rs.ssm) == [0, 4] and seq.rs.n == 3 and seq.kv.k.shape[0] == 1
+    seq, no_gate, up, kv_layers = run(go())
+    assert no_gate and sorted(seq.rs.ssm) == [0, 4] and seq.rs.n == 3 and kv_layers == [[2]]
     import gguf
     t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.1.ffn_up_exps.weight")
     assert up == bytes(np.asarray(t.data).reshape(cfg.n_expert, -1)[1].tobytes())
@@ -403,8 +404,8 @@ def test_server_chat_turns_reuse_a_hybrids_checkpoint():
 
 
 def test_a_recurrent_state_cut_back_by_hand_is_a_clear_error():
-    """Cutting a hybrid's sequence back like a KV cache (seq.kv.n = k) cannot work: its recurrent
-    state has absorbed every token. The next step says so instead of computing garbage; rewind to a
+    """Cutting a hybrid's sequence back like a KV cache (seq.truncate(k)) cannot work: its recurrent
+    state has absorbed every token. That says so instead of computing garbage later; rewind to a
     checkpoint (what prefix reuse does) works."""
     async def go():
         async with clutor.Model.open(fixture_path("qwen35moe", "Q4_K_M")) as model:
@@ -412,10 +413,10 @@ def test_a_recurrent_state_cut_back_by_hand_is_a_clear_error():
             await model.forward(seq, [1, 2, 3, 4])
             seq.checkpoint()
             await model.forward(seq, [5, 6])
-            seq.kv.n = 4
-            with pytest.raises(clutor.ClutorError, match="recurrent state at position 6, step at 4"):
-                await model.forward(seq, [7])
-            seq.kv.n = 6
+            with pytest.raises(clutor.ClutorError, match="recurrent layers back to 4 positions: their state has "
+                                                         "absorbed all 6"):
+                seq.truncate(4)
+            assert seq.n == 6 and seq.rs.n == 6
             assert seq.reusable(5) == 4
             seq.rewind(4)
             again = await model.forward(seq, [7])

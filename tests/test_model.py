@@ -11,7 +11,8 @@ from conftest import (assert_matches_golden, ACTIVATIONS, ARCHS, NEW_ARCHS, NEW_
 
 
 async def _logits(path, ids):
-    async with clutor.Model.open(path) as model:
+    # llama.cpp's logits were recorded with an f32 KV cache (tools/record_reference.py)
+    async with clutor.Model.open(path, kv_type="f32") as model:
         return await model.logits(ids)
 
 
@@ -38,7 +39,8 @@ def test_q8_mode_reproduces_llama_cpp(arch, qtype):
     ref = g["logits"].astype(np.float32)
 
     async def go():
-        async with clutor.Model.open(fixture_path(arch, qtype), activations="q8") as model:
+        # (llama.cpp's logits were recorded with an f32 KV cache, tools/record_reference.py)
+        async with clutor.Model.open(fixture_path(arch, qtype), activations="q8", kv_type="f32") as model:
             return await model.logits(g["prompt_ids"].tolist())
 
     got = run(go())
@@ -57,7 +59,7 @@ def test_deepseek_mla_q8_0_is_llama_cpp_to_rounding(arch):
     ref = g["logits"].astype(np.float32)
 
     async def go():
-        async with clutor.Model.open(fixture_path(arch, "Q8_0"), activations="q8") as model:
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), activations="q8", kv_type="f32") as model:  # f32-KV goldens
             return await model.logits(g["prompt_ids"].tolist())
 
     got = run(go())
@@ -73,7 +75,7 @@ def test_greedy_matches_llama_cpp(arch):
     assert len(want) >= 24
 
     async def gen():
-        async with clutor.Model.open(fixture_path(arch, "F16")) as model:
+        async with clutor.Model.open(fixture_path(arch, "F16"), kv_type="f32") as model:
             return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=24,
                                                          temperature=0, ignore_eos=True) if o.token is not None]
 

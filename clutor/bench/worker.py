@@ -42,13 +42,16 @@ DEFAULTS: dict = {
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
     "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
     "activations": "auto",   # kernels: auto | q8 | f32
+    "kv_cache": None,        # KV pool bytes (None: Model.open's default)
+    "kv_type": "f16",        # f32 | f16 | q8_0
     "trace": False,          # record the routing and replay it: Belady's bytes for the decode tokens
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
-OPEN_KEYS = STORE_KEYS + ("profile", "activations")
-# Values that ask for nothing beyond what a Model.open without that option does (experts from memory).
+OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type")
+# Values that ask for nothing beyond what a Model.open without that option does (experts from memory;
+# a checkout from before the KV pool kept float32 keys and values, with no budget).
 _NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
-            "profile": False, "activations": "auto"}
+            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32"}
 
 
 def to_jsonable(obj):
@@ -147,6 +150,8 @@ def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int
 
     if not n_slots:
         return None
+    from ..model.weights import expert_layout
+
     with GGUFFile.open(path) as f:
         layout = expert_layout(f, read_arch(f))
     trace = read_trace(trace_path)

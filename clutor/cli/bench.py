@@ -21,10 +21,10 @@ import sys
 
 from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
+from ..model.options import DEFAULTS, IO_CHOICES, KV_TYPES
 from .common import add_command
 from .source import add_model_source
 
-IO_CHOICES = ("auto", "uring", "threads", "memory")
 SLACK_TOKENS = 8  # n_ctx = prompt + generated + this
 
 
@@ -125,6 +125,9 @@ def add_parser(sub):
     g.add_argument("--buffered", action="store_true", help="read through the page cache instead of O_DIRECT")
     g.add_argument("--activations", choices=("auto", "q8", "f32"), default="auto",
                    help="kernels: int8 activations with integer dot products (q8), float (f32), or auto")
+    g.add_argument("--kv-cache", default=None, metavar="SIZE",
+                   help="KV pool memory: bytes, '2GiB' or '10%%' of the available memory (default: Model.open's)")
+    g.add_argument("--kv-type", choices=KV_TYPES, default=DEFAULTS.kv_type, help="what keys and values are stored as")
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
@@ -416,7 +419,7 @@ def _llama_config(args, how: str) -> str:
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
     opts = {**common, "io": args.io, "direct": not args.buffered, "profile": args.profile,
-            "activations": args.activations}
+            "activations": args.activations, "kv_cache": args.kv_cache, "kv_type": args.kv_type}
     if args.io != "memory":
         opts.update(expert_cache=budget.worker_value, prefetch=prefetch, policy=policy)
     return opts

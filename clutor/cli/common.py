@@ -8,8 +8,9 @@ import threading
 import time
 
 from ..errors import ClutorError
-from ..io.policies import DEFAULT_POLICY, POLICIES
+from ..io.policies import POLICIES
 from ..model.generate import GenerationStats
+from ..model.options import DEFAULTS, IO_CHOICES, KV_TYPES
 from ..model.sampling import SamplingParams
 from .parsing import add_llama_cpp_habits
 
@@ -75,20 +76,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes "
                         "(default: auto = off: on real routing it did not win, see docs/benchmarks.md)")
-    g.add_argument("--policy", default=DEFAULT_POLICY, choices=tuple(POLICIES), help="expert cache replacement policy")
-    g.add_argument("--io", choices=("auto", "uring", "threads", "memory"), default="auto",
+    g.add_argument("--policy", default=DEFAULTS.policy, choices=tuple(POLICIES), help="expert cache replacement policy")
+    g.add_argument("--io", choices=IO_CHOICES, default=DEFAULTS.io,
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")
     d = g.add_mutually_exclusive_group()
     d.add_argument("--direct", dest="direct", action="store_true", default=True,
                    help="O_DIRECT reads that bypass the page cache (the default)")
     d.add_argument("--buffered", dest="direct", action="store_false", help="reads through the page cache")
     g.add_argument("--trace", default=None, metavar="FILE", help="record routing to FILE (JSONL, see `clutor simulate`)")
-    b = p.add_argument_group("batching")
-    b.add_argument("-np", "--parallel", "--max-sequences", dest="max_sequences", type=int, default=16, metavar="N",
-                   help="generations advanced together in one step")
-    b.add_argument("-b", "--batch-size", "--step-tokens", dest="step_tokens", type=int, default=256, metavar="N",
+    b = p.add_argument_group("batching and KV cache")
+    b.add_argument("-np", "--parallel", "--max-sequences", dest="max_sequences", type=int,
+                   default=DEFAULTS.max_sequences, metavar="N", help="generations advanced together in one step")
+    b.add_argument("-b", "--batch-size", "--step-tokens", dest="step_tokens", type=int, default=DEFAULTS.step_tokens,
+                   metavar="N",
                    help="tokens one step computes at most (long prompts are prefilled in chunks)")
-    b.add_argument("--prefix-cache", default="256MiB", metavar="SIZE",
+    b.add_argument("--kv-cache", default=DEFAULTS.kv_cache, metavar="SIZE",
+                   help="memory for every sequence's keys and values: bytes, '2GiB' or '10%%' of the available "
+                        "memory (default: half of what is left after the dense weights and the expert cache, "
+                        "capped at --max-sequences full contexts); when full, the newest request waits")
+    b.add_argument("--kv-type", choices=KV_TYPES, default=DEFAULTS.kv_type,
+                   help="what keys and values are stored as (llama.cpp's default is f16)")
+    b.add_argument("--prefix-cache", default=DEFAULTS.prefix_cache, metavar="SIZE",
                    help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
 
 
@@ -120,8 +128,8 @@ def model_kwargs(args) -> dict:
     prefetch = None if args.prefetch in (None, "auto") else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
-                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, activations=args.activations,
-                threads=args.threads, progress=load_progress())
+                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, kv_cache=args.kv_cache,
+                kv_type=args.kv_type, activations=args.activations, threads=args.threads, progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:

@@ -38,6 +38,12 @@ def describe(path: str) -> dict:
             kernel[type_name(t.qtype)] = kernels.has_kernel(t.qtype)
         dense = resident_bytes(f, arch)
         per_layer = [layout.expert_bytes(l) for l in range(layout.n_layers)]
+        from ..model.kv import PAGE, refusal, sizes
+        from ..model.options import KV_TYPES
+
+        specs = arch.layer_states()
+        kv_per_token = {t: sizes(specs, t)[0] // PAGE for t in KV_TYPES
+                        if not any(refusal(s, t) for s in specs if s is not None and s.kind != "recurrent")}
         return {
             "path": path,
             "files": list(f.paths),
@@ -50,6 +56,9 @@ def describe(path: str) -> dict:
             "expert_bytes_per_token_worst": sum(b * cfg.n_expert_used for b in per_layer),
             "min_expert_cache": min_budget(layout, cfg.n_expert_used),
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
+            "kv_bytes_per_token": kv_per_token,  # by kv_type, every layer's keys and values for one position
+            # per layer: "full", "window N", "latent", "recurrent", or "none" (an FFN-only layer)
+            "layer_states": ["none" if s is None else s.kind + (f" {s.window}" if s.window else "") for s in specs],
             "machine": machine_kernels(),
         }
 
@@ -134,8 +143,11 @@ def run(args) -> int:
         f"attention       {a['attention']}, RoPE {a['rope']}"
         + (f", sliding window {a['sliding_window']}" if a["sliding_window"] else ""),
         f"layer kinds     {_kinds(a['layer_kinds'])}",
-        f"KV cache        {_fmt(a['kv_bytes_per_token'])} per token (float32)"
-        + (f" in {len(c['kv_layers'])} of {c['n_layers']} layers" if c.get("kv_layers") is not None else ""),
+        "KV cache        " + ", ".join(f"{_fmt(n)} per token as {t}" + (" (default)" if t == "f16" else "")
+                                   for t, n in d["kv_bytes_per_token"].items())
+        + (f" in {len(c['kv_layers'])} of {c['n_layers']} layers" if c.get("kv_layers") is not None else "")
+        + (f"; {sum(1 for k in d['layer_states'] if k.startswith('window'))} sliding-window layers keep only their "
+           "window" if any(k.startswith("window") for k in d["layer_states"]) else ""),
         (f"recurrent state {_fmt(a['recurrent_bytes'])} per sequence (float32, fixed: conv + "
          f"{'SSM' if 'SSM' in a['layer_kinds'] else 'delta-rule'} states, whatever the context)")
         if a.get("recurrent_bytes") else "",

@@ -38,7 +38,7 @@ from typing import AsyncIterator, Callable, Sequence
 import numpy as np
 
 from .._util import AwaitableContext
-from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError
+from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ExpertReadError
 from ..units import format_bytes
 from .arena import Arena, round_up, widen
 from .backend import DEFAULT_ALIGN, Backend, ReadHandle, ReadRequest, ReadState
@@ -663,13 +663,13 @@ class ExpertStore:
         try:
             handles = self.backend.submit(requests)
         except Exception as err:
-            failure = err if isinstance(err, ClutorError) else ClutorIOError(
-                self.layout.files[requests[0].file], requests[0].offset, requests[0].length, f"submit failed: {err!r}"
-            )
+            why = err.reason if isinstance(err, ClutorIOError) else str(err) if isinstance(err, ClutorError) else repr(err)
+            r0 = requests[0]
             for load in loads:
                 load.handles = []
                 self._outstanding += 1
-                load.error = failure
+                load.error = ExpertReadError(self.layout.files[r0.file], r0.offset, r0.length, f"submit failed: {why}",
+                                             *load.key)
                 self._finish(load)
             if demand:
                 self._pump()
@@ -722,19 +722,23 @@ class ExpertStore:
         part = self._parts_of(load.key)[p]
         path = self.layout.files[part.file]
         what = f"layer {load.key[0]} expert {load.key[1]} {PARTS[p]} slab"
+        # Every failure names the expert (ExpertReadError), so the model fails only the requests routed to it.
         if fut.cancelled():
-            err: BaseException | None = ClutorIOError(path, part.offset, part.length, f"read dropped ({what})")
+            err: BaseException | None = ExpertReadError(path, part.offset, part.length, f"read dropped ({what})",
+                                                        *load.key)
         else:
             err = fut.exception()
             if err is None:
                 got = fut.result()
                 if got < part.skip + part.nbytes:
-                    err = ClutorIOError(
+                    err = ExpertReadError(
                         path, part.slab_offset, part.nbytes,
                         f"short read: {got} of {part.length} bytes at offset {part.offset}; file ends before the {what}",
-                    )
+                        *load.key)
             elif isinstance(err, ClutorIOError):
-                err = ClutorIOError(err.path, err.offset, err.length, f"{err.reason} ({what})")
+                err = ExpertReadError(err.path, err.offset, err.length, f"{err.reason} ({what})", *load.key)
+            else:
+                err = ExpertReadError(path, part.offset, part.length, f"{err!r} ({what})", *load.key)
         if err is not None and load.error is None:
             load.error = err
         load.remaining -= 1

@@ -1,17 +1,32 @@
-"""The scheduler: every live generation of a model advances in one batched step.
+"""The scheduler: every live request of a model advances in one batched step.
 
-``Model.generate`` submits a request here and reads its tokens back; one task per model runs the
-steps. A step takes every decoding sequence's last token and, within a per-step token budget,
-the next chunk of the waiting prompts, and runs them as ONE forward (``Model.forward_batch``): the
-dense products run once over all rows, and each layer reads the union of the experts its rows route
-to once. Sampling happens on the compute thread at the end of the step. Requests join at step
-boundaries; a finished or released request leaves at once, and its KV cache goes to the prefix
-cache (LRU, bounded in bytes), where a later prompt that starts with the same tokens (the next turn
-of a conversation) picks it up instead of computing those positions again.
+``Model.generate`` (and ``logits``, ``embed``) submit a Request here and read its results back; one
+task per model runs the steps. Each round the engine
+
+1. admits waiting requests (first come, first served) while the batch has room (``max_sequences``)
+   and the KV pool (clutor.model.kv) has the bytes for them; a prompt that starts with tokens whose
+   pages the pool holds (a live sequence's, or a finished one's kept for reuse) maps those pages
+   instead of computing them, and one whose next page another request is computing right now waits
+   for it rather than computing it twice;
+2. plans the step (``StepPlan``, clutor.model.plan): every decoding sequence's last token, then, in
+   what is left of the per-step token budget, the next chunk of the prompts being prefilled, with
+   the pages each will write reserved; when the pool cannot hold them, the most recently admitted
+   request is preempted (its pages kept for reuse, its tokens recomputed where they were given up
+   when it resumes) instead of the process growing;
+3. hands the plan to the runner (clutor.model.runner), which computes it as ONE forward: the dense
+   products run once over all rows, and each layer reads the union of the experts its rows route to;
+4. applies the outcomes: sampled tokens to their requests, computed pages published for reuse,
+   finished requests out of the batch.
+
+Failure isolation: a request is checked (token ids, lengths, whether it can ever fit the KV budget)
+before it joins a step, so a bad one is refused to its own caller; a segment that fails inside a step
+(a failed expert read it needed, its head raising) fails that request only; an error of the whole
+step fails the requests in it.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -19,11 +34,17 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError, ClutorError
+from ..errors import BudgetError, ClosedError, ClutorError, QueueFullError
+from ..units import format_bytes
+from .accounting import Ledger
+from .kv import PAGE, NoRoom
+from .plan import StepPlan, Want
 
 if TYPE_CHECKING:
-    from .model import Model, SequenceState
+    from .kv import KVPool
+    from .runner import Runner
     from .sampling import Sampler
+    from .state import SequenceState
 
 __all__ = ["Engine", "EngineStats", "Request"]
 
@@ -32,125 +53,158 @@ __all__ = ["Engine", "EngineStats", "Request"]
 class EngineStats:
     live_sequences: int      # in the batch now
     queued: int              # submitted, waiting for a place in the batch
-    kv_bytes: int            # KV cache held by live sequences (positions filled x bytes per position),
-                             # plus their recurrent states and checkpoints
-    prefix_entries: int      # idle sequences kept for prefix reuse
-    prefix_bytes: int        # their KV bytes (<= the prefix budget)
+    kv_bytes: int            # KV pool bytes held by live sequences (a page they share counted once)
+    prefix_entries: int      # pages kept for prefix reuse (no live sequence holds them)
+    prefix_bytes: int        # their bytes (<= prefix_cache, and within the KV budget)
     steps: int               # forward steps run so far
     step_rows: int           # tokens computed in those steps (rows over all sequences)
+    kv_budget: int = 0       # the KV pool's budget (kv_cache)
+    kv_resident: int = 0     # what the pool's memory holds now (<= kv_budget)
+    shared_pages: int = 0    # pages mapped by more than one live sequence
+    preemptions: int = 0     # requests set aside (and later resumed) because the KV budget was full
 
 
 @dataclass(eq=False)
 class Request:
-    """One generation as the scheduler sees it. Created by Engine.submit; read with next()."""
+    """One request as the scheduler sees it. Created by the caller, handed to Engine.submit.
+
+    kind "generate": prompt, then tokens sampled one by one (read with next()).
+    kind "logits": the logits of every prompt position, float32 [T, V] (await result()).
+    kind "embed": the final normed hidden states pooled over the prompt, float32 [D] (await result()).
+    """
 
     prompt: list[int]
-    sampler: "Sampler"
-    max_new: int                # tokens to generate at most (max_tokens, bounded by the context)
-    stop_ids: frozenset[int]    # end-of-generation tokens (empty when ignoring them)
-    sample: Callable | None = None  # sample(req, logits [V]) -> (token, extra); None = sampler.sample
-    checkpoints: tuple[int, ...] = ()  # prompt positions whose recurrent state is kept for reuse (hybrids)
+    kind: str = "generate"
+    sampler: "Sampler | None" = None
+    max_new: int = 1            # tokens to generate at most (max_tokens, bounded by the context)
+    stop_ids: frozenset[int] = frozenset()  # end-of-generation tokens (empty when ignoring them)
+    # sample(req, logits [V], raw [V]) -> (token, extra); None = sampler.sample(logits). Runs on the
+    # compute thread; logits are after the logits processor, raw before it.
+    sample: Callable | None = None
+    # logits_processor(ids so far, logits [V]) -> logits [V] (e.g. a grammar's mask,
+    # clutor.grammar.Matcher), on the compute thread before sampling; the ids are the prompt and the
+    # tokens generated so far; it may change logits in place. An exception it raises, or a result of
+    # another shape, fails this request alone.
+    logits_processor: Callable | None = None
+    ledger: Ledger = field(default_factory=Ledger)  # this request's own expert I/O (clutor.model.accounting)
+    pooling: str = "mean"       # kind "embed": "mean" over the prompt's positions, or "last"
+    # prompt positions (besides its end) where a model with recurrent layers keeps its state, so that
+    # a later prompt sharing only that much starts there (chat: where the next turn's rendering departs
+    # from this one's, clutor.model.chat.chat_turn)
+    checkpoints: tuple[int, ...] = ()
     seq: "SequenceState | None" = None
-    held: list[int] = field(default_factory=list)   # ids whose positions the KV cache holds
+    held: list[int] = field(default_factory=list)   # ids whose positions the sequence holds
     todo: list[int] = field(default_factory=list)   # ids still to feed: the prompt's rest, or the last token
     history: list[int] = field(default_factory=list)  # prompt + generated (the sampler's penalty window)
     n_gen: int = 0
     cached_tokens: int = 0      # prompt positions reused from the prefix cache
+    preempted: int = 0          # times set aside for lack of KV room (and resumed)
+    keys: list = field(default_factory=list)        # content keys of held's full pages (clutor.model.kv)
+    prompt_keys: list = field(default_factory=list)  # ... of the prompt's full pages
+    copies: list = field(default_factory=list)      # page copies its next step makes first
+    admitted: int = 0           # admission order (the most recent is preempted first)
+    started: bool = False       # has run a step since it was (last) admitted
+    t_submitted: float = 0.0
     t_admitted: float = 0.0
     t_first: float = 0.0        # first token sampled
     released: bool = False
     done: bool = False
+    _pieces: list = field(default_factory=list)     # kind "logits" / "embed": what the chunks gave
     _events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     async def next(self) -> tuple[int, object, str | None]:
-        """(token, extra, finish reason or None); raises the step's error if the step failed."""
+        """(token, extra, finish reason or None); raises the error that failed the request."""
+        ev = await self._events.get()
+        if isinstance(ev, BaseException):
+            raise ev
+        return ev
+
+    async def result(self):
+        """kind "logits" / "embed": the whole result; raises the error that failed the request."""
         ev = await self._events.get()
         if isinstance(ev, BaseException):
             raise ev
         return ev
 
 
-class PrefixCache:
-    """Idle sequences whose KV caches may be reused, least recently used first out, bounded by the
-    bytes their filled positions hold."""
-
-    def __init__(self, budget: int, bytes_per_token: int):
-        self.budget = max(0, int(budget))
-        self.bytes_per_token = bytes_per_token
-        self._entries: OrderedDict[int, tuple["SequenceState", list[int]]] = OrderedDict()
-        self._next = 0
-
-    @property
-    def nbytes(self) -> int:
-        # every position ever written stays resident, not only the prefix that is reusable; recurrent
-        # states and their checkpoints are a fixed size per sequence
-        return sum(self._bytes(seq) for seq, _ in self._entries.values())
-
-    def _bytes(self, seq: "SequenceState") -> int:
-        return seq.kv.high * self.bytes_per_token + seq.state_bytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, seq: "SequenceState", held: list[int]) -> None:
-        if not held or self._bytes(seq) > self.budget:
-            return
-        self._entries[self._next] = (seq, held)
-        self._next += 1
-        while self.nbytes > self.budget:
-            self._entries.popitem(last=False)
-
-    def take(self, ids: Sequence[int]) -> tuple["SequenceState", list[int]] | None:
-        """The entry sharing the longest prefix with ids, cut to that prefix (at most len(ids) - 1
-        positions: the last prompt token is always computed, its logits are the first sample's)."""
-        best, best_n = None, 0
-        want = np.asarray(ids, dtype=np.int64)
-        for key, (seq, held) in self._entries.items():
-            n = min(len(held), len(want) - 1)
-            if n <= best_n:
-                continue
-            diff = np.nonzero(np.asarray(held[:n], dtype=np.int64) != want[:n])[0]
-            n = int(diff[0]) if len(diff) else n
-            n = seq.reusable(n)  # a recurrent state goes back only to a checkpoint
-            if n > best_n:
-                best, best_n = key, n
-        if best is None:
-            return None
-        seq, held = self._entries.pop(best)
-        seq.rewind(best_n)  # positions past the shared prefix are overwritten as the new prompt fills them
-        return seq, held[:best_n]
-
-
 class Engine:
-    """Owns a model's live sequences and runs their steps (see the module docstring)."""
+    """Owns a model's requests and runs their steps (see the module docstring)."""
 
-    def __init__(self, model: "Model", *, max_sequences: int, step_tokens: int, prefix_bytes: int):
-        cfg = model.config
-        self.model = model
+    def __init__(self, runner: "Runner", pool: "KVPool", *, name: str, n_vocab: int, n_ctx: int,
+                 max_sequences: int, step_tokens: int, max_queue: int | None = None):
+        self.runner = runner
+        self.pool = pool
+        self.name = name  # for error messages: the model's path
+        self.n_vocab = n_vocab
+        self.n_ctx = n_ctx
         self.max_sequences = max_sequences
         self.step_tokens = step_tokens
-        self.bytes_per_token = cfg.kv_bytes_per_token  # the architecture's KV layout (MLA: the latent)
-        self.prefix = PrefixCache(prefix_bytes, self.bytes_per_token)
+        self.max_queue = max_queue  # None: no limit
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
         self._in_step: set[int] = set()
+        self._promised: dict[bytes, Request] = {}  # page key -> the live request computing that page now
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
-        self._steps = 0
-        self._rows = 0
+        self._admissions = 0
+        self.preemptions = 0
+        self._mean_seconds = 5.0  # running mean of a request's time in the engine, for retry_after
 
-    # -- the generation side ---------------------------------------------------------------------
-    def submit(self, prompt: list[int], sampler: "Sampler", max_new: int, stop_ids: frozenset[int],
-               sample: Callable | None = None, checkpoints: Sequence[int] = ()) -> Request:
-        """checkpoints: prompt positions (besides its end) where a recurrent model keeps its state, so
-        that a later prompt sharing only that much can start from there (chat: where the next turn's
-        rendering departs from this one's, clutor.model.chat.chat_turn)."""
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page (PAGE positions of every layer)."""
+        return self.pool.page_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one position of one sequence takes (kv_type's, every layer; a page holds PAGE)."""
+        return self.pool.page_bytes // PAGE
+
+    # -- the request side ------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt as a list of ids, or ClutorError saying what is wrong with it (its caller's error,
+        raised before it can join a step)."""
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise ClutorError("the prompt is empty: give at least one token")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.n_vocab:
+            bad = lo if lo < 0 else hi
+            raise ClutorError(f"token ids must be in [0, {self.n_vocab}) (the model's vocabulary), got {bad} "
+                              f"at position {ids.index(bad)}")
+        if len(ids) > self.n_ctx:
+            raise ClutorError(f"the prompt is {len(ids)} tokens, {len(ids) - self.n_ctx} more than the context "
+                              f"(n_ctx {self.n_ctx}): shorten it or open the model with a larger n_ctx")
+        return ids
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked first: ClutorError, or BudgetError when it could never fit the KV
+        budget); QueueFullError when max_queue are waiting."""
         if self._closed:
-            raise ClosedError(f"{self.model.path}: model is closed")
-        req = Request(list(prompt), sampler, max_new, stop_ids, sample,
-                      tuple(sorted(p for p in set(checkpoints) if 0 < p < len(prompt))))
-        req.history = list(prompt)
+            raise ClosedError(f"{self.name}: model is closed")
+        if req.kind not in ("generate", "logits", "embed"):
+            raise ClutorError(f"unknown request kind {req.kind!r}")
+        if req.kind == "embed" and req.pooling not in ("mean", "last"):
+            raise ClutorError(f"pooling must be 'mean' or 'last', got {req.pooling!r}")
+        req.prompt = self.check(req.prompt)
+        req.checkpoints = tuple(sorted(p for p in set(req.checkpoints) if 0 < p < len(req.prompt)))
+        positions = len(req.prompt) + (max(req.max_new, 1) - 1 if req.kind == "generate" else 0)
+        need = self.pool.bytes_for(positions)
+        if need > self.pool.budget:
+            raise BudgetError(f"this request needs {format_bytes(need)} of KV cache ({positions} positions: "
+                              f"{len(req.prompt)} prompt + {positions - len(req.prompt)} generated, "
+                              f"{format_bytes(self.bytes_per_token)} each), more than the whole KV budget of "
+                              f"{format_bytes(self.pool.budget)}: ask for fewer tokens, or open the model with "
+                              "a larger kv_cache")
+        if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+            retry = self.retry_after()
+            raise QueueFullError(f"the engine is at capacity ({len(self._active)} running, {len(self._waiting)} "
+                                 f"queued); retry after {retry} s", retry)
+        req.history = list(req.prompt)
+        req.todo = list(req.prompt)
+        req.prompt_keys = self.pool.chain_keys(req.prompt, len(req.prompt) // PAGE)
+        req.t_submitted = time.perf_counter()
         self._waiting.append(req)
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
@@ -161,24 +215,34 @@ class Engine:
     def release(self, req: Request) -> None:
         """The reader is done with req (finished, stopped on a stop string, or cancelled): it leaves
         the batch now, or right after the step it is part of."""
+        if not req.released and req.t_submitted:
+            self._mean_seconds += 0.2 * (time.perf_counter() - req.t_submitted - self._mean_seconds)
         req.released = True
         if req in self._waiting:
             self._waiting.remove(req)
         elif id(req) not in self._in_step:
             self._retire(req)
+        if self._wake is not None:
+            self._wake.set()  # its room may let a waiting request in
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely free: the queue ahead drained max_sequences at a time."""
+        waves = (len(self._waiting) + 1) / self.max_sequences
+        return max(1, min(60, math.ceil(waves * self._mean_seconds)))
 
     def stats(self) -> EngineStats:
+        ps = self.pool.stats()
         return EngineStats(
-            live_sequences=len(self._active), queued=len(self._waiting),
-            kv_bytes=sum(self.prefix._bytes(r.seq) for r in self._active if r.seq is not None),
-            prefix_entries=len(self.prefix), prefix_bytes=self.prefix.nbytes,
-            steps=self._steps, step_rows=self._rows)
+            live_sequences=len(self._active), queued=len(self._waiting), kv_bytes=ps.live_bytes,
+            prefix_entries=ps.cached_pages, prefix_bytes=ps.cached_bytes,
+            steps=self.runner.steps, step_rows=self.runner.rows, kv_budget=ps.budget, kv_resident=ps.resident_bytes,
+            shared_pages=ps.shared_pages, preemptions=self.preemptions)
 
     async def aclose(self) -> None:
         """Fail every request not finished, after the step under way (it may hold pinned experts)."""
         self._closed = True
         for req in list(self._waiting) + list(self._active):
-            req._events.put_nowait(ClosedError(f"{self.model.path}: model closed during generation"))
+            req._events.put_nowait(ClosedError(f"{self.name}: model closed during generation"))
         self._waiting.clear()
         if self._wake is not None:
             self._wake.set()
@@ -187,8 +251,8 @@ class Engine:
                 await self._task
             except BaseException:
                 pass
-        self._active.clear()
-        self.prefix = PrefixCache(0, self.bytes_per_token)
+        for req in list(self._active):
+            self._drop(req)
 
     # -- the step loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -207,7 +271,7 @@ class Engine:
     async def _loop(self) -> None:
         while not self._closed:
             self._admit()
-            batch = self._plan()
+            batch = self._schedule()
             if not batch:
                 if self._closed or (not self._waiting and not self._active):
                     return  # the next submit starts a new task
@@ -217,64 +281,173 @@ class Engine:
             await self._step(batch)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_sequences:
-            req = self._waiting.popleft()
-            reuse = self.prefix.take(req.prompt)
-            if reuse is not None:
-                req.seq, req.held = reuse
-            else:
-                req.seq, req.held = self.model.new_sequence(), []
-            req.cached_tokens = len(req.held)
-            req.todo = req.prompt[len(req.held):]
-            req.t_admitted = time.perf_counter()
-            self._active.append(req)
+        """Waiting requests into the batch, oldest first, while there is a place and KV room; one that
+        waits for a page another request is computing lets those behind it go first."""
+        skipped: list[Request] = []
+        try:
+            while self._waiting and len(self._active) < self.max_sequences:
+                req = self._waiting[0]  # taken off the queue only once admitted: a failure here still reaches it
+                tokens = req.held + req.todo  # a resumed request: everything it had, recomputed where not kept
+                if self._active and self.pool.room < self.pool.bytes_for(min(len(tokens), self.step_tokens)):
+                    break  # no room for its first chunk yet: it would only be set aside again
+                match = None
+                if req.kind == "generate":
+                    keys = req.keys + req.prompt_keys[len(req.keys):]
+                    match = self.pool.match(tokens, len(tokens) - 1, keys=keys)
+                    nxt = match.n // PAGE
+                    owner = self._promised.get(req.prompt_keys[nxt]) if nxt < len(req.prompt_keys) else None
+                    if owner is not None and owner is not req and owner in self._active:
+                        skipped.append(self._waiting.popleft())  # its next page is being computed: take it when published
+                        continue
+                try:
+                    seq = self.pool.sequence()
+                    req.copies = self.pool.adopt(seq, match) if match is not None and match.n else []
+                except NoRoom:
+                    break
+                self._waiting.popleft()
+                req.seq = seq
+                req.held, req.todo = tokens[: seq.n], tokens[seq.n :]
+                known = req.keys if len(req.keys) >= len(req.prompt_keys) else req.prompt_keys  # keys of tokens' pages
+                req.keys = known[: seq.n // PAGE]
+                req.started = False
+                if not req.preempted:
+                    req.cached_tokens = seq.n
+                    req.t_admitted = time.perf_counter()
+                self._admissions += 1
+                req.admitted = self._admissions
+                self._active.append(req)
+                for key in req.prompt_keys[seq.n // PAGE :]:
+                    self._promised.setdefault(key, req)
+        finally:
+            self._waiting.extendleft(reversed(skipped))
 
-    def _plan(self) -> list[tuple[Request, int]]:
+    def _schedule(self) -> list[tuple[Request, int]]:
         """Every decoding sequence's one token, then prompt chunks (oldest first) in what is left of
-        the step's token budget; at least a small chunk, so decoding never starves a prompt."""
-        decoding = [(r, 1) for r in self._active if r.n_gen > 0]
+        the step's token budget (at least a small chunk, so decoding never starves a prompt), each
+        with the pages it writes reserved; preempting the most recent requests when the pool is full."""
+        batch: list[tuple[Request, int]] = []
+        decoding = [r for r in self._active if r.n_gen > 0 and len(r.todo) == 1]
+        prefilling = [r for r in self._active if not (r.n_gen > 0 and len(r.todo) == 1)]
         room = max(self.step_tokens - len(decoding), min(32, self.step_tokens))
-        batch = decoding
-        for r in self._active:
-            if r.n_gen == 0 and room > 0:
+        for r in decoding + prefilling:
+            if r not in self._active:  # preempted while planning this step
+                continue
+            if r in decoding:
+                n = 1
+            else:
+                if room <= 0:
+                    continue
                 n = min(len(r.todo), room)
-                if r.seq.rs is not None:  # stop at a checkpoint: the state is kept between steps only
+                if self.pool.recurrent:  # stop at a checkpoint: a recurrent state is only there between steps
                     at = len(r.held)
                     n = min([n] + [p - at for p in r.checkpoints if at < p < at + n])
-                batch.append((r, n))
+            if not self._reserve(r, n, batch):
+                continue
+            batch.append((r, n))
+            if r not in decoding:
                 room -= n
         return batch
 
+    def _reserve(self, r: Request, n: int, batch: list[tuple[Request, int]]) -> bool:
+        """Pages for r's next n positions, preempting later-admitted requests not in this step while the
+        pool is short. False when r itself must wait (it is then set aside unless nothing else runs)."""
+        while True:
+            try:
+                r.copies += self.pool.reserve(r.seq, r.seq.n + n)
+                return True
+            except NoRoom as e:
+                planned = {id(q) for q, _ in batch}
+                victims = [q for q in self._active if q is not r and id(q) not in planned]
+                victim = max(victims, key=lambda q: q.admitted, default=None)
+                if victim is not None and victim.admitted > r.admitted:
+                    self._preempt(victim)
+                    continue
+                if batch or victims:
+                    # earlier requests hold the room: r waits its turn (set aside, resumed when it frees)
+                    self._preempt(r)
+                    return False
+                err = BudgetError(f"the KV budget of {format_bytes(self.pool.budget)} cannot hold this request "
+                                  f"at {r.seq.n + n} positions ({format_bytes(e.need)} more needed, "
+                                  f"{format_bytes(e.free)} free): open the model with a larger kv_cache")
+                self._fail(r, err)
+                return False
+
+    def _preempt(self, req: Request) -> None:
+        """Set req aside: its pages go back (kept for reuse where computed), it waits at the front of the
+        queue, and resumes from what the pool still holds of it."""
+        if req.started:  # (one that never ran since it was admitted only waits longer)
+            self.preemptions += 1
+            req.preempted += 1
+        self._active.remove(req)
+        self._forget_promises(req)
+        seq, req.seq = req.seq, None
+        if req.copies:
+            self.pool.done(req.copies)
+            req.copies = []
+        self.pool.release(seq)
+        req.todo = req.held + req.todo
+        req.held = []
+        self._waiting.appendleft(req)
+
+    def _plan(self, batch: list[tuple[Request, int]]) -> StepPlan:
+        items, heads, copies, ledgers = [], [], [], []
+        for r, n in batch:
+            ledgers.append(r.ledger)
+            last = n == len(r.todo)  # the step reaches the end of what it had to feed
+            if r.kind == "logits":
+                want, head = Want.ALL, None
+            elif r.kind == "embed":
+                want, head = Want.HIDDEN, _pooler(r)
+            else:
+                want, head = (Want.LAST, _sampler(r)) if last else (Want.NOTHING, None)
+            items.append((r.seq, r.todo[:n], want))
+            heads.append(head)
+            copies += r.copies
+        return StepPlan.build(items, heads, ledgers, copies=copies)
+
     async def _step(self, batch: list[tuple[Request, int]]) -> None:
         reqs = [r for r, _ in batch]
-        feeds = [r.todo[:n] for r, n in batch]
-        last = [n == len(r.todo) for r, n in batch]  # the step reaches the end of what it had to feed
+        plan = self._plan(batch)
+        for r in reqs:
+            r.copies = []  # in the plan now: their sources are unpinned once, after the step
+            r.started = True
         self._in_step = {id(r) for r in reqs}
+        failure: Exception | None = None
         try:
-            results = await self.model.forward_batch(
-                [(r.seq, f) for r, f in zip(reqs, feeds)], need=last,
-                head=lambda logits: [self._sample(r, lg) if lg is not None else None for r, lg in zip(reqs, logits)])
+            outcomes = await self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - handed to the requests of this step, never lost
-            self._in_step = set()
-            err = e if isinstance(e, ClutorError) else ClutorError(f"generation failed: {type(e).__name__}: {e}")
-            if err is not e:
-                err.__cause__ = e
-            for r in reqs:
-                r._events.put_nowait(err)
-                self._drop(r)
-            return
+            failure = e
         finally:
-            self._steps += 1
-            self._rows += sum(len(f) for f in feeds)
-        self._in_step = set()
+            self._in_step = set()
+            if plan.copies:
+                self.pool.done(plan.copies)
+        if failure is not None:
+            for r in reqs:
+                self._fail(r, failure)
+            return
         now = time.perf_counter()
-        for r, f, out in zip(reqs, feeds, results):
-            r.held.extend(f)
-            del r.todo[: len(f)]
+        for r, seg, oc in zip(reqs, plan.segments, outcomes):
+            if oc.error is not None:
+                self._fail(r, oc.error)
+                continue
+            fed = seg.ids.tolist()
+            r.held.extend(fed)
+            del r.todo[: len(fed)]
+            n_keys = len(r.keys)
+            self.pool.publish(r.seq, r.held, r.keys)
+            self.pool.trim_window(r.seq)
+            for key in r.keys[n_keys:]:  # pages now published: whoever waited for them takes them
+                if self._promised.get(key) is r:
+                    del self._promised[key]
             if r.n_gen == 0 and (len(r.held) == len(r.prompt) or len(r.held) in r.checkpoints):
-                r.seq.checkpoint()  # a recurrent state at the prompt's end or a requested position
-            if out is not None and not r.released:
-                token, extra = out
+                self.pool.save_checkpoint(r.seq, r.held, r.keys)  # recurrent states at the prompt's end, or asked
+            if r.kind != "generate":
+                r._pieces.append(oc.value)
+                if not r.todo and not r.released:
+                    r._events.put_nowait(_result(r))
+                    r.done = True
+            elif oc.value is not None and not r.released:
+                token, extra = oc.value
                 r.n_gen += 1
                 r.history.append(token)
                 if r.n_gen == 1:
@@ -287,24 +460,70 @@ class Engine:
                     r.done = True
             if r.released or r.done:
                 self._retire(r)
+        if self._waiting:
+            self._wake.set()
 
-    def _sample(self, req: Request, logits: np.ndarray):
-        """On the compute thread: the request's next token from its last row of logits [1, V]."""
-        row = np.asarray(logits[-1], dtype=np.float32)  # [V]
-        if req.sample is not None:
-            return req.sample(req, row)
-        return req.sampler.sample(row, req.history), None
+    def _fail(self, req: Request, e: BaseException) -> None:
+        err = e if isinstance(e, ClutorError) else ClutorError(f"generation failed: {type(e).__name__}: {e}")
+        if err is not e:
+            err.__cause__ = e
+        req._events.put_nowait(err)
+        self._drop(req)
 
     def _retire(self, req: Request) -> None:
-        """Out of the batch; its KV cache (the positions filled) kept for prefix reuse."""
+        """Out of the batch; its computed pages kept for reuse (recurrent states were kept where asked)."""
         if req in self._active:
             self._active.remove(req)
-            if req.seq is not None and not self._closed:
-                self.prefix.put(req.seq, req.held)
+            self._forget_promises(req)
+            if req.seq is not None:
+                self.pool.release(req.seq)
         req.seq = None
 
     def _drop(self, req: Request) -> None:
-        """Out of the batch after a failed step; its KV is not trusted for reuse."""
+        """Out of the batch after a failure: positions of the failed step were never published, so
+        nothing it wrote is reused."""
         if req in self._active:
             self._active.remove(req)
+            self._forget_promises(req)
+        if req.seq is not None:
+            if req.copies:
+                self.pool.done(req.copies)
+                req.copies = []
+            self.pool.release(req.seq)
         req.seq = None
+
+    def _forget_promises(self, req: Request) -> None:
+        for key in req.prompt_keys:
+            if self._promised.get(key) is req:
+                del self._promised[key]
+
+
+def _sampler(req: Request) -> Callable[[np.ndarray], tuple[int, object]]:
+    """The head of a generate request's step (on the compute thread): the next token from its last
+    row of logits [1, V], after its logits processor."""
+    def head(logits: np.ndarray):
+        raw = row = np.asarray(logits[-1], dtype=np.float32)  # [V]
+        if req.logits_processor is not None:
+            row = np.asarray(req.logits_processor(req.history, raw.copy()), dtype=np.float32)
+            if row.shape != raw.shape:
+                raise ClutorError(f"the logits processor returned shape {row.shape}, expected {raw.shape}")
+        if req.sample is not None:
+            return req.sample(req, row, raw)
+        return req.sampler.sample(row, req.history), None
+
+    return head
+
+
+def _pooler(req: Request) -> Callable[[np.ndarray], np.ndarray]:
+    """The head of an embed request's chunk (compute thread): the chunk's sum of hidden states, or its last."""
+    if req.pooling == "last":
+        return lambda hidden: hidden[-1].astype(np.float64)
+    return lambda hidden: hidden.sum(axis=0, dtype=np.float64)
+
+
+def _result(req: Request):
+    if req.kind == "logits":
+        return np.concatenate(req._pieces) if len(req._pieces) > 1 else req._pieces[0]
+    if req.pooling == "last":
+        return req._pieces[-1].astype(np.float32)
+    return (np.sum(req._pieces, axis=0) / len(req.prompt)).astype(np.float32)

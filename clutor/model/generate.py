@@ -1,15 +1,16 @@
 """Token-by-token generation as streamed records; the steps themselves run in clutor.model.engine."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
-
 
 import numpy as np
 
 from .._util import proc_bytes
 from ..errors import ClutorError
+from .engine import Request
 from .sampling import Sampler, SamplingParams, token_logprobs
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
@@ -27,39 +28,45 @@ def peak_rss() -> int:
     return r if sys.platform == "darwin" else r * 1024
 
 
-def _io_report(before, after, seconds: float) -> IOReport | None:
+def _io_report(before, after, seconds: float, own) -> IOReport | None:
+    """This generation's I/O: its own share of its steps' accesses, hits, bytes and waits (own, a
+    clutor.model.accounting.Ledger); prefetch counts are the store's over the same time."""
     if before is None or after is None:
         return None
     d = {k: getattr(after, k) - getattr(before, k) for k in (
-        "accesses", "hits", "misses", "prefetch_issued", "prefetch_late", "prefetch_wasted",
-        "bytes_demand", "bytes_prefetch", "wait_seconds")}
+        "misses", "prefetch_issued", "prefetch_late", "prefetch_wasted", "bytes_demand", "bytes_prefetch")}
     reads = d["misses"] + d["prefetch_issued"]
     avg = (d["bytes_demand"] + d["bytes_prefetch"]) / reads if reads else 0
+    accesses = round(own.accesses)
+    hits = min(round(own.hits), accesses)
     return IOReport(
-        backend=after.backend, mode=after.mode, cache_bytes=after.arena_bytes, accesses=d["accesses"],
-        hits=d["hits"], misses=d["misses"], prefetch_issued=d["prefetch_issued"],
+        backend=after.backend, mode=after.mode, cache_bytes=after.arena_bytes, accesses=accesses,
+        hits=hits, misses=accesses - hits, prefetch_issued=d["prefetch_issued"],
         prefetch_late=d["prefetch_late"], prefetch_wasted=d["prefetch_wasted"],
-        bytes_read=d["bytes_demand"] + d["bytes_prefetch"], bytes_wasted=int(d["prefetch_wasted"] * avg),
-        wait_seconds=d["wait_seconds"], compute_seconds=max(seconds - d["wait_seconds"], 0.0),
+        bytes_read=round(own.bytes_read), bytes_wasted=int(d["prefetch_wasted"] * avg),
+        wait_seconds=own.wait_seconds, compute_seconds=max(seconds - own.wait_seconds, 0.0),
     )
 
 
 @dataclass(frozen=True)
 class IOReport:
-    """What the expert store did during one generation (differences of its counters)."""
+    """What the expert store did for one generation. Accesses, hits, misses, bytes read and the wait
+    are this generation's own: each expert a step read, and each wait, shared by the requests whose
+    rows needed it (clutor.model.accounting), so concurrent generations' reports add up to the store's
+    counters. The prefetch counts are the store's over the generation's time."""
 
     backend: str                 # "uring" | "threads"
     mode: str                    # "direct" | "buffered"
     cache_bytes: int             # the arena: the expert cache's whole memory
-    accesses: int                # experts demanded (per layer, per step)
+    accesses: int                # experts demanded (per layer, per step), this generation's share
     hits: int
     misses: int
     prefetch_issued: int
     prefetch_late: int           # demanded while their prefetch read was still in flight
     prefetch_wasted: int         # prefetched and dropped or evicted unused
-    bytes_read: int              # demand + prefetch bytes transferred
+    bytes_read: int              # demand + prefetch bytes transferred, this generation's share
     bytes_wasted: int            # an estimate: wasted prefetches x average expert bytes read
-    wait_seconds: float          # the model waited for reads
+    wait_seconds: float          # the model waited for reads, this generation's share
     compute_seconds: float       # everything else in prefill + decode
 
     @property
@@ -170,7 +177,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     logprobs: None = off; n >= 0 = each chunk also carries its token's logprob and the n most likely.
     logits_processor: called as logits_processor(ids so far, logits [V]) -> logits [V] on the compute
         thread before each sampling (a grammar's mask, clutor.grammar.Matcher: disallowed tokens set
-        to -inf); what it returns is sampled from.
+        to -inf); what it returns is sampled from. An exception it raises ends this generation alone
+        with that error.
     show_tokens: ids of control tokens whose text the reply shows (a chat format's markers, e.g.
         Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
     checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
@@ -180,25 +188,33 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
     """
     tok = model.tokenizer
-    ids = tok.encode(prompt, special=special) if isinstance(prompt, str) else [int(i) for i in prompt]
-    if not ids:
-        raise ClutorError("the prompt is empty: give at least one token")
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(ids) > model.n_ctx:
-        raise ClutorError(f"the prompt is {len(ids)} tokens, {len(ids) - model.n_ctx} more than the context "
-                          f"(n_ctx {model.n_ctx}): shorten it or open the model with a larger n_ctx")
-    # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
-    max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
+    if isinstance(prompt, str):
+        # Tokenising (and rendering a chat template) is CPU-bound Python: off the event loop.
+        ids = await asyncio.to_thread(tok.encode, prompt, special=special)
+    elif callable(prompt):
+        ids = await asyncio.to_thread(prompt)
+        if isinstance(ids, tuple):  # (ids, where to keep a recurrent state): a chat turn
+            ids, more = ids
+            checkpoints = tuple(checkpoints) + tuple(more)
+    else:
+        ids = prompt
+    ids = model.engine.check(ids)  # this caller's error, before it can join a step
+    # n tokens generated feed n - 1 of them back: prompt + n - 1 positions must fit
+    max_new = min(max_tokens, model.n_ctx - len(ids) + 1)
     stream = tok.stream(show=show_tokens)
     stopper = _StopMatcher(stop)
     io_before = model.io_stats()
     t0 = time.perf_counter()
-    req = model.engine.submit(ids, sampler, max_new, frozenset() if ignore_eos else frozenset(tok.stop_ids),
-                              _sample_hook(logprobs, logits_processor), checkpoints)
+    req = model.engine.submit(Request(
+        ids, sampler=sampler, max_new=max_new, stop_ids=frozenset() if ignore_eos else frozenset(tok.stop_ids),
+        sample=None if logprobs is None else _with_logprobs(logprobs),
+        logits_processor=logits_processor,
+        checkpoints=tuple(checkpoints)))
     n_gen, reason = 0, "length"
     try:
         while True:
@@ -223,26 +239,18 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     t_first = req.t_first or t_end
     tail = "" if reason == "stop" else stopper.push(stream.flush())[0] + stopper.flush()
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
-                            io=_io_report(io_before, model.io_stats(), t_end - t0),
+                            io=_io_report(io_before, model.io_stats(), t_end - t0, req.ledger),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens)
     yield GenerationChunk(tail, None, stats)
 
 
-def _sample_hook(logprobs: int | None, processor: Callable | None):
-    """The engine's per-request sample hook (run on the compute thread), or None for plain sampling: the
-    logits processor applied before sampling, and the chosen token's logprob and the n most likely taken
-    from the raw logits, before any processing or penalty (as OpenAI and llama.cpp's server report them)."""
-    if logprobs is None and processor is None:
-        return None
+def _with_logprobs(n: int):
+    """The engine's sample hook (run on the compute thread): the sampled token, plus its logprob and the n
+    most likely from the raw logits, before any logits processor or penalty (as OpenAI and llama.cpp's
+    server report them)."""
 
-    def sample(req, row):
-        masked = row
-        if processor is not None:
-            masked = np.asarray(processor(req.history, np.array(row, dtype=np.float32, copy=True)),
-                                dtype=np.float32)  # [V]
-            if masked.shape != row.shape:
-                raise ClutorError(f"logits_processor returned shape {masked.shape}, expected {row.shape}")
-        token = req.sampler.sample(masked, req.history)
-        return token, (token_logprobs(row, token, logprobs) if logprobs is not None else None)
+    def sample(req, row, raw):
+        token = req.sampler.sample(row, req.history)
+        return token, token_logprobs(raw, token, n)
 
     return sample

@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 
-from ..errors import BudgetError
+from .kernels.rowwise import rowdot
 from .profile import kernel_done
 
-__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "KVCache", "LatentKV", "attention", "route", "gate"]
+__all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention", "route", "gate"]
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -103,10 +103,24 @@ class Rope:
             self._memo_floats += cos.size
         return cos, sin
 
+    def angles_at(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 [R, n_rot/2] for arbitrary positions pos [R] (a batched step's rows);
+        the same values angles() gives for those positions."""
+        if len(pos) and not (0 <= int(pos.min()) and int(pos.max()) < self.n_ctx):
+            raise ValueError(f"RoPE positions {int(pos.min())}..{int(pos.max())} outside the context of {self.n_ctx}")
+        ang = pos.astype(np.float64)[:, None] * self.inv[None, :]  # [R, n_rot/2]
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        if self.mscale != 1:
+            cos, sin = cos * self.mscale, sin * self.mscale
+        return cos, sin
+
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
-        T, half = x.shape[0], self.half
-        cos, sin = self.angles(p0, T)
+        return self.rotate(x, *self.angles(p0, x.shape[0]))
+
+    def rotate(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x [T, heads, hd] rotated by the angles of its rows (cos, sin [T, n_rot/2]) -> a copy."""
+        half = self.half
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
         out = np.empty_like(x)
         if self.style == "neox":
@@ -121,94 +135,23 @@ class Rope:
         return out
 
 
-def _lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """float32 zeros in an anonymous mapping (zero pages until written), without huge pages."""
-    import mmap
-
-    import math
-
-    count = math.prod(shape)
-    try:
-        m = mmap.mmap(-1, max(count * 4, 1))
-    except (OSError, OverflowError, MemoryError) as e:
-        # Only address space is asked for here, but the kernel may still refuse it (overcommit
-        # limits, RLIMIT_AS): say which size did not fit instead of a bare errno.
-        raise BudgetError(f"KV cache of {count * 4} bytes {shape} cannot be mapped ({e}); "
-                          "open the model with a smaller n_ctx") from None
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        m.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(m, dtype=np.float32, count=count).reshape(shape)
-
-
-class KVCache:
-    """Preallocated keys and values of one sequence: never reallocated or copied while decoding.
-
-    float32 in anonymous mappings with huge pages refused: pages become resident only as positions
-    are written, so a large n_ctx costs memory in proportion to the tokens actually held. (numpy's own
-    allocator asks for transparent huge pages, and then writing one position of each (layer, head)
-    row made every row's 2 MiB page resident: 250 MiB for the first token of a small model.)
-    """
-
-    def __init__(self, n_layers: int, n_head_kv: int, n_ctx: int, head_dim: int, head_dim_v: int):
-        self.k = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim))    # [L, Hkv, n_ctx, hd]
-        self.v = _lazy_zeros((n_layers, n_head_kv, n_ctx, head_dim_v))  # [L, Hkv, n_ctx, hdv]
-        self.n_ctx = n_ctx
-        self.n = 0  # positions filled (advanced by the model after the last layer)
-        self.high = 0  # positions ever written: the pages made resident (what the cache really holds)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
-        """k [T, Hkv, hd], v [T, Hkv, hdv] at positions p0..p0+T-1."""
-        T = k.shape[0]
-        self.high = max(self.high, p0 + T)
-        self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
-        self.v[layer, :, p0 : p0 + T] = v.transpose(1, 0, 2)
-
-
-class LatentKV:
-    """MLA's cache: per layer and position one compressed latent c_kv [C] and the RoPE key shared by all
-    heads [r], stored together as k [L, 1, n_ctx, C + r]; the values are the latent itself (``v`` is a
-    view of k's first C columns), so a position costs (C + r) floats per layer, not heads x head dims."""
-
-    def __init__(self, n_layers: int, n_ctx: int, kv_lora: int, n_rope: int):
-        self.k = _lazy_zeros((n_layers, 1, n_ctx, kv_lora + n_rope))  # [L, 1, n_ctx, C + r]
-        self.v = self.k[..., :kv_lora]  # [L, 1, n_ctx, C] (a view)
-        self.n_ctx = n_ctx
-        self.n = 0
-        self.high = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes
-
-    def write(self, layer: int, p0: int, k: np.ndarray, v: np.ndarray | None = None) -> None:
-        """k [T, 1, C + r] (latent then rope key) at positions p0..p0+T-1."""
-        T = k.shape[0]
-        self.high = max(self.high, p0 + T)
-        self.k[layer, :, p0 : p0 + T] = k.transpose(1, 0, 2)
-
-
-def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float, *, window: int = 0,
+def attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, p0: int, k0: int, scale: float, *, window: int = 0,
               sinks: np.ndarray | None = None) -> np.ndarray:
-    """Causal GQA attention of q [T, H, hd] (positions p0..) over the cache -> [T, H * hdv].
+    """Causal GQA attention of q [T, H, hd] at positions p0 .. p0 + T - 1 over keys K [Hkv, N, hd] and
+    values V [Hkv, N, hdv] at positions k0 .. k0 + N - 1 (N = p0 + T - k0: through the last query)
+    -> [T, H * hdv].
 
     window > 0: a query at position i sees keys j with i - j < window only (sliding window).
     sinks [H]: one learned logit per head that joins each softmax's denominator (gpt-oss)."""
     if window or sinks is not None:
-        return _attention_masked(q, cache, layer, p0, scale, window, sinks)
+        return _attention_masked(q, K, V, p0, k0, scale, window, sinks)
     T, H, hd = q.shape
-    Hkv = cache.k.shape[1]
+    Hkv, n = K.shape[0], K.shape[1]
     G = H // Hkv
-    n = p0 + T
-    K = cache.k[layer, :, :n]  # [Hkv, N, hd]  (a view: no per-token copy of the cache)
-    V = cache.v[layer, :, :n]  # [Hkv, N, hdv]
     qg = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3).reshape(Hkv, G * T, hd)  # head i -> kv head i // G
     s = (qg @ K.transpose(0, 2, 1)) * np.float32(scale)  # [Hkv, G*T, N]
-    if T > 1:  # a query at position p0 + t sees keys 0 .. p0 + t: -inf added past that
-        future = np.arange(n)[None, :] > (p0 + np.arange(T))[:, None]  # [T, N]
+    if T > 1:  # a query at position p0 + t sees keys k0 .. p0 + t: -inf added past that
+        future = (k0 + np.arange(n))[None, :] > (p0 + np.arange(T))[:, None]  # [T, N]
         s = s.reshape(Hkv, G, T, n)
         s += np.where(future, np.float32(-np.inf), np.float32(0.0))  # [T, N] broadcast, in place
         s = s.reshape(Hkv, G * T, n)
@@ -217,18 +160,14 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, p0: int, scale: float, 
     return o.reshape(Hkv, G, T, -1).transpose(2, 0, 1, 3).reshape(T, -1)
 
 
-def _attention_masked(q, cache, layer, p0, scale, window, sinks):
+def _attention_masked(q, K, V, p0, k0, scale, window, sinks):
     T, H, hd = q.shape
-    Hkv = cache.k.shape[1]
+    Hkv, n = K.shape[0], K.shape[1]
     G = H // Hkv
-    n = p0 + T
-    lo = max(0, p0 - window + 1) if window else 0  # keys no query of this step can see are not read
-    K = cache.k[layer, :, lo:n]  # [Hkv, N', hd]
-    V = cache.v[layer, :, lo:n]
     qg = q.reshape(T, Hkv, G, hd).transpose(1, 2, 0, 3)  # [Hkv, G, T, hd]
-    s = (qg @ K[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hkv, G, T, N']
+    s = (qg @ K[:, None].transpose(0, 1, 3, 2)) * np.float32(scale)  # [Hkv, G, T, N]
     qpos = (p0 + np.arange(T))[:, None]
-    kpos = np.arange(lo, n)[None, :]
+    kpos = (k0 + np.arange(n))[None, :]
     masked = kpos > qpos
     if window:
         masked |= qpos - kpos >= window
@@ -246,9 +185,10 @@ def _attention_masked(q, cache, layer, p0, scale, window, sinks):
 
 
 def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
-    """h [T, D] @ router [E, D].T -> [T, E] (float32 BLAS; timed as a kernel by a running profile)."""
+    """h [T, D] @ router [E, D].T -> [T, E] (float32, each row alone: a row's logits, and so its
+    experts, do not depend on the rows beside it; timed as a kernel by a running profile)."""
     t0 = time.perf_counter()
-    logits = h @ router.T
+    logits = rowdot(h, router)
     kernel_done(t0)
     return logits
 

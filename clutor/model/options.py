@@ -11,7 +11,9 @@ from ..io.store import slot_bytes  # the store owns slot geometry; budgets are c
 from ..units import format_bytes, parse_bytes
 from .kernel_settings import KernelSettings
 
-__all__ = ["ModelOptions", "resolve_budget", "mem_available"]
+KV_TYPES = ("f32", "f16", "q8_0")  # KV pool element types (clutor.model.kv)
+
+__all__ = ["ModelOptions", "DEFAULTS", "IO_CHOICES", "KV_TYPES", "parse_size", "resolve_budget", "resolve_kv_budget", "mem_available"]
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 
@@ -28,6 +30,8 @@ class ModelOptions:
     max_sequences: int = 16                # live sequences in one batched step
     step_tokens: int = 256                 # tokens one step computes at most (prompts are chunked)
     prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
+    kv_cache: int | str | None = None      # KV pool bytes, "2GiB", "10%" of available memory, None = default
+    kv_type: str = "f16"                   # f32 | f16 (llama.cpp's default) | q8_0
     profile: bool = False                  # time each step's spans (clutor.model.profile)
     activations: str = "auto"              # kernels: auto | q8 | f32 (clutor.model.kernel_settings)
     threads: int | None = None             # kernels: threads per product (None: the CPUs allowed)
@@ -50,10 +54,17 @@ class ModelOptions:
         except (ValueError, TypeError, OverflowError) as e:
             raise ClutorError(f"prefix_cache: expected bytes like '256MiB' or 0, got {self.prefix_cache!r} ({e})") from None
         self.kernels  # raises ClutorError naming a bad activations / threads value
+        if self.kv_type not in KV_TYPES:
+            raise ClutorError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
+        if self.kv_cache is not None:
+            parse_size(self.kv_cache, "kv_cache", 1 << 40, "available memory")
         if self.io not in IO_CHOICES:
             raise ClutorError(f"io must be one of {', '.join(IO_CHOICES)}, got {self.io!r}")
         if self.io != "memory" and self.policy not in POLICIES:
             raise ClutorError(f"policy must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}")
+
+
+DEFAULTS = ModelOptions()  # the one place Model.open's, the command line's and the server's defaults come from
 
 
 def mem_available() -> int:
@@ -67,7 +78,29 @@ def min_budget(layout: ExpertLayout, top_k: int) -> int:
     return top_k * slot_bytes(layout)
 
 
-def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, dense_bytes: int) -> tuple[int, str]:
+def parse_size(spec: int | str, what: str, total: int, of: str) -> tuple[int, str]:
+    """The budget grammar, one for every cache: bytes (an int, "3GiB", "1e9") or a share ("25%") of
+    ``total`` (named ``of``). Returns (bytes, how it was read); ClutorError naming ``what`` otherwise."""
+    if isinstance(spec, str) and spec.strip().endswith("%"):
+        try:
+            pct = float(spec.strip()[:-1])
+        except ValueError:
+            raise ClutorError(f"{what}: expected bytes like '3GiB' or a share like '25%', got {spec!r}") from None
+        if not 0 < pct <= 100:
+            raise ClutorError(f"{what}: a share must be in (0%, 100%], got {spec!r}")
+        n = int(total * pct / 100)
+        return n, f"{spec} of {of} ({format_bytes(n)})"
+    if isinstance(spec, bool):
+        raise ClutorError(f"{what}: expected bytes like '3GiB' or a share like '25%', got {spec!r}")
+    try:
+        n = parse_bytes(spec)
+    except (ValueError, TypeError) as e:
+        raise ClutorError(f"{what}: {e}") from None
+    return n, f"as asked: {spec} = {format_bytes(n)}"
+
+
+def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, dense_bytes: int,
+                   avail: int | None = None) -> tuple[int, str]:
     """Expert-cache bytes and a sentence saying how they were chosen.
 
     The minimum is one layer's top-k experts (the model pins a layer's experts while computing it)."""
@@ -75,32 +108,36 @@ def resolve_budget(spec: int | str | None, layout: ExpertLayout, top_k: int, den
     minimum = min_budget(layout, top_k)
     if spec is None:
         # Half of what is free after the dense weights, never more than all the experts need.
-        share = (mem_available() - dense_bytes) // 2
+        share = ((mem_available() if avail is None else avail) - dense_bytes) // 2
         budget = max(minimum, min(total, share))
         why = f"default: half of available memory after dense weights, capped at all experts ({format_bytes(budget)})"
-    elif isinstance(spec, str) and spec.strip().endswith("%"):
-        try:
-            pct = float(spec.strip()[:-1])
-        except ValueError:
-            raise ClutorError(f"expert_cache: expected bytes like '3GiB' or a share like '25%', got {spec!r}") from None
-        if not 0 < pct <= 100:
-            raise ClutorError(f"expert_cache: a share must be in (0%, 100%], got {spec!r}")
-        budget = int(total * pct / 100)
-        why = f"{spec} of the expert bytes ({format_bytes(budget)})"
     else:
-        try:
-            budget = parse_bytes(spec)
-        except ValueError as e:
-            raise ClutorError(f"expert_cache: {e}") from None
+        budget, why = parse_size(spec, "expert_cache", total, "the expert bytes")
         if budget > total:
             # More than every expert needs would only be memory asked for and never used (and an
             # absurd size would fail in mmap): hold all the experts, and say so.
             why = f"{spec} asked, capped at what all experts need ({format_bytes(total)})"
             budget = total
-        else:
-            why = f"as asked: {spec} = {format_bytes(budget)}"
     if budget < minimum:
         raise BudgetError(
             f"expert cache of {format_bytes(budget)} is too small: one layer's top-{top_k} experts need "
             f"{format_bytes(minimum)} ({minimum} bytes, {top_k} x {slot_bytes(layout)} per expert slot)")
+    return budget, why
+
+
+def resolve_kv_budget(spec: int | str | None, *, one_context: int, all_contexts: int, free: int,
+                      avail: int) -> tuple[int, str]:
+    """KV-pool bytes and a sentence saying how they were chosen. ``one_context``: one sequence at
+    n_ctx; ``all_contexts``: max_sequences of them; ``free``: the memory available after the dense
+    weights and the expert cache; ``avail``: all available memory (what a share is of)."""
+    if spec is None:
+        # Half of what is left, capped at what max_sequences full contexts can use, at least one context.
+        budget = min(all_contexts, max(one_context, free // 2))
+        why = (f"default: half of the memory available after the dense weights and the expert cache, capped at "
+               f"max_sequences full contexts ({format_bytes(budget)})")
+        return budget, why
+    budget, why = parse_size(spec, "kv_cache", avail, "available memory")
+    if budget > all_contexts:
+        why += f", of which max_sequences full contexts use at most {format_bytes(all_contexts)}"
+        budget = all_contexts
     return budget, why

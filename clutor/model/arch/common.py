@@ -1,14 +1,16 @@
 """What every architecture shares: metadata reading with sanity bounds, the tensor table, and the
 `Arch` base class whose methods are the steps an architecture may compute differently.
 
-The model's layer loop (clutor.model.model) calls, for each layer, on the compute thread:
-    arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual
+The layer loop (clutor.model.runner) calls, for each layer, on the compute thread:
+    arch.attention(lw, l, x, step, rope)   -> [R, D] added to the residual (step: clutor.model.step.Step)
     arch.ffn_input(lw, x)                  -> h [R, D], what the FFN (router, experts) reads
     arch.route(lw, h)                      -> (experts [R, K], weights [R, K])   (MoE layers only)
     arch.expert_act(gu, F)                 -> [S, F] from gate | up [S, 2F]       (each routed expert)
     arch.ffn_extra(lw, h)                  -> [R, D] or None: shared expert(s) or a dense layer's FFN
-The base class implements the GQA attention with a float KV cache of keys and values, softmax top-k
-routing and SwiGLU experts; an architecture module overrides what it does differently.
+and ``arch.layer_states()`` says what each layer keeps per sequence (FullKV, WindowKV, LatentKV,
+Recurrent: clutor.model.state). The base class implements the GQA attention over every position's
+keys and values, softmax top-k routing and SwiGLU experts; an architecture module overrides what it
+does differently.
 
 Metadata follows llama.cpp's load_hparams (src/llama-model.cpp and src/models/<arch>.cpp): a key
 llama.cpp reads with a default is read here with the same default (read_int / read_float's default=,
@@ -25,7 +27,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
-from ..layers import KVCache, Rope, attention, gate, rmsnorm, silu
+from ..layers import Rope, gate, rmsnorm, silu
+from ..state import FullKV, LayerState
 from ..quants import apply_all
 
 __all__ = ["Arch", "T", "TableView", "read_int", "read_float", "read_common"]
@@ -297,14 +300,10 @@ class Arch:
     def make_rope(self, n_ctx: int) -> Rope:
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style)
 
-    def new_kv(self, n_ctx: int) -> KVCache:
+    def layer_states(self) -> list[LayerState]:
+        """What each layer keeps per sequence (clutor.model.state): keys and values of every position here."""
         cfg = self.cfg
-        return KVCache(cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
-
-    def new_recurrent(self):
-        """A fresh sequence's recurrent state (clutor.model.recurrent.RecurrentState); None: no
-        recurrent layers."""
-        return None
+        return [FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v)] * cfg.n_layers
 
     def layer_kind(self, l: int) -> str:
         """What layer l computes besides its FFN: "attention", "window" (sliding-window attention),
@@ -325,15 +324,11 @@ class Arch:
                 v.reshape(R, cfg.n_head_kv, cfg.head_dim_v))
 
     def attention(self, lw, l: int, x: np.ndarray, step, rope: Rope) -> np.ndarray:
-        """GQA self-attention of the residual x [R, D]: each sequence of the step over its own cache."""
-        cfg, R = self.cfg, x.shape[0]
+        """GQA self-attention of the residual x [R, D]: each sequence of the step over its own KV
+        (``step``: clutor.model.step.Step writes k, v into each sequence's state and attends)."""
+        cfg = self.cfg
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
-        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)  # [R, H*hdv]
-        for s in step.segments:  # each sequence attends over its own cache, at its own positions
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            qs, ks = rope(q[rows], s.p0), rope(k[rows], s.p0)
-            s.seq.kv.write(l, s.p0, ks, v[rows])
-            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim))
+        o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
         return lw.wo(o)
 
     def ffn_input(self, lw, x: np.ndarray) -> np.ndarray:

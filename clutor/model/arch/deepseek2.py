@@ -25,7 +25,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..layers import LatentKV, Rope, Yarn, attention, gate, rmsnorm
+from ..layers import Rope, Yarn, gate, rmsnorm
+from ..state import LatentKV
 from ..quants import apply_all, dequantize, ggml_activations, matmul_heads
 from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common, read_float, read_int, read_layer_int
 
@@ -144,8 +145,9 @@ class DeepSeek2(Arch):
     def make_rope(self, n_ctx):
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style, yarn=self.yarn)
 
-    def new_kv(self, n_ctx):
-        return LatentKV(self.cfg.n_layers, n_ctx, self.kv_lora, self.cfg.n_rot)
+    def layer_states(self):
+        # per position and layer the latent and the shared rope key; the values are the latent
+        return [LatentKV(self.kv_lora + self.cfg.n_rot, self.kv_lora)] * self.cfg.n_layers
 
     def attention(self, lw, l, x, step, rope):
         cfg, R = self.cfg, x.shape[0]
@@ -166,14 +168,11 @@ class DeepSeek2(Arch):
             # product rounds its input): the same as caching c so rounded and absorbing W_kb into q in float
             c = ggml_activations(c, lw.kv_b_type, lw.wo.kernels)
             q_lat = np.einsum("hcn,rhn->rhc", lw.wk_b, q[..., :nope], optimize=True)  # [R, H, C]
-        o_lat = np.empty((R, H, C), np.float32)  # [R, H, C]: attention-weighted latents
-        for s in step.segments:
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            q_pe = rope(np.ascontiguousarray(q[rows, :, nope:]), s.p0)  # [T, H, r]
-            k_pe = rope(kv[rows, None, C:], s.p0)  # [T, 1, r]
-            s.seq.kv.write(l, s.p0, np.concatenate([c[rows, None, :], k_pe], axis=-1))
-            qs = np.concatenate([q_lat[rows], q_pe], axis=-1)  # [T, H, C + r]
-            o_lat[rows] = attention(qs, s.seq.kv, l, s.p0, self.kq_scale).reshape(-1, H, C)
+        q_pe = step.rope(rope, np.ascontiguousarray(q[..., nope:]))  # [R, H, r]
+        k_pe = step.rope(rope, kv[:, None, C:])  # [R, 1, r]
+        # the cache holds (latent, rope key) per position; the values are the latent (v=None)
+        o_lat = step.attend(l, np.concatenate([q_lat, q_pe], axis=-1), np.concatenate([c[:, None, :], k_pe], axis=-1),
+                            None, self.kq_scale).reshape(R, H, C)  # [R, H, C]: attention-weighted latents
         if self.split:
             o = matmul_heads(lw.wv_b, o_lat)  # [R, H, v]
         else:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
-from ..layers import Rope, Yarn, attention, gate, rmsnorm
+from ..layers import Rope, Yarn, gate, rmsnorm
+from ..state import FullKV, WindowKV
 from .common import Arch, T, read_common, read_float, read_int
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -87,16 +88,16 @@ class GptOss(Arch):
         m = 1.0 + 0.1 * np.log(self.yarn.factor) if self.yarn is not None else 1.0
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style="neox", yarn=self.yarn, mscale=m)
 
+    def layer_states(self):
+        cfg = self.cfg
+        return [WindowKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v, self.window) if self.swa[l]
+                else FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v) for l in range(cfg.n_layers)]
+
     def attention(self, lw, l, x, step, rope):
-        cfg, R = self.cfg, x.shape[0]
+        cfg = self.cfg
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
-        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)
-        window = self.window if self.swa[l] else 0
-        for s in step.segments:
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            qs, ks = rope(q[rows], s.p0), rope(k[rows], s.p0)
-            s.seq.kv.write(l, s.p0, ks, v[rows])
-            o[rows] = attention(qs, s.seq.kv, l, s.p0, 1.0 / np.sqrt(cfg.head_dim), window=window, sinks=lw.sinks)
+        o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(cfg.head_dim),
+                        window=self.window if self.swa[l] else 0, sinks=lw.sinks)
         return lw.wo(o) + lw.bo
 
     def layer_kind(self, l):

@@ -25,7 +25,8 @@ import numpy as np
 
 from ...errors import ClutorError, ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..layers import KVCache, attention, gate, rmsnorm, silu
+from ..layers import gate, rmsnorm, silu
+from ..state import FullKV, Recurrent
 from ..recurrent import LayerShape, RecurrentState, conv_step, softplus, ssd_chunked, ssd_step, stacked
 from .common import Arch, T, read_bool, read_common, read_float, read_int
 
@@ -60,7 +61,6 @@ class NemotronHMoE(Arch):
         self.conv_kernel, self.d_inner, self.d_state, self.n_group, self.n_ssm_head = (
             conv_kernel, d_inner, d_state, n_group, n_ssm_head)
         self.norm_w, self.w_scale, self.groups = norm_w, w_scale, groups
-        self.kv_slot = {l: i for i, l in enumerate(cfg.kv_layers)}
         self.group_of = np.arange(n_ssm_head) // (n_ssm_head // n_group)  # [H] repeat-interleave
 
     @classmethod
@@ -152,14 +152,13 @@ class NemotronHMoE(Arch):
     def layer_kind(self, l):
         return {"SSM": "SSM", "attention": "attention", "moe": "MoE"}[self.kinds[l]]
 
-    def new_kv(self, n_ctx):
+    def layer_states(self):
+        """Mamba-2 layers their conv + SSM states, the attention layer its keys and values, MoE layers nothing."""
         cfg = self.cfg
-        return KVCache(max(1, len(cfg.kv_layers)), cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
-
-    def new_recurrent(self):
         shape = LayerShape(self.d_inner + 2 * self.n_group * self.d_state, self.conv_kernel,
                            (self.n_ssm_head, self.d_inner // self.n_ssm_head, self.d_state))
-        return RecurrentState({l: shape for l, k in enumerate(self.kinds) if k == "SSM"})
+        kv = FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v)
+        return [Recurrent(shape) if k == "SSM" else kv if k == "attention" else None for k in self.kinds]
 
     def attention(self, lw, l, x, step, rope):
         kind = self.kinds[l]
@@ -169,12 +168,7 @@ class NemotronHMoE(Arch):
             return self.mamba2(lw, l, x, step)
         cfg, R = self.cfg, x.shape[0]
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
-        slot = self.kv_slot[l]
-        o = np.empty((R, cfg.n_head * cfg.head_dim_v), np.float32)
-        for s in step.segments:  # no positional encoding at all
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            s.seq.kv.write(slot, s.p0, k[rows], v[rows])
-            o[rows] = attention(q[rows], s.seq.kv, slot, s.p0, 1.0 / np.sqrt(cfg.head_dim))
+        o = step.attend(l, q, k, v, 1.0 / np.sqrt(cfg.head_dim))  # no positional encoding at all
         out = lw.wo(o)
         return out + lw.bo if lw.bo is not None else out
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from ...errors import ClutorError, ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..layers import KVCache, Rope, attention, gate, rmsnorm, sigmoid, silu
+from ..layers import Rope, gate, rmsnorm, sigmoid, silu
+from ..state import FullKV, Recurrent
 from ..quants import apply_all
 from ..recurrent import (LayerShape, RecurrentState, conv_step, delta_rule_chunked, delta_rule_step, l2norm,
                          softplus, stacked)
@@ -58,7 +59,6 @@ class Qwen3Next(Qwen2MoE):
         super().__init__(path, cfg)
         self.recurrent, self.n_nextn = recurrent, n_nextn
         self.conv_kernel, self.head, self.n_k, self.n_v = conv_kernel, head, n_k, n_v
-        self.kv_slot = {l: i for i, l in enumerate(cfg.kv_layers)}  # attention layer -> its KV cache row
         ratio = n_v // n_k
         self.k_of_v = (np.arange(n_v) // ratio if self.grouped_v_heads else np.arange(n_v) % n_k)  # [Hv]
 
@@ -134,14 +134,13 @@ class Qwen3Next(Qwen2MoE):
     def layer_kind(self, l):
         return "linear attention" if self.recurrent[l] else "attention"
 
-    def new_kv(self, n_ctx):
+    def layer_states(self):
+        """Gated DeltaNet layers their conv + delta-rule states, the full-attention layers keys and values."""
         cfg = self.cfg
-        return KVCache(len(cfg.kv_layers), cfg.n_head_kv, n_ctx, cfg.head_dim, cfg.head_dim_v)
-
-    def new_recurrent(self):
         C = 2 * self.n_k * self.head + self.n_v * self.head
         shape = LayerShape(C, self.conv_kernel, (self.n_v, self.head, self.head))
-        return RecurrentState({l: shape for l in range(self.cfg.n_layers) if self.recurrent[l]})
+        kv = FullKV(cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v)
+        return [Recurrent(shape) if r else kv for r in self.recurrent]
 
     def attention(self, lw, l, x, step, rope):
         if self.recurrent[l]:
@@ -153,13 +152,7 @@ class Qwen3Next(Qwen2MoE):
         q = rmsnorm(q2[..., :hd], lw.q_norm, cfg.eps)  # [R, H, hd]
         k = rmsnorm(k.reshape(R, cfg.n_head_kv, hd), lw.k_norm, cfg.eps)
         v = v.reshape(R, cfg.n_head_kv, hd)
-        slot = self.kv_slot[l]
-        o = np.empty((R, H * hd), np.float32)
-        for s in step.segments:
-            rows = slice(s.r0, s.r0 + len(s.ids))
-            qs, ks = rope(q[rows], s.p0), rope(k[rows], s.p0)
-            s.seq.kv.write(slot, s.p0, ks, v[rows])
-            o[rows] = attention(qs, s.seq.kv, slot, s.p0, 1.0 / np.sqrt(hd))
+        o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(hd))  # [R, H*hd]
         return lw.wo(o * sigmoid(q2[..., hd:].reshape(R, H * hd)))
 
     def beta_alpha(self, lw, h):

@@ -430,9 +430,13 @@ def deq_intrinsic(formats: dict[int, Format]):
     return deq
 
 
-# Accumulator chains per token in the int8 row kernel, by tokens per call. One token's block is ~10
-# instructions, shorter than the FMA latency its single chain would wait on.
-IDOT_CHAINS = {1: 4, 2: 2}
+# Accumulator chains per token in the int8 row kernel, by tokens per call: one for every count, each
+# token's blocks summed in order into one accumulator (as ggml's x86 dot products do). Alternating
+# chains for one or two tokens hid some FMA latency (~25% of a one-token product), but then a token's
+# float sum depended on how many tokens shared its call, i.e. on the other rows of a batched step: a
+# router near a tie then chose other experts, and a sampled request's tokens changed with what it
+# was batched with (tests/test_engine.py's concurrent generations, 1 run in 10).
+IDOT_CHAINS: dict[int, int] = {}
 
 
 def idot_intrinsic(formats: dict[int, Format], ntok: int):

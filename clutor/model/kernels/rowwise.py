@@ -1,0 +1,121 @@
+"""Float products whose every output row is computed alone: the same row gives the same bits whatever
+else is in the step (clutor.model.step's attention, the routers' logits).
+
+BLAS does not promise that: numpy hands a one-row product to sgemv and a several-row one to sgemm,
+whose sums run in different orders, so a row's router logits or attention scores moved by ~1e-7
+with the rows batched beside it. Mostly harmless, but a router choosing its top-k between two
+experts within 1e-7 of each other then picks differently, and the step's result moves by ~1e-2: a
+request's sampled tokens depended on which other requests shared its steps. Here each output
+element is one loop in a fixed order (vectorised the same way whatever the row count: the sums'
+order depends only on their length), and each (row, head) is computed by one thread, so the thread
+count does not change a bit either.
+
+    attend(q, K, V, p0, k0, scale, window, sinks, out)    causal attention, rows t of q at p0 + t
+    rowdot(x, w, out)                                     out[t, e] = x[t] . w[e]
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["attend", "rowdot"]
+
+_FLAGS = {"reassoc", "contract"}  # no nnan / ninf: -inf is a real value here (the running max's start)
+_SMALL = 1 << 17  # multiply-adds below which one thread is done before a second one wakes (~10 us)
+
+
+@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=_FLAGS)
+def _attend(q, K, V, p0, k0, scale, window, sinks, use_sinks, scores, out):
+    T, H, dk = q.shape
+    Hkv, dv = K.shape[0], V.shape[2]
+    G = H // Hkv
+    for i in prange(H * T):
+        h = i // T
+        t = i - h * T
+        hk = h // G
+        qp = p0 + t
+        hi = qp - k0 + 1  # keys k0 .. qp (causal)
+        lo = 0
+        if window > 0:
+            lo = max(0, qp - window + 1 - k0)
+        s = scores[i]
+        m = -np.inf
+        for j in range(lo, hi):
+            acc = np.float32(0.0)
+            for d in range(dk):
+                acc += q[t, h, d] * K[hk, j, d]
+            v = acc * scale
+            s[j] = v
+            if v > m:
+                m = v
+        if use_sinks and sinks[h] > m:
+            m = sinks[h]
+        den = np.float32(0.0)
+        for j in range(lo, hi):
+            e = np.exp(s[j] - m)
+            s[j] = e
+            den += e
+        if use_sinks:
+            den += np.exp(sinks[h] - m)  # the sink takes probability mass and adds no value
+        base = h * dv
+        for d in range(dv):
+            out[t, base + d] = 0.0
+        for j in range(lo, hi):
+            e = s[j]
+            for d in range(dv):
+                out[t, base + d] += e * V[hk, j, d]
+        inv = np.float32(1.0) / den
+        for d in range(dv):
+            out[t, base + d] *= inv
+
+
+@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=_FLAGS)
+def _rowdot(x, w, out):
+    T, D = x.shape
+    E = w.shape[0]
+    for i in prange(T * E):
+        t = i // E
+        e = i - t * E
+        acc = np.float32(0.0)
+        for d in range(D):
+            acc += x[t, d] * w[e, d]
+        out[t, e] = acc
+
+
+_NO_SINKS = np.zeros(1, np.float32)
+
+
+def _threads(work: int) -> None:
+    """One thread for small work; otherwise the count the caller's last product set (the model's)."""
+    if work < _SMALL:
+        from . import _apply_threads
+
+        _apply_threads(1)
+
+
+def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, p0: int, k0: int, scale: float, *, window: int = 0,
+           sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention of q [T, H, dk] at positions p0 .. p0 + T - 1 over keys K [Hkv, N, dk] and
+    values V [Hkv, N, dv] at positions k0 .. k0 + N - 1 (N = p0 + T - k0) -> float32 [T, H * dv].
+    window > 0: a query at i sees keys j with i - j < window; sinks [H]: a logit per head joining
+    each softmax's denominator (gpt-oss). All float32."""
+    T, H, dk = q.shape
+    n = K.shape[1]
+    if q.dtype != np.float32:
+        q = q.astype(np.float32)
+    out = np.empty((T, H * V.shape[2]), np.float32)
+    scores = np.empty((H * T, n), np.float32)
+    _threads(T * H * n * (dk + V.shape[2]))
+    _attend(q, K, V, int(p0), int(k0), np.float32(scale), int(window),
+            _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32), sinks is not None,
+            scores, out)
+    return out
+
+
+def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, D] @ w [E, D].T -> float32 [T, E], each element alone (see the module docstring)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _threads(x.shape[0] * w.shape[0] * x.shape[1])
+    _rowdot(x, w, out)
+    return out

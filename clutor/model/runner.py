@@ -1,0 +1,380 @@
+"""The runner: executes one StepPlan through every layer. The only layer loop there is.
+
+    outcomes = await runner.run(plan)   # one Outcome per segment, in the plan's order
+
+Every numerical step runs on the compute thread (clutor.model.compute); the event loop does only the
+expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
+ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
+the compute thread; a streaming source costs one trip per layer boundary, the rest of each layer
+computed group by group as its experts' bytes arrive.
+
+Per layer (the architecture's methods, clutor.model.arch.common):
+    x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
+    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, h)
+    x = x + sum over routed experts (each read once per step, for every row that chose it)
+          + arch.ffn_extra(lw, h)
+then the output rows each segment wants (logits, or the final hidden states), and its head (sampling)
+on the compute thread.
+
+Failure isolation: a read that fails fails the segments whose rows routed to that expert, and the
+rest of the step goes on without it (the expert is not asked for again in this step); an error in one
+segment's head fails that segment. Anything else fails the whole step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import ClutorError, ExpertReadError
+from . import kernels
+from .compute import compute
+from .kernels import Job
+from .layers import rmsnorm
+from .plan import Outcome, StepPlan, Want
+from .profile import NO_PROFILE, Profile
+from .quants import matmul_jobs
+from .step import Step
+
+if TYPE_CHECKING:
+    from ..io.trace import TraceWriter
+    from .arch import Arch
+    from .kernel_settings import KernelSettings
+    from .kv import KVPool
+    from .source import ExpertSource
+    from .weights import DenseWeights
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
+
+    def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
+                 kernels_: "KernelSettings", prefetch: bool, profile: Profile = NO_PROFILE,
+                 trace: "TraceWriter | None" = None):
+        cfg = arch.cfg
+        self.arch = arch
+        self.config = cfg
+        self.experts = experts
+        self.kv = kv
+        self.kernels = kernels_
+        self.profile = profile
+        self._w = weights
+        self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
+        self._rope = arch.make_rope(n_ctx)
+        self._trace = trace
+        # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
+        # prefetch option for why it is off unless asked for).
+        self._prefetch = prefetch
+        self._hints = experts.wants_hints
+        # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
+        # served in chunks, leaving room for other sequences and for the next layer's prefetch.
+        room = experts.capacity
+        self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self._lock = asyncio.Lock()
+        self.steps = 0  # steps run
+        self.rows = 0   # rows computed over those steps
+
+    # -- the step ----------------------------------------------------------------------------------
+    async def run(self, plan: StepPlan) -> list[Outcome]:
+        """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
+        async with self._lock:
+            step = Step(plan, self.kv)
+            phase = "decode" if plan.decode else "prefill"
+            try:
+                with self.profile.step(phase, plan.rows):
+                    if self.experts.immediate:
+                        # Experts mapped from the file never wait for a read: the whole step is one
+                        # trip to the compute thread instead of two per layer.
+                        return await compute(self._run_now, step)
+                    return await self._run_streamed(step)
+            finally:
+                self.steps += 1
+                self.rows += plan.rows
+
+    def _run_now(self, step: Step) -> list[Outcome]:
+        """The layer loop in one call on the compute thread, for an immediate source."""
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            x, h, sel, w, _ = self._layer_start(l, x, h, ys, step)
+            if sel is None:
+                ys = []
+                continue
+            wanted = _by_votes(sel)
+            out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
+            ys = [out[e] for e in wanted]
+        return self._finish(x, h, ys, step)
+
+    async def _run_streamed(self, step: Step) -> list[Outcome]:
+        ledgers = [s.ledger for s in step.segments if s.ledger is not None]
+        before = self.experts.stats() if ledgers else None
+        step.accounting = before is not None
+        x = h = ys = None
+        for l in range(self.config.n_layers):
+            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
+            # the previous layer's expert sum (or the embedding), then this layer's attention and router.
+            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D]
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
+        if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
+            share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
+            for s in step.segments:
+                if s.ledger is not None:
+                    s.ledger.bytes_prefetch += share
+                    s.ledger.steps += 1
+        return await compute(self._finish, x, h, ys, step)
+
+    # -- compute thread ------------------------------------------------------------------------------
+    def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
+        """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
+        then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
+        experts [R, K], weights [R, K]; both None in a dense layer, predicted next experts or None)."""
+        arch, lw, prof = self.arch, self._w.layers[l], self.profile
+        if l == 0:
+            step.prepare()
+            with prof.span("embed"):
+                x = self._w.tok_embd.rows(step.plan.ids)  # [R, D]
+        else:
+            with prof.span("shared + sum"):
+                x = self._moe_add(l - 1, x, h, ys)  # [R, D]
+        with prof.span("attention"):
+            x = x + arch.attention(lw, l, x, step, self._rope)
+        with prof.span("router"):
+            h = arch.ffn_input(lw, x)  # [R, D]
+            if lw.experts is None:
+                return x, h, None, None, None
+            sel, w = arch.route(lw, h)  # [R, K], [R, K]
+        nxt = None
+        if step.plan.decode and l + 1 in self._moe_index and self._predicting(len(sel)):
+            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
+            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+            with prof.span("predict"):
+                nxt = self._predict(l + 1, x)
+        if self._trace is not None:
+            pos = step.plan.pos
+            for r in range(len(sel)):
+                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
+        return x, h, sel, w, nxt
+
+    def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                     views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
+        [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
+        that gate and up for all of them are one kernel launch, and down another."""
+        with self.profile.span("experts"):
+            cfg, et = self.config, self._w.layers[l].experts
+            D, F = cfg.n_embd, cfg.n_ff_exp
+            # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
+            # a comparison of all of them per expert: flat index i = row * K + slot.
+            K = sel.shape[1]
+            flat = sel.ravel()  # [R*K]
+            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
+            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
+            grouped = flat[order]  # [R*K] expert ids, ascending
+            lo = np.searchsorted(grouped, ids, "left")
+            hi = np.searchsorted(grouped, ids, "right")
+            counts = (hi - lo).tolist()
+            starts = np.cumsum([0] + counts)[:-1].tolist()
+            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
+            rows = picked // K  # [S], S = rows summed over experts
+            xg = h[rows]  # [S, D]
+            if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
+                gu = np.empty((len(xg), F), np.float32)
+                jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
+            else:
+                gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
+                jobs = [job for v, t0, n in zip(views, starts, counts)
+                        for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))]
+            matmul_jobs(jobs, D, xg, gu, self.kernels)
+            biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    gu[t0 : t0 + n, :F] += v.biases[0].view(np.float32)
+                    gu[t0 : t0 + n, F:] += v.biases[1].view(np.float32)
+            a = self.arch.expert_act(gu, F)  # [S, F]
+            y = np.empty((len(xg), D), np.float32)  # [S, D]
+            matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
+                        self.kernels)
+            if biased:
+                for v, t0, n in zip(views, starts, counts):
+                    y[t0 : t0 + n] += v.biases[2].view(np.float32)
+            y *= w.reshape(-1)[picked][:, None]
+            # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
+            return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
+
+    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
+        """x + the routed experts' outputs + what the architecture adds (shared experts, or a dense
+        layer's FFN). Each row's experts are summed in its router's slot order (as llama.cpp adds
+        them), never in the order they were asked for or read: that order depends on the other rows
+        of the step (most-voted first) and on the cache, and float sums in another order differ in
+        their last bits, so a row's result would depend on what it was batched with."""
+        R, D = h.shape
+        if ys:
+            K = self.config.n_expert_used
+            slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
+            for flat, y in ys:
+                slots[flat] = y
+            slots = slots.reshape(R, K, D)
+            out = slots[:, 0].copy()  # [R, D]
+            for k in range(1, K):
+                out += slots[:, k]
+        else:
+            out = np.zeros_like(h)  # [R, D]
+        extra = self.arch.ffn_extra(self._w.layers[l], h)
+        if extra is not None:
+            out += extra
+        return x + out
+
+    def _finish(self, x: np.ndarray, h: np.ndarray, ys: list, step: Step) -> list[Outcome]:
+        """The last layer's output, then what each segment wants: the output projection of the
+        rows wanted (all of a segment's, or its last: the others' logits would cost a [V, D] product
+        per row for nothing), or the final hidden states; then each segment's head."""
+        cfg, plan = self.config, step.plan
+        with self.profile.span("shared + sum"):
+            x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+        step.commit()
+        with self.profile.span("output"):
+            outs = self._outputs(x, plan)
+        results: list[Outcome] = []
+        with self.profile.span("sampling"):
+            for seg, out in zip(plan.segments, outs):
+                err = step.failed.get(id(seg))
+                if err is not None:
+                    results.append(Outcome(error=err))
+                elif seg.head is None:
+                    results.append(Outcome(out))
+                else:
+                    try:
+                        results.append(Outcome(seg.head(out)))
+                    except Exception as e:  # noqa: BLE001 - this segment's head failed: only this segment
+                        results.append(Outcome(error=e))
+        return results
+
+    def _outputs(self, x: np.ndarray, plan: StepPlan) -> list[np.ndarray | None]:
+        cfg, w = self.config, self._w
+        spans: list[tuple[int, int] | None] = []
+        hidden: list[tuple[int, int] | None] = []
+        for s in plan.segments:
+            spans.append((s.r0, s.n) if s.want is Want.ALL else (s.r0 + s.n - 1, 1) if s.want is Want.LAST else None)
+            hidden.append((s.r0, s.n) if s.want is Want.HIDDEN else None)
+        out: list[np.ndarray | None] = [None] * len(spans)
+        wanted = [sp for sp in spans if sp is not None]
+        if wanted:
+            rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted]) if len(wanted) > 1 else \
+                np.arange(wanted[0][0], wanted[0][0] + wanted[0][1])
+            logits = w.output(rmsnorm(x[rows], w.output_norm, cfg.eps))  # [rows, V]
+            at = 0
+            for i, sp in enumerate(spans):
+                if sp is not None:
+                    out[i], at = logits[at : at + sp[1]], at + sp[1]
+        for i, sp in enumerate(hidden):
+            if sp is not None:
+                out[i] = rmsnorm(x[sp[0] : sp[0] + sp[1]], w.output_norm, cfg.eps)  # [T, D]
+        return out
+
+    def _prefetching(self, n_seq: int) -> bool:
+        return self._prefetch
+
+    def _predicting(self, n_seq: int) -> bool:
+        """The next layer's router on the current residual (one small product per layer and decode
+        step) only when something uses it: prefetch, or a cache policy that takes hints."""
+        return self._hints or self._prefetching(n_seq)
+
+    def _predict(self, l: int, x: np.ndarray) -> list[int]:
+        """Experts layer l will likely want: its router on the current residual, most-voted first."""
+        lw = self._w.layers[l]
+        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))
+        return _by_votes(sel)[: self._max_batch]
+
+    # -- event loop: expert I/O ------------------------------------------------------------------------
+    async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                              step: Step, nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Layer l's routed experts for every row of the step: each expert read once, computed on the
+        compute thread group by group as its bytes arrive, while the rest are still being read. An
+        expert whose read fails fails the segments routed to it; the others go on without it."""
+        wanted = _by_votes(sel)  # each expert once per layer per step
+        ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        layer = self._moe_index[l]
+        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
+            self.experts.hint(self._moe_index[l + 1], nxt)
+        users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
+        todo = list(wanted)
+        first_get = True
+        while todo:
+            chunk, todo = todo[: self._max_batch], todo[self._max_batch :]
+            before = self.experts.stats() if users is not None else None
+            hits: list[int] = []
+            groups = self.experts.get_ready(layer, chunk)
+            try:
+                t_wait = time.perf_counter()
+                first_group = True
+                async for views in groups:
+                    self.profile.add("wait for reads", time.perf_counter() - t_wait)
+                    if first_group and before is not None and self.experts.stats().hits > before.hits:
+                        hits = [v.expert for v in views]  # the first group is the cached experts, if any
+                    first_group = False
+                    if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
+                        # This layer's experts are pinned and its misses submitted: queue the experts
+                        # layer l+1's router picks from the current hidden state, read while this
+                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
+                        self.experts.prefetch(self._moe_index[l + 1], nxt)
+                    first_get = False
+                    ys.update(await compute(self._experts_out, l, h, sel, w, views))
+                    t_wait = time.perf_counter()
+                if before is not None:
+                    _charge(step, users, chunk, hits, before, self.experts.stats())
+            except ExpertReadError as e:
+                if e.layer != layer or e.expert not in chunk:
+                    raise
+                # Fail the segments whose rows chose this expert; ask again for the rest of the chunk
+                # not computed yet (their reads may have been cut short by this one's failure).
+                step.fail_rows(np.nonzero((sel == e.expert).any(axis=1))[0], e)
+                todo = [x for x in chunk if x not in ys and x != e.expert] + todo
+            finally:
+                await groups.aclose()
+            first_get = False
+            # Let another forward waiting for the slots just released reserve before this one does
+            # again (a forward whose next layer is all hits would otherwise never suspend).
+            await asyncio.sleep(0)
+        return [ys[e] for e in wanted if e in ys]
+
+
+def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:
+    """Which segments chose each expert of sel [R, K] (seg_of_row [R]): {expert: [segment index]}."""
+    n = int(seg_of_row[-1]) + 1
+    pairs = np.unique(sel.astype(np.int64) * n + seg_of_row[:, None])  # expert * n + segment, distinct
+    out: dict[int, list[int]] = {}
+    for e, si in zip((pairs // n).tolist(), (pairs % n).tolist()):
+        out.setdefault(e, []).append(si)
+    return out
+
+
+def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: list[int], before, after) -> None:
+    """One get()'s I/O to the ledgers of the segments whose rows needed its experts (clutor.model.accounting):
+    each expert's access shared equally by its users; the get's demand bytes and wait by its misses."""
+    misses = [e for e in chunk if e not in hits]
+    per_miss_bytes = (after.bytes_demand - before.bytes_demand) / len(misses) if misses else 0.0
+    per_miss_wait = (after.wait_seconds - before.wait_seconds) / len(misses) if misses else 0.0
+    segments = step.segments
+    for e in chunk:
+        who = users.get(e, ())
+        if not who:
+            continue
+        f = 1.0 / len(who)
+        missed = e not in hits
+        for si in who:
+            led = segments[si].ledger
+            if led is not None:
+                led.add(f, 0.0 if missed else f, f if missed else 0.0,
+                        per_miss_bytes * f if missed else 0.0, per_miss_wait * f if missed else 0.0)
+
+
+def _by_votes(sel: np.ndarray) -> list[int]:
+    """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
+    so a one-token step asks for its experts exactly in the order the router ranked them."""
+    flat = sel.reshape(-1)
+    ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
+    order = np.lexsort((first, -counts))  # by count descending, then first appearance
+    return ids[order].tolist()
