@@ -197,6 +197,32 @@ def test_qwen2moe_expert_sizes_default_as_in_llama_cpp(tmp_path):
     assert e.value.field == "qwen2moe.expert_feed_forward_length"
 
 
+@pytest.mark.parametrize("key", ["attention.head_count", "attention.head_count_kv", "expert_used_count"])
+def test_per_layer_arrays_read_as_llama_cpp_reads_them(tmp_path, key):
+    """llama.cpp reads head_count, head_count_kv, feed_forward_length and expert_used_count as one
+    number or an array of one per layer (block_count of them). The same value in every layer opens as
+    the number does; values that differ, or an array of another length, are an error naming the file
+    and the key."""
+    from gguf_util import copy_gguf
+
+    src = fixture_path("olmoe", "Q8_0")
+    full = f"olmoe.{key}"
+    with GGUFFile.open(src) as f:
+        want, n, v = read_arch(f).cfg, f.metadata["olmoe.block_count"], f.metadata[full]
+    same = tmp_path / "same.gguf"
+    copy_gguf(src, same, as_arrays={full: [v] * n})
+    with GGUFFile.open(same) as f:
+        assert isinstance(f.metadata[full], list)
+        assert read_arch(f).cfg == want
+    for name, arr, what in (("differ", [v] * (n - 1) + [max(1, v // 2)], "the same value in every layer"),
+                            ("short", [v] * (n + 1), f"{n} (block_count)")):
+        bad = tmp_path / f"{name}.gguf"
+        copy_gguf(src, bad, as_arrays={full: arr})
+        with GGUFFile.open(bad) as f, pytest.raises(clutor.ClutorError) as e:
+            read_arch(f)
+        assert e.value.field == full and what in str(e.value) and str(bad) in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("arch, keys, field", [
     ("llama", {}, "llama.expert_count"),                                     # a dense llama: nothing to stream
     ("deepseek2", {"expert_count": 6, "expert_used_count": 2, "expert_group_count": 4,

@@ -336,20 +336,35 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     assert len(after) == 4 and st.live_sequences == 0
 
 
-def test_default_prefetch_is_off_and_true_reads_ahead_alone_and_batched():
-    """prefetch=None (the default): decode reads on demand only, alone and batched; prefetch=True reads the next
-    layer's predicted experts ahead in both."""
+def test_default_prefetch_reads_ahead_alone_only_true_always_false_never():
+    """prefetch=None (the default): decode steps of one sequence read the next layer's predicted experts
+    ahead, batched steps read on demand only; prefetch=True reads ahead in both; False in neither."""
     async def issued(prefetch):
         async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="threads", expert_cache="40%",
                                      prefix_cache=0, prefetch=prefetch) as model:
+            runner, store = model.runner, model.runner.experts
+            seqs = [0]  # sequences in the step running now
+            by_size: dict[int, int] = {}  # sequences in a step -> prefetch() calls made in such steps
+            real_run, real_prefetch = runner.run, store.prefetch
+
+            async def run_step(plan):
+                seqs[0] = len(plan.segments)
+                return await real_run(plan)
+
+            def prefetch_(layer, experts):
+                by_size[seqs[0]] = by_size.get(seqs[0], 0) + 1
+                return real_prefetch(layer, experts)
+
+            runner.run, store.prefetch = run_step, prefetch_
             await _tokens(model, "Hello there", 10, {"temperature": 0})
-            alone = model.io_stats().prefetch_issued
             await asyncio.gather(*(_tokens(model, p, 10, {"temperature": 0}) for p in REQUESTS[0][:1] + ("Hi", "So")))
-            return alone, model.io_stats().prefetch_issued - alone
+            alone = by_size.get(1, 0)
+            return alone, sum(n for k, n in by_size.items() if k > 1), model.io_stats().prefetch_issued
 
     async def go():
-        return await issued(None), await issued(True)
+        return await issued(None), await issued(True), await issued(False)
 
-    (alone, together), (alone_on, together_on) = run(go())
-    assert alone == 0 and together == 0, (alone, together)
+    (alone, together, _), (alone_on, together_on, _), (alone_off, together_off, n_off) = run(go())
+    assert alone > 0 and together == 0, (alone, together)
     assert alone_on > 0 and together_on > 0, (alone_on, together_on)
+    assert alone_off == together_off == n_off == 0, (alone_off, together_off, n_off)

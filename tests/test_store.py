@@ -516,6 +516,53 @@ def test_prefetch_staging_hits_late_and_wasted(model, io):
     run(main)
 
 
+def test_prefetch_waits_while_a_demand_read_is_in_flight(model, io):
+    """A prefetch never shares the disk with a demand read it could delay: queued while one is in
+    flight, handed to the backend when the last demand read completes (PREFETCH_DEPTH at a time)."""
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        gate = asyncio.Event()
+        store = await ExpertStore.open(model.layout, 16 * sb, prefetch_slots=8, backend=probe_factory(io, made, gate))
+        try:
+            probe = made[0]
+            batches = store.get_ready(0, [1, 2])
+            first = asyncio.ensure_future(batches.__anext__())  # reserves, submits, then awaits the reads
+            await asyncio.sleep(0.01)
+            assert len(probe.log) == 2 * 3 and not first.done()
+            store.prefetch(1, [3, 4, 5, 6, 7])
+            await asyncio.sleep(0.01)
+            assert len(probe.log) == 2 * 3, "a prefetch read went to the backend beside a demand read"
+            assert store.stats().prefetch_issued == 5 and store.stats().bytes_prefetch == 0
+            gate.set()
+            got = [await first]
+            async for views in batches:
+                got.append(views)
+            assert sorted(v.expert for g in got for v in g) == [1, 2]
+            await asyncio.sleep(0.01)
+            # Demand over: the queue goes, demand's reads first in the log, then the prefetches in order.
+            await settle(store, probe)
+            prefetched = [(probe.paths[r.file], r.offset) for r in probe.log[2 * 3:]]
+            expect = [(s.path, s.offset - s.offset % 4096) for e in (3, 4, 5, 6, 7) for s in model.layout.slabs(1, e)]
+            assert prefetched == expect
+            # A get that hits everything submits nothing and lets a new prefetch go at once.
+            gate.clear()
+            with await store.get(1, [3]) as batch:
+                assert model.matches(batch[0])
+            n = len(probe.log)
+            store.prefetch(2, [0])
+            assert len(probe.log) == n + 3
+            gate.set()
+            await settle(store, probe)
+            assert_consistent(store, model)
+            assert_stats_add_up(store.stats())
+            assert not probe.violations
+        finally:
+            gate.set()
+            await store.aclose()
+    run(main)
+
+
 def test_prefetch_gives_way_to_demand_when_slots_run_out(model, io):
     async def main():
         sb = await slot_bytes(model)

@@ -500,3 +500,35 @@ def test_prefetch_raises_accuracy_on_the_same_greedy_run(six_layers):
     assert on.prefetch_issued > 0
     assert on.accesses == off.accesses
     assert on.prefetch_accuracy > off.prefetch_accuracy, (on, off)
+
+
+def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_layers):
+    """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
+    best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
+    while the output and the sampling compute). A prefill step prefetches nothing."""
+    from clutor.model.runner import PREFETCH_RANKS
+
+    minimum, slot = _minimum(six_layers)
+
+    async def go():
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=2 * 16 * slot, prefetch=True) as model:
+            store = model.runner.experts
+            calls: list[tuple[str, int]] = []
+            get_ready, prefetch = store.get_ready, store.prefetch
+            store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
+            asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
+            store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
+                                                     prefetch(layer, experts))[2]
+            async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
+                pass
+            return calls, model.config.n_layers, asked
+
+    calls, n, asked = run(go())
+    assert asked and all(1 <= k <= PREFETCH_RANKS for k in asked), asked
+    prefill, decode = calls[:n], calls[n:]
+    assert prefill == [("get", l) for l in range(n)], prefill
+    # one get per layer per decode step; each followed by the prefetch of the next layer, the last by layer 0's
+    steps = [decode[i : i + 2 * n] for i in range(0, len(decode), 2 * n)]
+    assert len(steps) == 5 and all(len(s) == 2 * n for s in steps), decode
+    for s in steps:
+        assert s == [c for l in range(n) for c in (("get", l), ("prefetch", (l + 1) % n))], s

@@ -19,7 +19,7 @@ When no slot can be had, ``acquire`` returns None and the caller reads into a sp
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from .policies import Key, Policy
 
@@ -176,31 +176,34 @@ class ExpertCache:
         changes nothing."""
         if self._free:
             return None
-        index, state, pins, staged = self._index, self._state, self._pins, self._staged
         candidates = self.policy.victims()
         try:
-            for key in candidates:
-                slot = index[key]
-                if state[slot] is SlotState.READY and not pins[slot] and not staged[slot]:
-                    return key
+            found = self._first_evictable(candidates)
         finally:
             candidates.close()
-        return None
+        return None if found is None else found[0]
 
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        index, state, pins, staged = self._index, self._state, self._pins, self._staged
         candidates = self.policy.victims()
         try:
-            for key in candidates:
-                slot = index[key]
-                if state[slot] is SlotState.READY and not pins[slot] and not staged[slot]:
-                    self.evictions += 1
-                    self._detach(slot)
-                    return self._free.pop()
+            found = self._first_evictable(candidates)
+            if found is None:
+                return None
+            self.evictions += 1
+            self._detach(found[1])
+            return self._free.pop()
         finally:
             candidates.close()  # lets a lazy policy restore what it handed out before anything else changes
+
+    def _first_evictable(self, candidates: Iterable[Key]) -> tuple[Key, int] | None:
+        """The first of the policy's candidates whose slot may be evicted (ready, unpinned, not staged)."""
+        index, state, pins, staged = self._index, self._state, self._pins, self._staged
+        for key in candidates:
+            slot = index[key]
+            if state[slot] is SlotState.READY and not pins[slot] and not staged[slot]:
+                return key, slot
         return None
 
     def _detach(self, slot: int) -> None:

@@ -12,9 +12,11 @@ Memory: ``slot_bytes`` is the largest expert with each of its 3 slabs widened to
 and ``(n_slots + n_spare) * slot_bytes <= budget`` always; nothing else grows with the model.
 
 Ordering: the misses of one get() go to the backend as ONE batch (one read per slab: 3 per expert, 6 with biases), ahead of any
-prefetch read the backend has not started (those are withdrawn and re-queued behind). The store
-itself hands at most ``PREFETCH_DEPTH`` prefetched experts to the backend at a time, so a demand
-read never waits behind more than that.
+prefetch read the backend has not started (those are withdrawn and re-queued behind). Prefetches
+use only an idle disk: none is handed to the backend while a demand read is in flight (a read the
+device has started cannot be withdrawn, and it shares the bandwidth with the demand beside it), and
+at most ``PREFETCH_DEPTH`` prefetched experts at a time, so a demand read never shares the disk with
+more than that.
 
 Prefetch lifetime (the rule): a layer's prefetch lasts until the next ``get()`` of that layer, the
 next ``prefetch()`` of that layer, or ``cancel_prefetch(layer)``. Then each expert it brought that was
@@ -708,9 +710,11 @@ class ExpertStore:
             self._pq.extendleft(reversed(back))
 
     def _pump(self) -> None:
-        """Hand queued prefetches to the backend, at most PREFETCH_DEPTH experts at a time."""
+        """Hand queued prefetches to the backend, at most PREFETCH_DEPTH experts at a time, and only
+        while no demand read is in flight (the loads outstanding beyond the prefetches: those include
+        prefetches a get() took over, which are demand now)."""
         room = PREFETCH_DEPTH - len(self._pf_submitted)
-        if room <= 0 or not self._pq or self._closed:
+        if room <= 0 or not self._pq or self._closed or self._outstanding > len(self._pf_submitted):
             return
         batch = [self._pq.popleft() for _ in range(min(room, len(self._pq)))]
         self._submit(batch, demand=False)

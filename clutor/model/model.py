@@ -64,11 +64,12 @@ class Model:
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
         for w in dense.matrices():
             w.kernels = self.kernels
-        # Prefetch (decode steps only) only when asked for: on real routing (docs/benchmarks.md, "Streaming
-        # on real routing") it lost at 4 streams in three runs of three (its wrong guesses add 37% to the
-        # bytes of a disk-bound step), was slower at 16, and at 1 won twice and lost once within the noise, at 1.6x
-        # the bytes; it had won at 16 streams on random-weight routing only. None/False = never, True = every decode step.
-        prefetch = options.io != "memory" and options.prefetch is True
+        # Prefetch (decode steps only). None, the default: in steps of one sequence, where the disk idles
+        # between a layer's misses and the next layer's router, and prefetch reads only an idle disk (on
+        # real routing, one quiet run: 21.3 vs 16.6 tok/s, 29.5 vs 23.7 MiB/token, docs/benchmarks.md);
+        # never in a batched step, which is disk-bound: there its wrong guesses only add bytes (4 streams:
+        # 13.6 vs 18.5 tok/s in the same run). True: every decode step; False: never.
+        prefetch = False if options.io == "memory" else options.prefetch
         self.runner = Runner(arch, dense, experts, kv, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
                              profile=self.profile, trace=trace)
         self.engine = Engine(self.runner, kv, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
@@ -89,9 +90,10 @@ class Model:
         n_ctx: context length (default min(model's, 4096)).
         expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
             half of the memory available after the dense weights (capped at what all experts need).
-        prefetch: during decode, read the experts predicted for layer l+1 while layer l computes. True:
-            every decode step; None (default) or False: never (on real routing it lost more than it won,
-            docs/benchmarks.md).
+        prefetch: during decode, read the experts predicted for the next MoE layer (after the last, the
+            next token's first) while this one computes, whenever no demand read is in flight. None
+            (default): in decode steps of one sequence; True: every decode step; False: never (measured
+            on real routing in docs/benchmarks.md).
         policy: cache replacement policy (see clutor.io.policies.POLICIES).
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).

@@ -48,12 +48,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Runner"]
 
+PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, how many prefetch reads
+
 
 class Runner:
     """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
 
     def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
-                 kernels_: "KernelSettings", prefetch: bool, profile: Profile = NO_PROFILE,
+                 kernels_: "KernelSettings", prefetch: bool | None, profile: Profile = NO_PROFILE,
                  trace: "TraceWriter | None" = None):
         cfg = arch.cfg
         self.arch = arch
@@ -64,11 +66,17 @@ class Runner:
         self.profile = profile
         self._w = weights
         self._moe_index = {l: i for i, l in enumerate(cfg.moe_layers)}  # layer -> the expert source's layer
+        # MoE layer -> the MoE layer whose experts decode predicts from its residual: l + 1 when that one
+        # is MoE; the last MoE layer's is the first (the next token's).
+        moe = cfg.moe_layers
+        self._ahead = {l: l + 1 for l in moe if l + 1 in self._moe_index}
+        if moe:
+            self._ahead[moe[-1]] = moe[0]
         self._rope = arch.make_rope(n_ctx)
         arch.ggml_numerics = kernels.mode(kernels_) == "q8"
         self._trace = trace
-        # Read layer l+1's predicted experts while layer l computes, in decode steps (see Model.open's
-        # prefetch option for why it is off unless asked for).
+        # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
+        # or None: in steps of one sequence only (see Model.open's prefetch option).
         self._prefetch = prefetch
         self._hints = experts.wants_hints
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
@@ -131,7 +139,8 @@ class Runner:
     def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
         """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
         then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
-        experts [R, K], weights [R, K]; both None in a dense layer, predicted next experts or None)."""
+        experts [R, K], weights [R, K]; both None in a dense layer, and the next MoE layer's predicted
+        experts: (all, those to prefetch) or None)."""
         arch, lw, prof = self.arch, self._w.layers[l], self.profile
         if l == 0:
             step.prepare()
@@ -147,17 +156,23 @@ class Runner:
             if lw.experts is None:
                 return x, h, None, None, None
             sel, w = arch.route(lw, arch.router_input(lw, x, h))  # [R, K], [R, K]
-        nxt = None
-        if step.plan.decode and l + 1 in self._moe_index and self._predicting(len(sel)):
-            # Decode (one row per sequence): layer l+1's router on this residual predicts its experts,
-            # told to the cache before this layer's get (and read ahead by prefetch when it is on).
+        nxt = ahead_pf = None
+        ahead = self._ahead.get(l)
+        if step.plan.decode and ahead is not None and (self._predicting(len(sel)) if ahead == l + 1
+                                                       else self._prefetching(len(sel))):
+            # Decode (one row per sequence): the next MoE layer's router on this residual predicts its
+            # experts, told to the cache before this layer's get (and read ahead by prefetch when it is
+            # on). After the last MoE layer that is the first one, for the next token: read while this
+            # token's last layers, output and sampling compute (prefetch only: hints and the trace
+            # speak of layer l+1).
             with prof.span("predict"):
-                nxt = self._predict(l + 1, x)
+                nxt, ahead_pf = self._predict(ahead, x)
         if self._trace is not None:
             pos = step.plan.pos
             for r in range(len(sel)):
-                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(), next=nxt)
-        return x, h, sel, w, nxt
+                self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(),
+                                  next=nxt if ahead == l + 1 else None)
+        return x, h, sel, w, None if nxt is None else (nxt, ahead_pf)
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                      views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -273,30 +288,38 @@ class Runner:
         return out
 
     def _prefetching(self, n_seq: int) -> bool:
-        return self._prefetch
+        """Prefetch in a decode step of n_seq sequences: True always, False never, None (the default)
+        alone only (a batched step is disk-bound: its wrong guesses would only add bytes)."""
+        return n_seq == 1 if self._prefetch is None else self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode
         step) only when something uses it: prefetch, or a cache policy that takes hints."""
         return self._hints or self._prefetching(n_seq)
 
-    def _predict(self, l: int, x: np.ndarray) -> list[int]:
-        """Experts layer l will likely want: its router on the current residual, most-voted first."""
+    def _predict(self, l: int, x: np.ndarray) -> tuple[list[int], list[int]]:
+        """Experts layer l will likely want: its router on the current residual, most-voted first;
+        and the part of them prefetch reads: each row's PREFETCH_RANKS best-ranked. The lower ranks are
+        mostly wrong (on real routing the whole top-k prefetched was 40% right, the best two 61%) and
+        each wrong one costs an expert's read and evicts a cached expert."""
         lw = self._w.layers[l]
-        sel, _ = self.arch.route(lw, self.arch.router_input(lw, x, self.arch.ffn_input(lw, x)))
-        return _by_votes(sel)[: self._max_batch]
+        h = self.arch.ffn_input(lw, x)  # [R, D]
+        sel, _ = self.arch.route(lw, self.arch.router_input(lw, x, h))  # [R, K], each row best first
+        return _by_votes(sel)[: self._max_batch], _by_votes(sel[:, :PREFETCH_RANKS])[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: Step, nxt: list[int] | None) -> list[tuple[np.ndarray, np.ndarray]]:
+                              step: Step, nxt: tuple[list[int], list[int]] | None
+                              ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
         compute thread group by group as its bytes arrive, while the rest are still being read. An
         expert whose read fails fails the segments routed to it; the others go on without it."""
         wanted = _by_votes(sel)  # each expert once per layer per step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         layer = self._moe_index[l]
-        if nxt is not None:  # before this layer's get: its misses then spare layer l+1's experts
-            self.experts.hint(self._moe_index[l + 1], nxt)
+        ahead = self._ahead.get(l)
+        if nxt is not None and ahead == l + 1:  # before this layer's get: its misses then spare layer l+1's experts
+            self.experts.hint(self._moe_index[l + 1], nxt[0])
         users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
         todo = list(wanted)
         first_get = True
@@ -315,9 +338,10 @@ class Runner:
                     first_group = False
                     if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
                         # This layer's experts are pinned and its misses submitted: queue the experts
-                        # layer l+1's router picks from the current hidden state, read while this
-                        # layer computes. (In a prefill nearly every expert is demanded anyway.)
-                        self.experts.prefetch(self._moe_index[l + 1], nxt)
+                        # the next MoE layer's router picks from the current hidden state, read once
+                        # this layer's misses are in (the store's idle-disk rule) while it computes.
+                        # (In a prefill nearly every expert is demanded anyway.)
+                        self.experts.prefetch(self._moe_index[ahead], nxt[1])
                     first_get = False
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
                     t_wait = time.perf_counter()

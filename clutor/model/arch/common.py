@@ -49,6 +49,29 @@ def read_int(f, key: str, lo: int, hi: int, default=_MISSING) -> int:
     return v
 
 
+# The keys llama.cpp reads as one number or an array of one per layer (get_key_or_arr, block_count long)
+PER_LAYER_KEYS = frozenset({"attention.head_count", "attention.head_count_kv", "feed_forward_length", "expert_used_count"})
+
+
+def read_layer_int(f, key: str, lo: int, hi: int, default=_MISSING) -> int:
+    """read_int for a key of PER_LAYER_KEYS: an array must be block_count long, as llama.cpp requires,
+    and hold one value, since these architectures run one shape in every layer (a file whose layers
+    differ is refused, naming the key; nemotron_h reads its per-layer kinds itself)."""
+    full = f"{f.arch}.{key}"
+    v = f.get(full) if default is _MISSING else f.get(full, default)
+    if isinstance(v, list):
+        n = f.get(f"{f.arch}.block_count")
+        if len(v) != n:
+            raise ModelFileError(f.path, full, f"one number or an array of {n} (block_count)", f"an array of {len(v)}")
+        if len(set(map(repr, v))) > 1:
+            raise UnsupportedError(f.path, full, "the same value in every layer (one layer shape)",
+                                   repr(v) if len(v) <= 16 else repr(v[:16])[:-1] + ", ...]")
+        v = v[0] if v else None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ModelFileError(f.path, full, f"an integer in [{lo}, {hi}]", repr(v))
+    return v
+
+
 def read_float(f, key: str, default=_MISSING, *, positive: bool = True) -> float:
     full = f"{f.arch}.{key}"
     v = f.get(full) if default is _MISSING else f.get(full, default)
@@ -67,8 +90,9 @@ def read_bool(f, key: str, default: bool) -> bool:
 
 def _ff_over_k(f, k: int) -> int:
     """feed_forward_length / expert_used_count (0, refused by the caller's range, without an integer one)."""
-    n_ff = f.get(f"{f.arch}.feed_forward_length", 0)
-    return n_ff // k if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 0
+    if f"{f.arch}.feed_forward_length" not in f.metadata:
+        return 0
+    return read_layer_int(f, "feed_forward_length", 0, MAX_DIM) // k
 
 
 def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: int = 0, n_ff_shexp: int = 0,
@@ -80,9 +104,9 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
     ff_from_dense: an absent ff_key means feed_forward_length / expert_used_count (llama.cpp's
     default for the Qwen MoE architectures)."""
     n_embd = read_int(f, "embedding_length", 1, MAX_DIM)
-    n_head = read_int(f, "attention.head_count", 1, 4096)
+    n_head = read_layer_int(f, "attention.head_count", 1, 4096)
     if n_head_kv is None:
-        n_head_kv = read_int(f, "attention.head_count_kv", 1, n_head, default=n_head)
+        n_head_kv = read_layer_int(f, "attention.head_count_kv", 1, n_head, default=n_head)
     if n_head % n_head_kv:
         raise ModelFileError(f.path, f"{f.arch}.attention.head_count_kv", f"a divisor of head_count {n_head}", n_head_kv)
     default_hd = n_embd // n_head
@@ -94,7 +118,7 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
     if n_rot % 2:
         raise ModelFileError(f.path, f"{f.arch}.rope.dimension_count", "an even number", n_rot)
     n_expert = read_int(f, "expert_count", 1, MAX_EXPERTS)
-    n_expert_used = read_int(f, "expert_used_count", 1, n_expert)
+    n_expert_used = read_layer_int(f, "expert_used_count", 1, n_expert)
     if n_layers is None:
         n_layers = read_int(f, "block_count", 1, MAX_LAYERS)
     if not 0 <= n_dense_lead < n_layers:
@@ -119,7 +143,8 @@ def read_common(f, *, ff_key: str, n_layers: int | None = None, n_dense_lead: in
         eps=read_float(f, "attention.layer_norm_rms_epsilon") if eps is None else eps,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
-        n_ff_exp=read_int(f, ff_key, 1, MAX_DIM, default=_ff_over_k(f, n_expert_used) if ff_from_dense else _MISSING),
+        n_ff_exp=(read_layer_int if ff_key in PER_LAYER_KEYS else read_int)(
+            f, ff_key, 1, MAX_DIM, default=_ff_over_k(f, n_expert_used) if ff_from_dense else _MISSING),
         n_ff_shexp=n_ff_shexp,
         n_ff=n_ff,
         moe_layers=tuple(range(n_dense_lead, n_layers)),

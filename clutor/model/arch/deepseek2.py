@@ -28,7 +28,7 @@ from ..config import MAX_DIM
 from ..layers import Rope, Yarn, gate, rmsnorm
 from ..state import LatentKV
 from ..quants import apply_all, dequantize, ggml_activations, matmul_heads
-from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common, read_float, read_int
+from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common, read_float, read_int, read_layer_int
 
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
@@ -79,7 +79,7 @@ class DeepSeek2(Arch):
                 raise ModelFileError(f.path, f"{a}.expert_group_count", f"a divisor of expert_count {n_expert}", n_group)
             groups = (n_group, read_int(f, "expert_group_used_count", 1, n_group))
         cfg = read_common(f, ff_key="expert_feed_forward_length", n_layers=n_layers, n_dense_lead=n_dense,
-                          n_ff_shexp=n_ff_exp * n_shared, n_ff=read_int(f, "feed_forward_length", 1, MAX_DIM) if n_dense else 0,
+                          n_ff_shexp=n_ff_exp * n_shared, n_ff=read_layer_int(f, "feed_forward_length", 1, MAX_DIM) if n_dense else 0,
                           head_dim=hk, head_dim_v=hv, n_head_kv=1, kv_floats=kv_lora + n_rot)
         yarn, mscale = None, 1.0
         if f.get(f"{a}.rope.scaling.type", "none") == "yarn":

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ...errors import UnsupportedError
 from ..config import MAX_DIM
 from ..layers import gate, rmsnorm
-from .common import mtp_layer_tensors, Arch, T, read_bool, read_common, read_float, read_int
+from .common import mtp_layer_tensors, Arch, T, read_bool, read_common, read_float, read_int, read_layer_int
 
 GATING = {1: "softmax", 2: "sigmoid"}
 
@@ -45,7 +45,7 @@ class GLM4MoE(Arch):
             raise UnsupportedError(f.path, f"{f.arch}.expert_group_count", "0 or 1 (no grouped routing)", groups)
         cfg = read_common(f, ff_key="expert_feed_forward_length", n_layers=n_layers, n_dense_lead=n_dense,
                           n_ff_shexp=n_ff_exp * n_shared,
-                          n_ff=read_int(f, "feed_forward_length", 1, MAX_DIM) if n_dense else 0)
+                          n_ff=read_layer_int(f, "feed_forward_length", 1, MAX_DIM) if n_dense else 0)
         return cls(f.path, cfg, n_nextn=n_nextn, func=GATING[func],
                    norm_w=read_bool(f, "expert_weights_norm", False),
                    w_scale=read_float(f, "expert_weights_scale", 0.0, positive=False))

@@ -19,9 +19,9 @@ intrinsics whose first argument is the runtime type id (one switch per call, one
 - ``idot_intrinsic``: a row times int8 activations (activations.py); x86 with AVX2 only
   (``HAVE_INT8_SIMD``).
 
-Everything here is portable LLVM IR except the int8 dot instructions and the 16-entry byte table
-lookup (IQ4_NL), which have portable fallbacks or are only emitted when ``HAVE_INT8_SIMD`` (as are
-iquants.py's vpsignb and pdep).
+Everything here is portable LLVM IR except the int8 dot instructions, the 16-entry byte table
+lookup (IQ4_NL) and the scale spreading (``spread_i16``: vpshufb as inline assembly), which have
+portable fallbacks or are only emitted when ``HAVE_INT8_SIMD`` (as are iquants.py's vpsignb and pdep).
 No bounds checks: callers derive every offset from validated shapes (the list: __init__.py, above
 ``_check``). A newcomer's guide to this file: README.md in this package.
 """
@@ -45,6 +45,8 @@ __all__ = [
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 _features = _llvm.get_host_cpu_features() if _IS_X86 else {}
+# the kernels emit a few instructions as inline assembly (spread_i16): numba's JIT needs the parser
+_llvm.initialize_native_asmparser()
 # CLUTOR_KERNELS_ISA=avx2|portable generates the code a lesser CPU would get (to test fallbacks).
 ISA_OVERRIDE = os.environ.get("CLUTOR_KERNELS_ISA", "")
 HAVE_F16C: bool = bool(_features.get("f16c", False))
@@ -150,6 +152,37 @@ def shl(bld: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
 def concat(bld: ir.IRBuilder, lo: ir.Value, hi: ir.Value) -> ir.Value:
     n = lo.type.count
     return bld.shuffle_vector(lo, hi, vconst(ir.VectorType(i32, 2 * n), list(range(2 * n))))
+
+
+def spread_i16(bld: ir.IRBuilder, v: ir.Value, picks: list[list[int]]) -> list[ir.Value]:
+    """<16 x i16> v -> for each pick (16 lane indices of v, each 128-bit half drawing on one half of v)
+    the <16 x i16> of those lanes. On x86 with AVX2 it is one ``vpshufb`` per pick from a register
+    holding that half of v in both 128-bit lanes (as ggml spreads its K-quant scales). Written as inline
+    assembly: LLVM otherwise moves the widening of v past the shuffles and emits per pick a byte
+    shuffle, an unpack and a widening (3 instructions in the hot loop, measured slower)."""
+    if not HAVE_INT8_SIMD:
+        return [bld.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), vconst(ir.VectorType(i32, 16), p))
+                for p in picks]
+    halves = {}
+    out = []
+    asm_ty = ir.FunctionType(V32i8, [V32i8, V32i8])
+    for pick in picks:
+        mask, srcs = [], []
+        for lane in range(2):
+            part = pick[8 * lane: 8 * lane + 8]
+            src = part[0] // 8
+            assert all(i // 8 == src for i in part), pick
+            srcs.append(src)
+            for i in part:
+                mask += [2 * (i % 8), 2 * (i % 8) + 1]
+        key = tuple(srcs)
+        if key not in halves:
+            lanes = [8 * srcs[0] + k for k in range(8)] + [8 * srcs[1] + k for k in range(8)]
+            halves[key] = bld.bitcast(bld.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                                                         vconst(ir.VectorType(i32, 16), lanes)), V32i8)
+        r = bld.asm(asm_ty, "vpshufb $2, $1, $0", "=x,x,x", [halves[key], vconst(V32i8, mask)], False)
+        out.append(bld.bitcast(r, V16i16))
+    return out
 
 
 def nibbles16(bld: ir.IRBuilder, p: ir.Value) -> ir.Value:
@@ -413,6 +446,96 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
     unpacked once for all the tokens. Only formats with an int8 path (``iprep``); x86 AVX2 only."""
     rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
 
+    # The row function is emitted once per module as a function of its own that is never inlined:
+    # inlined into the drivers' row loop beside every other type's code (and the other token
+    # counts'), LLVM hoisted their constants out of that loop and spilled them around this type's
+    # block loop, which then reloaded its own constants every block (Q2_K: 29 stack accesses per
+    # block, 1.4x slower than the same code alone). A call per row costs a few ns.
+    fname = "clutor.idot%d.%s" % (ntok, "_".join(f"{q}" for q in sorted(formats)))
+    ret_ty = f32 if ntok == 1 else ir.LiteralStructType([f32] * ntok)
+    arg_tys = [i64, i8.as_pointer(), i64, i64, i8.as_pointer(), f32.as_pointer(), f32.as_pointer(),
+               i16.as_pointer(), i64, i64]
+
+    def define(module: ir.Module) -> ir.Function:
+        fn = module.globals.get(fname)
+        if fn is not None:
+            return fn
+        fn = ir.Function(module, ir.FunctionType(ret_ty, arg_tys), fname)
+        fn.linkage = "internal"
+        fn.attributes.add("noinline")
+        bld = ir.IRBuilder(fn.append_basic_block("entry"))
+        qtype, wptr, row_base, n_elems, xq, xd, xs1, xs16, x_elem0, x_stride = fn.args
+        starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
+        # [token][chain]: a few tokens leave the FMA latency exposed, so consecutive blocks
+        # alternate between independent accumulators (the tokens themselves are chains enough)
+        n_chains = IDOT_CHAINS.get(ntok, 1)
+        accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
+                for _ in range(ntok)]
+        corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
+        sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
+
+        # grouped formats: per token, the block's integer sum over its sub-blocks
+        iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(ntok)]
+
+        def case(fmt: Format) -> None:
+            def grouped_body(blk, k):
+                off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
+                for iacc in iaccs:
+                    bld.store(ir.Constant(V8i32, None), iacc)
+                x_blocks = [bld.add(x_start, bld.mul(blk, c64(fmt.elems))) for x_start in starts]
+
+                def group(g):
+                    state = fmt.iprep(bld, wptr, off, g)
+                    for x_block, iacc in zip(x_blocks, iaccs):
+                        env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
+                        bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
+
+                _each_group(bld, fmt, group)
+                wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
+                for x_block, iacc, chains in zip(x_blocks, iaccs, accs):
+                    env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
+                    acc = chains[k % n_chains]
+                    scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
+                    bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
+
+            # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
+            # sums its blocks in order into one accumulator, as ggml does)
+            def body(blk, k):
+                off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
+                state = fmt.iprep(bld, wptr, off)
+                for x_start, chains, corr, side in zip(starts, accs, corrs, sides):
+                    env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
+                    parts, block_corr = fmt.itok(bld, state, env)
+                    acc = chains[k % n_chains]
+                    for ivec, scale, *where in parts:
+                        to = side if where and where[0] == "side" else acc
+                        sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
+                        bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
+                    if block_corr is not None:
+                        bld.store(bld.fadd(bld.load(corr), block_corr), corr)
+
+            # the token loop already multiplies the code per block; keep compile time sane
+            nblocks = bld.sdiv(n_elems, c64(fmt.elems))
+            _blocks_loop(bld, fmt, nblocks, grouped_body if fmt.groups > 1 else body, wptr, [row_base],
+                         max(1, fmt.unroll // ntok))
+
+        _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
+        vals = []
+        for chains, corr, side in zip(accs, corrs, sides):
+            total = bld.load(chains[0])
+            for acc in chains[1:]:
+                total = bld.fadd(total, bld.load(acc))
+            # (a side accumulator nobody used is zeros: adding it changes no bit)
+            vals.append(bld.fadd(bld.fadd(hsum_f(bld, total), hsum_f(bld, bld.load(side))), bld.load(corr)))
+        if ntok == 1:
+            bld.ret(vals[0])
+        else:
+            agg = ir.Constant(ret_ty, ir.Undefined)
+            for t, v in enumerate(vals):
+                agg = bld.insert_value(agg, v, t)
+            bld.ret(agg)
+        return fn
+
     @intrinsic
     def idot(typingctx, qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride):
         sig = rtype(qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride)
@@ -420,73 +543,11 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
         def codegen(context, bld, signature, args):
             qtype, w_arg, row_base, n_elems, xq_arg, xd_arg, xs1_arg, xs16_arg, x_elem0, x_stride = args
             arg_types = signature.args
-            wptr = data_ptr(context, bld, arg_types[1], w_arg)
-            xq = data_ptr(context, bld, arg_types[4], xq_arg)
-            xd = data_ptr(context, bld, arg_types[5], xd_arg, f32)
-            xs1 = data_ptr(context, bld, arg_types[6], xs1_arg, f32)
-            xs16 = data_ptr(context, bld, arg_types[7], xs16_arg, i16)
-            starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
-            # [token][chain]: a few tokens leave the FMA latency exposed, so consecutive blocks
-            # alternate between independent accumulators (the tokens themselves are chains enough)
-            n_chains = IDOT_CHAINS.get(ntok, 1)
-            accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
-                    for _ in range(ntok)]
-            corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
-            sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
-
-            # grouped formats: per token, the block's integer sum over its sub-blocks
-            iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(ntok)]
-
-            def case(fmt: Format) -> None:
-                def grouped_body(blk, k):
-                    off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
-                    for iacc in iaccs:
-                        bld.store(ir.Constant(V8i32, None), iacc)
-                    x_blocks = [bld.add(x_start, bld.mul(blk, c64(fmt.elems))) for x_start in starts]
-
-                    def group(g):
-                        state = fmt.iprep(bld, wptr, off, g)
-                        for x_block, iacc in zip(x_blocks, iaccs):
-                            env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
-                            bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
-
-                    _each_group(bld, fmt, group)
-                    wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
-                    for x_block, iacc, chains in zip(x_blocks, iaccs, accs):
-                        env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
-                        acc = chains[k % n_chains]
-                        scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
-                        bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
-
-                # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
-                # sums its blocks in order into one accumulator, as ggml does)
-                def body(blk, k):
-                    off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
-                    state = fmt.iprep(bld, wptr, off)
-                    for x_start, chains, corr, side in zip(starts, accs, corrs, sides):
-                        env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
-                        parts, block_corr = fmt.itok(bld, state, env)
-                        acc = chains[k % n_chains]
-                        for ivec, scale, *where in parts:
-                            to = side if where and where[0] == "side" else acc
-                            sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
-                            bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
-                        if block_corr is not None:
-                            bld.store(bld.fadd(bld.load(corr), block_corr), corr)
-
-                # the token loop already multiplies the code per block; keep compile time sane
-                nblocks = bld.sdiv(n_elems, c64(fmt.elems))
-                _blocks_loop(bld, fmt, nblocks, grouped_body if fmt.groups > 1 else body, wptr, [row_base],
-                             max(1, fmt.unroll // ntok))
-
-            _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
-            vals = []
-            for chains, corr, side in zip(accs, corrs, sides):
-                total = bld.load(chains[0])
-                for acc in chains[1:]:
-                    total = bld.fadd(total, bld.load(acc))
-                # (a side accumulator nobody used is zeros: adding it changes no bit)
-                vals.append(bld.fadd(bld.fadd(hsum_f(bld, total), hsum_f(bld, bld.load(side))), bld.load(corr)))
+            ptrs = [data_ptr(context, bld, arg_types[1], w_arg), data_ptr(context, bld, arg_types[4], xq_arg),
+                    data_ptr(context, bld, arg_types[5], xd_arg, f32), data_ptr(context, bld, arg_types[6], xs1_arg, f32),
+                    data_ptr(context, bld, arg_types[7], xs16_arg, i16)]
+            res = bld.call(define(bld.module), [qtype, ptrs[0], row_base, n_elems, *ptrs[1:], x_elem0, x_stride])
+            vals = [res] if ntok == 1 else [bld.extract_value(res, t) for t in range(ntok)]
             return _result(context, bld, vals, rtype)
 
         return sig, codegen

@@ -67,11 +67,13 @@ def _compile(op: str, qtype: int):
 
 
 def _only(text: str, name: str, asm: bool) -> str:
-    """The kernel's own function out of the module numba compiled (which also holds wrappers)."""
+    """The kernel's own function out of the module numba compiled (which also holds wrappers); for
+    the int8 kernels, the row function the intrinsic defines and calls (_ir.idot_intrinsic)."""
+    sym = re.escape(name) if name.startswith("clutor.") else rf"_ZN[^\s:\"(]*{name}"
     if asm:
-        m = re.search(rf"^(_ZN[^\s:]*{name}[^\s:]*):.*?^\.Lfunc_end\d+:", text, re.M | re.S)
+        m = re.search(rf"^({sym}[^\s:]*):.*?^\.Lfunc_end\d+:", text, re.M | re.S)
     else:
-        m = re.search(rf"^define [^\n]*@\"?_ZN[^\s(\"]*{name}[^\n]*\{{\n.*?^\}}", text, re.M | re.S)
+        m = re.search(rf"^define [^\n]*@\"?{sym}[^\n]*\{{\n.*?^\}}", text, re.M | re.S)
     return m.group(0) if m else text
 
 
@@ -93,7 +95,8 @@ def kernel_code(op: str, type_name: str, asm: bool = False, full: bool = False) 
             raise ValueError(f"{type_name.upper()} has no int8 path (float activations only: deq, tile*)")
     disp, sig = _compile(op, qtype)
     text = disp.inspect_asm(sig) if asm else disp.inspect_llvm(sig)
-    return text if full else _only(text, f"kernel_{op.rstrip('1248')}", asm)
+    name = f"clutor.{op}." if op.startswith("idot") else f"kernel_{op.rstrip('1248')}"
+    return text if full else _only(text, name, asm)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,7 @@ def _k4_format(name: str, five: bool) -> Format:
         d = _ir.half(bld, _ir.at(bld, wptr, off))
         dmin = _ir.half(bld, _ir.at(bld, wptr, off, 2))
         scm = _scales_mins(bld, wptr, off)  # [16] i16
-        scales = [_lane(bld, scm, [j] * 16) for j in range(8)]
+        scales = _ir.spread_i16(bld, scm, [[j] * 16 for j in range(8)])
         mins = _lane(bld, scm, [8 + j // 2 for j in range(16)])  # m_j twice: pairs of 16-sums
         msub = _lane(bld, scm, list(range(8, 16)))  # m_0..m_7
         return d, dmin, scales, mins, msub, _k4_quants(bld, wptr, off, five)
@@ -158,8 +158,7 @@ def _q6_fvals(bld, wptr, off):
 def _q6_iprep(bld, wptr, off):
     scales = bld.sext(_ir.load(bld, _ir.at(bld, wptr, off, 192), _ir.V16i8), _ir.V16i16)  # [16]
     # lanes 0..7 of a chunk's pair sums cover 16-element group 2i, lanes 8..15 group 2i+1
-    lanes = [bld.shuffle_vector(scales, ir.Constant(_ir.V16i16, ir.Undefined),
-                              _ir.vconst(ir.VectorType(_ir.i32, 16), [2 * i] * 8 + [2 * i + 1] * 8)) for i in range(8)]
+    lanes = _pair_lanes(bld, scales)
     return _ir.half(bld, _ir.at(bld, wptr, off, 208)), scales, lanes, _q6_quants(bld, wptr, off)
 
 
@@ -184,9 +183,8 @@ def _group_dots_signed(bld, env: IEnv, qs, lanes):
 
 def _signed_pairs(bld, q, xv):
     """<32 x i8> signed q, x -> <16 x i16> pair sums of q * x (|q| * (x with q's sign))."""
-    aq = bld.call(_ir.declare(bld, "llvm.abs.v32i8", _ir.V32i8, [_ir.V32i8, _ir.i1]), [q, ir.Constant(_ir.i1, 0)])
-    sx = bld.select(bld.icmp_signed("<", q, ir.Constant(_ir.V32i8, None)), bld.neg(xv), xv)
-    return _ir.maddubs(bld, aq, sx)
+    sign = _ir.declare(bld, "llvm.x86.avx2.psign.b", _ir.V32i8, [_ir.V32i8, _ir.V32i8])
+    return _ir.maddubs(bld, bld.call(sign, [q, q]), bld.call(sign, [xv, q]))
 
 
 def _two_bits(bld, wptr, off):
@@ -201,7 +199,7 @@ def _two_bits(bld, wptr, off):
 
 def _pair_lanes(bld, scales16):
     """<16 x i16> per-16 scales -> per 32-element group g the vpmaddwd lanes [s_2g] * 8 + [s_2g+1] * 8."""
-    return [_lane(bld, scales16, [2 * g] * 8 + [2 * g + 1] * 8) for g in range(8)]
+    return _ir.spread_i16(bld, scales16, [[2 * g] * 8 + [2 * g + 1] * 8 for g in range(8)])
 
 
 def _per16(bld, vals16, g):
@@ -277,15 +275,33 @@ def _q3_fvals(bld, wptr, off):
     return [bld.fmul(_per16(bld, dl, g), _ir.to_f32(bld, q, True)) for g, q in enumerate(_q3_quants(bld, wptr, off))]
 
 
+def _q3_unsigned(bld, wptr, off):
+    """The 8 groups of 32 as <32 x u8> q + 4 in 0..7: the 2 low bits, the hmask bit as 4."""
+    hm = _ir.load(bld, _ir.at(bld, wptr, off), _ir.V32i8)
+    out = []
+    for g, low in enumerate(_two_bits(bld, wptr, bld.add(off, _ir.c64(32)))):
+        high = _ir.band(bld, _ir.lshr(bld, hm, g - 2) if g >= 2 else _ir.shl(bld, hm, 2 - g), 4)
+        out.append(bld.or_(low, high))
+    return out
+
+
 def _q3_iprep(bld, wptr, off):
     lanes = _pair_lanes(bld, bld.sext(_q3_scales(bld, wptr, off), _ir.V16i16))
-    return _ir.half(bld, _ir.at(bld, wptr, off, 108)), lanes, _q3_quants(bld, wptr, off)
+    return _ir.half(bld, _ir.at(bld, wptr, off, 108)), lanes, _q3_unsigned(bld, wptr, off)
 
 
 def _q3_itok(bld, state, env: IEnv):
-    """ggml's Q3_K dot (x86): the integer dot with the signed quants, acc += (dx * d) * float(lanes)."""
+    """ggml's Q3_K dot (x86): per group the int16 pair sums of q . x times the scales in vpmaddwd, summed
+    in int32; acc += (dx * d) * float(lanes). The pair sums are taken as (q + 4) . x - 4 . x, two
+    vpmaddubsw of unsigned bytes (ggml's are q_low . x - (4 where the high bit is clear) . x): the same
+    int16 in every lane, so the same lanes."""
     d, lanes, qs = state
-    acc = _group_dots_signed(bld, env, qs, lanes)
+    four = _ir.vconst(_ir.V32i8, 4)
+    acc = ir.Constant(_ir.V8i32, None)
+    for g, q in enumerate(qs):  # q + 4 <= 7: no pair sum saturates
+        xv = _ir.load(bld, bld.gep(env.xq, [bld.add(env.xe, _ir.c64(32 * g))]), _ir.V32i8)
+        pairs = bld.sub(_ir.maddubs(bld, q, xv), _ir.maddubs(bld, four, xv))
+        acc = bld.add(acc, _ir.madd(bld, pairs, lanes[g]))
     return [(acc, bld.fmul(_ir.xscale(bld, env, 256), d))], None
 
 
@@ -320,7 +336,8 @@ def _iq4xs_fvals(bld, wptr, off):
 
 def _iq4xs_iprep(bld, wptr, off):
     ls = _iq4xs_scales(bld, wptr, off)
-    return _ir.half(bld, _ir.at(bld, wptr, off)), [_lane(bld, ls, [g] * 16) for g in range(8)], _iq4xs_quants(bld, wptr, off)
+    lanes = _ir.spread_i16(bld, _lane(bld, ls, list(range(8)) * 2), [[g] * 16 for g in range(8)])
+    return _ir.half(bld, _ir.at(bld, wptr, off)), lanes, _iq4xs_quants(bld, wptr, off)
 
 
 def _iq4xs_itok(bld, state, env: IEnv):
