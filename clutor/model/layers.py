@@ -16,8 +16,9 @@ __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention",
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., n] * w [n] / rms(x) along the last axis."""
-    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    """x [..., n] * w [n] / rms(x) along the last axis, as ggml computes it: the squares summed in
+    float64, their mean rounded back to x's type (so that the result is llama.cpp's to the bit)."""
+    ms = (np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(x.dtype)
     return x * (1.0 / np.sqrt(ms + eps)) * w
 
 

@@ -203,7 +203,7 @@ class Runner:
                 gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
                 jobs = [job for v, t0, n in zip(views, starts, counts)
                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))]
-            matmul_jobs(jobs, D, xg, gu, self.kernels)
+            matmul_jobs(jobs, D, xg, gu, self.kernels, order="mul_mat_id")  # llama.cpp's MUL_MAT_ID sums
             biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
             if biased:
                 for v, t0, n in zip(views, starts, counts):
@@ -212,7 +212,7 @@ class Runner:
             a = self.arch.expert_act(gu, F)  # [S, F]
             y = np.empty((len(xg), D), np.float32)  # [S, D]
             matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
-                        self.kernels)
+                        self.kernels, order="mul_mat_id")
             if biased:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)

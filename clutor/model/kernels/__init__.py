@@ -14,7 +14,8 @@ BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
   Q8_K with a float scale per 256; activations.py reproduces llama.cpp's bytes bit for bit), then
   int8 x int8 dot products run block by block as ggml's x86 code computes them: float(integer dot)
   times the product of the two scales, per block. F16 / BF16 weights take x rounded to half /
-  bfloat16 (as ggml converts it), F32 weights x itself. The result is x' @ W.T up to float rounding,
+  bfloat16 (as ggml converts it), F32 weights x itself; F16 products then sum in ggml's own order,
+  bit for bit (f16dots: "mul_mat" for dense weights, "mul_mat_id" for experts). The result is x' @ W.T up to float rounding,
   x' being x as ggml rounds it (Q4_1 / Q5_1 add each block's min times Q8_1's rounded sum), so it
   differs from x @ W.T by the rounding, per output element r of token t at most
       ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| * (1/254 + 1/2048))**2)   (+ float rounding)
@@ -101,6 +102,7 @@ class KernelInfo:
 
 from . import _ir  # noqa: E402
 from . import activations as _act  # noqa: E402
+from . import f16dots as _f16  # noqa: E402
 from . import drivers as _drv  # noqa: E402
 
 log = logging.getLogger("clutor.kernels")
@@ -321,6 +323,9 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     q8 = ggml and qtype in _Q8_BLOCK
     if ggml and qtype in _ROUNDED:  # F16 / BF16: ggml multiplies them with activations of their own type
         x2 = _rounded(x2, qtype, "xround")
+    if ggml and qtype == F16:  # summed in ggml's order (f16dots: a one-ulp difference grows through a model)
+        _f16.matmul(x2, w.view(np.uint16).reshape(n_rows, n_cols), out2, "mul_mat")
+        return out
     if n_tok >= _blas_from(settings, q8) and q8:  # BLAS on ggml's activation blocks as floats
         xf, blocks = _q8_floats(x2, _Q8_BLOCK[qtype])
         _blas(w, qtype, rb, n_rows, n_cols, xf, out2)
@@ -347,13 +352,15 @@ class Job(NamedTuple):
 
 
 def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray,
-                settings: KernelSettings = DEFAULT) -> np.ndarray:
+                settings: KernelSettings = DEFAULT, order: str = "mul_mat") -> np.ndarray:
     """Several products sharing x [S, n_cols] and out [S, M] (C-contiguous float32), e.g. a layer's
     experts (each on its own rows of x) or q/k/v (same rows, side by side in out).
 
     Each (row, token) result equals what matmul() gives for that job alone. All jobs below the BLAS
     threshold run in ONE parallel launch (one per activation block size in q8 mode): waking the worker threads costs ~0.1 ms per
-    launch on a 2-core VM, as much as a 2 MB expert's product itself. Returns out."""
+    launch on a 2-core VM, as much as a 2 MB expert's product itself. order: which of llama.cpp's
+    products the F16 jobs stand for in q8 mode, "mul_mat" (dense) or "mul_mat_id" (experts), whose
+    sums run in different orders (f16dots). Returns out."""
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not (x.flags.c_contiguous and x.flags.aligned):
         raise ClutorError(f"kernels: x must be C-contiguous, aligned float32 [S, {n_cols}], got {x.dtype} {x.shape}")
     if (out.dtype != np.float32 or out.ndim != 2 or not (out.flags.c_contiguous and out.flags.aligned)
@@ -378,6 +385,11 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         if j.n_tok == 0:
             continue
         int8 = q8 and qtype in _Q8_BLOCK
+        if q8 and qtype == F16:
+            rows = slice(j.t0, j.t0 + j.n_tok)
+            _f16.matmul(_rounded(x[rows], F16, "xround16"), j.w.view(np.uint16).reshape(n_rows, n_cols),
+                        out[rows, j.col : j.col + n_rows], order)
+            continue
         if qtype == F32 or j.n_tok >= _blas_from(settings, int8):
             y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
