@@ -504,10 +504,9 @@ def test_prefetch_raises_accuracy_on_the_same_greedy_run(six_layers):
 
 def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_layers):
     """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
-    best-ranked predicted experts are queued, then the best-ranked of the MoE layer after it (same token);
-    after the last layer's, the first layer's for the next token (read while the output and the sampling
-    compute). A layer's prefetch keeps what the layer two back queued for it. A prefill prefetches nothing."""
-    from clutor.model.runner import PREFETCH_FAR_RANKS, PREFETCH_RANKS
+    best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
+    while the output and the sampling compute). A prefill step prefetches nothing."""
+    from clutor.model.runner import PREFETCH_RANKS
 
     minimum, slot = _minimum(six_layers)
 
@@ -517,36 +516,22 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
             calls: list[tuple[str, int]] = []
             get_ready, prefetch = store.get_ready, store.prefetch
             store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
-            asked: list[tuple[int, list[int]]] = []  # (layer, experts) per prefetch call
-            store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append((layer, list(experts))),
+            asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
+            store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
                                                      prefetch(layer, experts))[2]
             async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
                 pass
             return calls, model.config.n_layers, asked
 
     calls, n, asked = run(go())
+    assert asked and all(1 <= k <= PREFETCH_RANKS for k in asked), asked
     prefill, decode = calls[:n], calls[n:]
     assert prefill == [("get", l) for l in range(n)], prefill
-    # one get per layer per decode step; each followed by the prefetch of the next layer, then (but for the
-    # last two) of the layer after it; the last by layer 0's
-    one = [c for l in range(n) for c in (("get", l), ("prefetch", (l + 1) % n))
-           + ((("prefetch", l + 2),) if l + 2 < n else ())]
-    steps = [decode[i : i + len(one)] for i in range(0, len(decode), len(one))]
-    assert len(steps) == 5 and all(s == one for s in steps), decode
-    # a prefetch right after a get is the next layer's (one row's best PREFETCH_RANKS, plus what the layer
-    # two back queued for it), one after a prefetch is the far layer's (its best PREFETCH_FAR_RANKS)
-    kinds = [("far" if prev[0] == "prefetch" else "next") for prev, c in zip([("get", -1)] + decode, decode)
-             if c[0] == "prefetch"]
-    queued_far: dict[int, set[int]] = {}
-    assert len(kinds) == len(asked) - 0 and kinds.count("far") == 5 * (n - 2)
-    for kind, (layer, experts) in zip(kinds, asked):
-        assert len(set(experts)) == len(experts) >= 1
-        if kind == "far":
-            assert len(experts) <= PREFETCH_FAR_RANKS
-            queued_far[layer] = set(experts)
-        else:
-            assert len(experts) <= PREFETCH_RANKS + PREFETCH_FAR_RANKS
-            assert queued_far.pop(layer, set()) <= set(experts), (layer, experts)
+    # one get per layer per decode step; each followed by the prefetch of the next layer, the last by layer 0's
+    steps = [decode[i : i + 2 * n] for i in range(0, len(decode), 2 * n)]
+    assert len(steps) == 5 and all(len(s) == 2 * n for s in steps), decode
+    for s in steps:
+        assert s == [c for l in range(n) for c in (("get", l), ("prefetch", (l + 1) % n))], s
 
 
 def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(six_layers, monkeypatch):

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["Runner"]
 
 PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, how many prefetch reads
-PREFETCH_FAR_RANKS = 1  # ... and for the MoE layer after it (queued behind the next layer's)
 
 
 class Runner:
@@ -75,10 +74,6 @@ class Runner:
         self._ahead = {l: l + 1 for l in moe if l + 1 in self._moe_index}
         if moe:
             self._ahead[moe[-1]] = moe[0]
-        # MoE layer -> the MoE layer two ahead in the same token (l + 2, when l + 1 and l + 2 are MoE), whose
-        # best-ranked predicted expert decode prefetch also reads from this residual: a layer earlier than
-        # l + 1's prediction of it would.
-        self._far = {l: l + 2 for l in moe if l + 1 in self._moe_index and l + 2 in self._moe_index}
         self._rope = arch.make_rope(n_ctx)
         self._trace = trace
         # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
@@ -128,13 +123,12 @@ class Runner:
         before = self.experts.stats() if ledgers else None
         step.accounting = before is not None
         x = h = ys = None
-        early: dict[int, list[int]] = {}  # MoE layer -> what prefetch read for it from two layers back
         for l in range(self.config.n_layers):
             # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
             # the previous layer's last expert group and sum (or the embedding), then this layer's
             # attention and router.
             x, h, sel, w, nxt = await self._trip(self._layer_start, l, x, h, ys, step)  # x [R, D]
-            ys = await self._routed_experts(l, x, h, sel, w, step, nxt, early) if sel is not None else []
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
         if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
             share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
             for s in step.segments:
@@ -161,7 +155,7 @@ class Runner:
         """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
         then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
         experts [R, K], weights [R, K]; both None in a dense layer, and the next MoE layer's predicted
-        experts: (all, those to prefetch, those of the layer after it to prefetch) or None)."""
+        experts: (all, those to prefetch) or None)."""
         arch, lw, prof = self.arch, self._w.layers[l], self.profile
         if isinstance(ys, _Late):
             ys = self._late_out(ys)
@@ -180,7 +174,6 @@ class Runner:
                 return x, h, None, None, None
             sel, w = arch.route(lw, h)  # [R, K], [R, K]
         nxt = ahead_pf = None
-        far_pf: list[int] = []
         ahead = self._ahead.get(l)
         if step.plan.decode and ahead is not None and (self._predicting(len(sel)) if ahead == l + 1
                                                        else self._prefetching(len(sel))):
@@ -191,17 +184,12 @@ class Runner:
             # speak of layer l+1).
             with prof.span("predict"):
                 nxt, ahead_pf = self._predict(ahead, x)
-                far = self._far.get(l)
-                if far is not None and PREFETCH_FAR_RANKS and self._prefetching(len(sel)):
-                    lw2 = self._w.layers[far]
-                    sel2, _ = arch.route(lw2, arch.ffn_input(lw2, x))  # [R, K]
-                    far_pf = _by_votes(sel2[:, :PREFETCH_FAR_RANKS])[: self._max_batch]
         if self._trace is not None:
             pos = step.plan.pos
             for r in range(len(sel)):
                 self._trace.write(int(pos[r]), self._moe_index[l], sel[r].tolist(), w[r].tolist(),
                                   next=nxt if ahead == l + 1 else None)
-        return x, h, sel, w, None if nxt is None else (nxt, ahead_pf, far_pf)
+        return x, h, sel, w, None if nxt is None else (nxt, ahead_pf)
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                      views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -347,8 +335,8 @@ class Runner:
 
     # -- event loop: expert I/O ------------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: Step, nxt: tuple[list[int], list[int], list[int]] | None,
-                              early: dict[int, list[int]]) -> "list[tuple[np.ndarray, np.ndarray]] | _Late":
+                              step: Step, nxt: tuple[list[int], list[int]] | None
+                              ) -> "list[tuple[np.ndarray, np.ndarray]] | _Late":
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
         compute thread group by group as its bytes arrive, while the rest are still being read; the
         last group left to the next trip (a _Late). An expert whose read fails fails the segments
@@ -381,15 +369,8 @@ class Runner:
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # the next MoE layer's router picks from the current hidden state, read once
                         # this layer's misses are in (the store's idle-disk rule) while it computes.
-                        # (In a prefill nearly every expert is demanded anyway.) What the layer before
-                        # queued for the next layer stays queued (a prefetch() replaces the layer's last);
-                        # then the layer after next's best guess, behind them.
-                        pf = nxt[1] + [e for e in early.pop(ahead, ()) if e not in nxt[1]]
-                        self.experts.prefetch(self._moe_index[ahead], pf)
-                        if nxt[2]:
-                            far = self._far[l]
-                            early[far] = nxt[2]
-                            self.experts.prefetch(self._moe_index[far], nxt[2])
+                        # (In a prefill nearly every expert is demanded anyway.)
+                        self.experts.prefetch(self._moe_index[ahead], nxt[1])
                     first_get = False
                     arrived += len(views)
                     if not todo and arrived == len(chunk):
