@@ -355,7 +355,8 @@ class Runner:
             before = self.experts.stats() if users is not None else None
             hits: list[int] = []
             groups = self.experts.get_ready(layer, chunk)
-            late: _Late | None = None
+            tail: list | None = None   # the last group's views, left to the next trip
+            late: _Late | None = None  # ... handed over: the iteration (and its pins) is the next trip's to close
             try:
                 t_wait = time.perf_counter()
                 first_group = True
@@ -376,13 +377,14 @@ class Runner:
                     if not todo and arrived == len(chunk):
                         # The layer's last group: computed by the next trip to the compute thread, its
                         # views pinned until then (the iteration stays open).
-                        late = _Late(l, h, sel, w, ys, views, wanted, groups)
+                        tail = views
                         break
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
                     t_wait = time.perf_counter()
                 if before is not None:
                     _charge(step, users, chunk, hits, before, self.experts.stats())
-                if late is not None:
+                if tail is not None:
+                    late = _Late(l, h, sel, w, ys, tail, wanted, groups)
                     return late
             except ExpertReadError as e:
                 if e.layer != layer or e.expert not in chunk:
