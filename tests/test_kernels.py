@@ -177,6 +177,24 @@ def test_token_tiles_equal_single_tokens(name: str) -> None:
                 np.testing.assert_array_equal(together[t : t + 4], four, err_msg=f"{name} tokens {t}-{t + 3}")
 
 
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + TYPES_IQ)
+def test_one_token_rows_have_the_same_bits_in_any_group(name: str) -> None:
+    """q8 mode, one token: the 32-element types compute rows four at a time (each its own chain), the
+    rest of a task's rows one at a time. A row's result must not depend on which of those it took:
+    every window of rows starting at each offset gives each row the bits it gets alone."""
+    ks = KS("q8")
+    if kernels.mode(ks) != "q8":
+        pytest.skip("no int8 kernels on this machine")
+    raw, _ = weight(name, 17, 512)
+    rb = raw.size // 17
+    x = activations(1, 512, seed=11)
+    alone = np.concatenate([kernels.matmul(raw[r * rb : (r + 1) * rb], int(QT[name]), 1, 512, x, settings=ks)[0]
+                            for r in range(17)])
+    for r0 in range(4):  # rows r0.. land at every place of a group of four, and in the remainder
+        part = kernels.matmul(raw[r0 * rb :], int(QT[name]), 17 - r0, 512, x, settings=ks)[0]
+        np.testing.assert_array_equal(part, alone[r0:], err_msg=f"{name} rows from {r0}")
+
+
 @pytest.mark.parametrize("mode", ["f32", "q8"])
 def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
     """matmul_jobs: experts on their own rows of x, q/k/v side by side; mixed types, a job big

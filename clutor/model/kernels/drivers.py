@@ -14,6 +14,7 @@ Shapes: w uint8 [n_rows * rb] (rb bytes per row) or its address, x f32 [T, K], o
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from ..weight_types import TYPES
@@ -111,6 +112,14 @@ if _ir.HAVE_INT8_SIMD:
     _idot4 = _ir.idot_intrinsic(FORMATS, 4)
     _idot2 = _ir.idot_intrinsic(FORMATS, 2)
     _idot1 = _ir.idot_intrinsic(FORMATS, 1)
+    # One token, ROW_GROUP rows per call, each row its own accumulator chain (the one-row call's
+    # bits): the 32-element types only (a Q8_0 row of 256 is 8 blocks, one dependent FMA each: alone,
+    # a row waits on that chain; four rows' chains overlap). Types without it take _idot1 row by row.
+    ROW_GROUP = 4
+    _MULTIROW = {q: f for q, f in FORMATS.items() if f.iprep is not None and f.name in legacy.FORMATS}
+    _idot1_rows = _ir.idot_intrinsic(_MULTIROW, 1, ROW_GROUP)
+    _multirow = np.zeros(max(FORMATS) + 1, np.bool_)  # qtype -> has _idot1_rows
+    _multirow[list(_MULTIROW)] = True
 
     @njit(**_one)
     def _store4(out, t, col, v):
@@ -130,6 +139,19 @@ if _ir.HAVE_INT8_SIMD:
         costs less than three one-token calls. A remainder of two takes a two-token call, of one a
         one-token call (tools/bench_kernels.py --tokens 5,6,7: each the fastest measured)."""
         end = t0 + n_tok
+        if n_tok == 1 and _multirow[qtype]:
+            r = r0
+            while r + 4 <= r1:
+                v4 = _idot1_rows(qtype, w, r * row_bytes, row_bytes, n_cols, xq, xd, xs1, xs16, t0 * n_cols, n_cols)
+                out[t0, col0 + r] = v4[0]
+                out[t0, col0 + r + 1] = v4[1]
+                out[t0, col0 + r + 2] = v4[2]
+                out[t0, col0 + r + 3] = v4[3]
+                r += 4
+            while r < r1:
+                out[t0, col0 + r] = _idot1(qtype, w, r * row_bytes, n_cols, xq, xd, xs1, xs16, t0 * n_cols, n_cols)
+                r += 1
+            return
         for r in range(r0, r1):
             t = t0
             while t + 4 <= end:
