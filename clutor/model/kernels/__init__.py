@@ -37,7 +37,7 @@ side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch
 2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
 Threads: the numba kernels split rows over ``settings.threads`` threads (default: the CPUs this
-process may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so
+process may use; products under 3 MiB of weight bytes x tokens run on one). numba's thread count is per calling thread, so
 it is applied on every call. BLAS has its own pool: a caller running kernels from several threads
 at once should cap BLAS threads (e.g. OPENBLAS_NUM_THREADS=1 or threadpoolctl) and settings.threads
 so the total stays at the core count. numba's OpenMP workers spin after each launch unless
@@ -87,7 +87,12 @@ _Q8_BLOCK = {int(q): t.q8_block for q, t in TYPES.items() if t.q8_block}
 _BLAS_MIN_T = {"q8": 256, "f32": 32}
 # Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
 _CHUNK_BYTES = 4 << 20
-_PARALLEL_MIN_BYTES = 128 << 10
+# Weight bytes x tokens from which a product is split over the threads. A launch on two threads waits
+# for the second one to wake and to finish (~50-100 us on the project's 2-core EPYC VM when Python work
+# separates the launches, as between a decode step's products); one thread streams ~10 GB/s, so below
+# ~3 MiB one thread is done first (one-token Q8_0 products, K = 2048, quiet machine, one thread vs two:
+# 1 MiB 57 vs 83 us, 2 MiB 100 vs 125, 4 MiB 223 vs 189, 8 MiB 483 vs 272).
+_PARALLEL_MIN_BYTES = 3 << 20
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,7 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     if qtype == F32:
         np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
         return out
-    # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
+    # Below _PARALLEL_MIN_BYTES of weight bytes x tokens one thread is done first.
     _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
     ggml = mode(settings) == "q8"
     q8 = ggml and qtype in _Q8_BLOCK
