@@ -397,6 +397,8 @@ def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: lis
 def _by_votes(sel: np.ndarray) -> list[int]:
     """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
     so a one-token step asks for its experts exactly in the order the router ranked them."""
+    if len(sel) == 1:  # one row: its experts are distinct, each chosen once, in router order
+        return sel[0].tolist()
     flat = sel.reshape(-1)
     ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.lexsort((first, -counts))  # by count descending, then first appearance
