@@ -184,17 +184,22 @@ class Runner:
             # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
             # a comparison of all of them per expert: flat index i = row * K + slot.
             K = sel.shape[1]
-            flat = sel.ravel()  # [R*K]
-            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
-            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
-            grouped = flat[order]  # [R*K] expert ids, ascending
-            lo = np.searchsorted(grouped, ids, "left")
-            hi = np.searchsorted(grouped, ids, "right")
-            counts = (hi - lo).tolist()
-            starts = np.cumsum([0] + counts)[:-1].tolist()
-            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
-            rows = picked // K  # [S], S = rows summed over experts
-            xg = h[rows]  # [S, D]
+            if len(sel) == 1:  # one row (a one-sequence decode step): view i's expert is in slot slot_of[...]
+                slot_of = {e: k for k, e in enumerate(sel[0].tolist())}
+                picked = np.array([slot_of[v.expert] for v in views], np.int64)  # [S]
+                counts, starts = [1] * len(views), list(range(len(views)))
+                xg = np.repeat(h, len(views), axis=0)  # [S, D]
+            else:
+                flat = sel.ravel()  # [R*K]
+                order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
+                ids = np.fromiter((v.expert for v in views), np.int64, len(views))
+                grouped = flat[order]  # [R*K] expert ids, ascending
+                lo = np.searchsorted(grouped, ids, "left")
+                hi = np.searchsorted(grouped, ids, "right")
+                counts = (hi - lo).tolist()
+                starts = np.cumsum([0] + counts)[:-1].tolist()
+                picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
+                xg = h[picked // K]  # [S, D], S = rows summed over experts
             if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
                 gu = np.empty((len(xg), F), np.float32)
                 jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
