@@ -84,6 +84,28 @@ def test_batched_rows_have_their_solo_bits(arch):
         assert np.array_equal(got.view(np.uint32), solo.view(np.uint32))
 
 
+@pytest.mark.skipif(not _ir.HAVE_INT8_SIMD, reason="q8 mode needs x86 AVX2")
+@pytest.mark.parametrize("arch,qtype", [(a, "Q8_0") for a in ARCHS] + [("olmoe", "Q4_K_M")])
+def test_a_long_batched_step_keeps_each_rows_solo_bits(arch, qtype):
+    """Two prompts prefilled in one step of 260 rows give each prompt's own bits, as its 200- or 60-row
+    step alone does: no product changes its arithmetic with the step's row count (a BLAS hand-over
+    from 256 tokens did, and with it every row of the step; then the greedy tokens of 8 concurrent
+    300-token prompts parted from their solo tokens)."""
+    rng = np.random.default_rng(4)
+
+    async def go():
+        async with clutor.Model.open(fixture_path(arch, qtype), io="memory", activations="q8") as model:
+            V = model.config.n_vocab
+            a, b = rng.integers(0, V, 200).tolist(), rng.integers(0, V, 60).tolist()
+            solo = [await model.logits(p) for p in (a, b)]
+            both = await model.forward_batch([(model.new_sequence(), a), (model.new_sequence(), b)], all_logits=True)
+            return solo, both
+
+    solo, both = run(go())
+    for s, got in zip(solo, both):
+        assert np.array_equal(got.view(np.uint32), s.view(np.uint32))
+
+
 # -- 2. concurrent generations == the same requests alone ----------------------------------------
 REQUESTS = (  # (prompt, max_tokens, sampling)
     ("Once upon a time there was a little", 14, {"temperature": 0}),

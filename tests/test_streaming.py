@@ -532,3 +532,68 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
     assert len(steps) == 5 and all(len(s) == 2 * n for s in steps), decode
     for s in steps:
         assert s == [c for l in range(n) for c in (("get", l), ("prefetch", (l + 1) % n))], s
+
+
+def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(six_layers, monkeypatch):
+    """Streamed decode: each layer's expert groups but the last cost a trip to the compute thread each; the
+    last is computed by the trip that follows (the next layer's attention, or the step's output), its views
+    pinned until that trip has returned. So a step costs n_layers + 1 trips plus one per group not last,
+    and a layer whose experts are all cached costs none of its own. The tokens are those of io="memory"."""
+    import clutor.model.runner as runner_mod
+
+    minimum, slot = _minimum(six_layers)
+    prompt = "Once upon a time there was"
+
+    async def reference():
+        async with clutor.Model.open(six_layers, io="memory") as model:
+            return [o.token async for o in model.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+                    if o.token is not None]
+
+    async def go():
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=3 * 16 * slot, prefetch=False) as model:
+            store = model.runner.experts
+            trips = [0]
+            groups: list[int] = []  # per get_ready: groups it yielded
+            inner_compute, get_ready = runner_mod.compute, store.get_ready
+
+            async def counting_compute(fn, *args):
+                trips[0] += 1
+                return await inner_compute(fn, *args)
+
+            async def counting_get_ready(layer, experts):
+                groups.append(0)
+                async for views in get_ready(layer, experts):
+                    groups[-1] += 1
+                    yield views
+
+            per_step: list[tuple[int, list[int]]] = []  # (trips, groups per get) of each step run
+            run_step = model.runner.run
+
+            async def counting_run(plan):
+                trips[0] = 0
+                groups.clear()
+                try:
+                    return await run_step(plan)
+                finally:
+                    per_step.append((trips[0], list(groups)))
+
+            monkeypatch.setattr(runner_mod, "compute", counting_compute)
+            store.get_ready = counting_get_ready
+            model.runner.run = counting_run
+            toks = [o.token async for o in model.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+                    if o.token is not None]
+            return toks, per_step, model.config.n_layers, store
+
+    want = run(reference())
+    toks, per_step, n, store = run(go())
+    assert toks == want
+    decode = per_step[1:]  # the first step is the prefill
+    assert len(decode) == 7
+    all_cached = 0
+    for t, g in decode:
+        assert len(g) == n and all(k >= 1 for k in g), g
+        assert t == n + 1 + sum(k - 1 for k in g), (t, g)
+        all_cached += sum(k == 1 for k in g)
+    assert all_cached > 0 and sum(sum(g) for _, g in decode) > all_cached  # both kinds of layer occurred
+    assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
+    store.check()

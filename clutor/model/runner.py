@@ -6,7 +6,9 @@ Every numerical step runs on the compute thread (clutor.model.compute); the even
 expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
 ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
 the compute thread; a streaming source costs one trip per layer boundary, the rest of each layer
-computed group by group as its experts' bytes arrive.
+computed group by group as its experts' bytes arrive. A layer's last group goes with the trip after it
+(the next layer's attention and router, or the step's output) rather than a trip of its own: nothing
+else could overlap that group's compute, and each trip costs a hand-off between threads.
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
@@ -123,8 +125,9 @@ class Runner:
         x = h = ys = None
         for l in range(self.config.n_layers):
             # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
-            # the previous layer's expert sum (or the embedding), then this layer's attention and router.
-            x, h, sel, w, nxt = await compute(self._layer_start, l, x, h, ys, step)  # x [R, D]
+            # the previous layer's last expert group and sum (or the embedding), then this layer's
+            # attention and router.
+            x, h, sel, w, nxt = await self._trip(self._layer_start, l, x, h, ys, step)  # x [R, D]
             ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
         if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
             share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
@@ -132,7 +135,20 @@ class Runner:
                 if s.ledger is not None:
                     s.ledger.bytes_prefetch += share
                     s.ledger.steps += 1
-        return await compute(self._finish, x, h, ys, step)
+        return await self._trip(self._finish, x, h, ys, step)
+
+    async def _trip(self, fn, *args):
+        """compute(fn, ...) whose ys may be a _Late layer: its views stay pinned until fn has returned
+        (fn computes them first), then they are released."""
+        late = next((a for a in args if isinstance(a, _Late)), None)
+        try:
+            return await compute(fn, *args)
+        finally:
+            if late is not None:
+                await late.groups.aclose()
+                # Let another forward waiting for the slots just released reserve before this one's
+                # next get() does (it would otherwise not suspend in between).
+                await asyncio.sleep(0)
 
     # -- compute thread ------------------------------------------------------------------------------
     def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
@@ -141,6 +157,8 @@ class Runner:
         experts [R, K], weights [R, K]; both None in a dense layer, and the next MoE layer's predicted
         experts: (all, those to prefetch) or None)."""
         arch, lw, prof = self.arch, self._w.layers[l], self.profile
+        if isinstance(ys, _Late):
+            ys = self._late_out(ys)
         if l == 0:
             step.prepare()
             with prof.span("embed"):
@@ -219,6 +237,11 @@ class Runner:
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
             return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 
+    def _late_out(self, late: "_Late") -> list[tuple[np.ndarray, np.ndarray]]:
+        """A layer's routed outputs, its last group computed now: in the order the layer asked for them."""
+        late.ys.update(self._experts_out(late.l, late.h, late.sel, late.w, late.views))
+        return [late.ys[e] for e in late.wanted if e in late.ys]
+
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
         """x + the routed experts' outputs + what the architecture adds (shared experts, or a dense
         layer's FFN). Each row's experts are summed in its router's slot order (as llama.cpp adds
@@ -247,6 +270,8 @@ class Runner:
         rows wanted (all of a segment's, or its last: the others' logits would cost a [V, D] product
         per row for nothing), or the final hidden states; then each segment's head."""
         cfg, plan = self.config, step.plan
+        if isinstance(ys, _Late):
+            ys = self._late_out(ys)
         with self.profile.span("shared + sum"):
             x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
         step.commit()
@@ -311,10 +336,11 @@ class Runner:
     # -- event loop: expert I/O ------------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
                               step: Step, nxt: tuple[list[int], list[int]] | None
-                              ) -> list[tuple[np.ndarray, np.ndarray]]:
+                              ) -> "list[tuple[np.ndarray, np.ndarray]] | _Late":
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
-        compute thread group by group as its bytes arrive, while the rest are still being read. An
-        expert whose read fails fails the segments routed to it; the others go on without it."""
+        compute thread group by group as its bytes arrive, while the rest are still being read; the
+        last group left to the next trip (a _Late). An expert whose read fails fails the segments
+        routed to it; the others go on without it."""
         wanted = _by_votes(sel)  # each expert once per layer per step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         layer = self._moe_index[l]
@@ -329,9 +355,12 @@ class Runner:
             before = self.experts.stats() if users is not None else None
             hits: list[int] = []
             groups = self.experts.get_ready(layer, chunk)
+            tail: list | None = None   # the last group's views, left to the next trip
+            late: _Late | None = None  # ... handed over: the iteration (and its pins) is the next trip's to close
             try:
                 t_wait = time.perf_counter()
                 first_group = True
+                arrived = 0
                 async for views in groups:
                     self.profile.add("wait for reads", time.perf_counter() - t_wait)
                     if first_group and before is not None and self.experts.stats().hits > before.hits:
@@ -344,10 +373,19 @@ class Runner:
                         # (In a prefill nearly every expert is demanded anyway.)
                         self.experts.prefetch(self._moe_index[ahead], nxt[1])
                     first_get = False
+                    arrived += len(views)
+                    if not todo and arrived == len(chunk):
+                        # The layer's last group: computed by the next trip to the compute thread, its
+                        # views pinned until then (the iteration stays open).
+                        tail = views
+                        break
                     ys.update(await compute(self._experts_out, l, h, sel, w, views))
                     t_wait = time.perf_counter()
                 if before is not None:
                     _charge(step, users, chunk, hits, before, self.experts.stats())
+                if tail is not None:
+                    late = _Late(l, h, sel, w, ys, tail, wanted, groups)
+                    return late
             except ExpertReadError as e:
                 if e.layer != layer or e.expert not in chunk:
                     raise
@@ -356,12 +394,25 @@ class Runner:
                 step.fail_rows(np.nonzero((sel == e.expert).any(axis=1))[0], e)
                 todo = [x for x in chunk if x not in ys and x != e.expert] + todo
             finally:
-                await groups.aclose()
+                if late is None:
+                    await groups.aclose()
             first_get = False
             # Let another forward waiting for the slots just released reserve before this one does
             # again (a forward whose next layer is all hits would otherwise never suspend).
             await asyncio.sleep(0)
         return [ys[e] for e in wanted if e in ys]
+
+
+class _Late:
+    """A layer's routed experts whose last group is still to compute: the outputs so far (ys), the
+    views of that group (pinned until ``groups``, the store's iteration, is closed), and the order the
+    layer asked for its experts in (wanted)."""
+
+    __slots__ = ("l", "h", "sel", "w", "ys", "views", "wanted", "groups")
+
+    def __init__(self, l, h, sel, w, ys, views, wanted, groups):
+        self.l, self.h, self.sel, self.w = l, h, sel, w
+        self.ys, self.views, self.wanted, self.groups = ys, views, wanted, groups
 
 
 def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:

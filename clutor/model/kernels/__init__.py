@@ -24,9 +24,12 @@ BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
   dequantize) and multiplied in float32: x @ W.T up to float rounding. Always available. Tiles of
   2 rows x 8/4/2/1 tokens unpack each block once per tile and keep one accumulator per (row,
   token) in registers (_ir.tile_intrinsic).
-- T >= settings.blas_min_tokens (default 256 for int8 products, 32 for float ones): rows are dequantised in
-  chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm; in q8
+- T >= settings.blas_min_tokens (default 32 for float products; never for int8 ones): rows are dequantised
+  in chunks into a per-thread scratch buffer (grown once, reused) and multiplied by BLAS sgemm; in q8
   mode with x' (the activation blocks as floats), so that a long prefill rounds as a short one does.
+  The int8 kernels keep every token count by default: a token's bits do not depend on the count, so
+  a request's rows do not depend on the rows batched beside it (a 256-row step handed to BLAS
+  rounded each row otherwise than the same prompt's 200-row step alone).
 In q8 mode below that threshold, the row kernels take tokens four at a time, x rounded to int8 in the
 same launch.
 
@@ -83,8 +86,9 @@ _Q8_BLOCK = {int(q): t.q8_block for q, t in TYPES.items() if t.q8_block}
 #   f32 tiles 132   ~145  (tools/bench_kernels.py)
 # and, worse than its own speed, OpenBLAS's threads spin for milliseconds after each sgemm: numba's
 # threads launched in that time (the experts after a prefill's q/k/v) ran at one core's speed (115
-# instead of ~200 GFLOP/s). So int8 keeps every product below 256 tokens, float tiles below 32.
-_BLAS_MIN_T = {"q8": 256, "f32": 32}
+# instead of ~200 GFLOP/s). So float tiles stay below 32 tokens, and int8 never hands over: within
+# ~10% of BLAS at any count, it gives a token the same bits whatever the count (see the docstring).
+_BLAS_MIN_T = {"q8": 1 << 62, "f32": 32}
 # Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
 _CHUNK_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 128 << 10
