@@ -223,6 +223,26 @@ def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
         kernels.matmul_jobs([kernels.Job(jobs[0].w[:-1], jobs[0].qtype, 33, 0, 5, 0)], n_cols, x, out)
 
 
+@pytest.mark.skipif(kernels.drivers.matmul_jobs_q8 is None or kernels._max_numba_threads() < 2,
+                    reason="no int8 path on this CPU, or one thread only")
+def test_one_thread_q8_launch_runs_serially_with_the_parallel_bits(monkeypatch) -> None:
+    """A one-thread int8 launch runs the serial driver (no parallel region: its entry costs a
+    one-token product ~2.5 us); what it computes has the bits of the parallel launch on two threads."""
+    raw, _ = weight("Q4_K", 256, 1024)  # 144 KiB: over the one-thread threshold, so two threads split it
+    x = activations(3, 1024, seed=4)
+    two = kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
+    drv = kernels.drivers
+
+    def refuse(*a):
+        raise AssertionError("the parallel driver ran for a one-thread launch")
+
+    monkeypatch.setattr(drv, "matmul_jobs_q8", refuse)
+    one = kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=1))
+    np.testing.assert_array_equal(one, two)
+    with pytest.raises(AssertionError, match="parallel driver"):
+        kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
+
+
 def test_read_only_and_offset_views() -> None:
     raw, ref = weight("Q4_K", 17, 512)
     arena = np.zeros(raw.size + 4096 + 7, np.uint8)  # a slot inside a bigger buffer, odd offset
