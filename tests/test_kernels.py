@@ -228,7 +228,8 @@ def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
 def test_one_thread_q8_launch_runs_serially_with_the_parallel_bits(monkeypatch) -> None:
     """A one-thread int8 launch runs the serial driver (no parallel region: its entry costs a
     one-token product ~2.5 us); what it computes has the bits of the parallel launch on two threads."""
-    raw, _ = weight("Q4_K", 256, 1024)  # 144 KiB: over the one-thread threshold, so two threads split it
+    monkeypatch.setattr(kernels, "_PARALLEL_MIN_BYTES", 0)  # a two-thread setting splits even this small product
+    raw, _ = weight("Q4_K", 256, 1024)  # 144 KiB
     x = activations(3, 1024, seed=4)
     two = kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
     drv = kernels.drivers
