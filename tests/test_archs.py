@@ -175,6 +175,65 @@ def test_gptoss_rope_dimension_count_defaults_to_the_head_size(tmp_path):
     np.testing.assert_array_equal(run(logits(dst)), run(logits(src)))
 
 
+@pytest.mark.parametrize("fixture", ["deepseek2", "deepseek2-lite"])
+def test_deepseek2_rope_dimension_count_absent_is_refused_naming_it(tmp_path, fixture):
+    """llama.cpp's default for rope.dimension_count is attention.key_length for deepseek2 too: in a
+    converter's file (the MQA form, key_length = kv_lora + rope = 80 here; the older form, key_length =
+    the head's 48) that leaves no non-RoPE part of the head, and llama.cpp stops at its assertion
+    n_embd_head_qk_nope >= 1 (checked with llama-cpp-python 0.3.36 on these files without the key).
+    Clutor takes the same default and refuses the file, naming the key and the default's value."""
+    from gguf_util import copy_gguf
+
+    src, dst = fixture_path(fixture, "Q8_0"), tmp_path / "no-rope-dims.gguf"
+    copy_gguf(src, dst, drop=frozenset({"deepseek2.rope.dimension_count"}))
+    with GGUFFile.open(src) as f:
+        k_len = f.metadata["deepseek2.attention.key_length"]
+        assert read_arch(f).cfg.n_rot == f.metadata["deepseek2.rope.dimension_count"] < k_len
+    with GGUFFile.open(dst) as f, pytest.raises(clutor.ModelFileError) as e:
+        assert "deepseek2.rope.dimension_count" not in f.metadata
+        read_arch(f)
+    assert e.value.field == "deepseek2.rope.dimension_count" and str(dst) in str(e.value)
+    assert f"attention.key_length = {k_len}" in str(e.value), str(e.value)
+
+
+_DS2 = {"expert_count": 8, "expert_used_count": 2, "attention.kv_lora_rank": 16, "rope.dimension_count": 8,
+        "attention.key_length": 24, "attention.value_length": 16, "expert_feed_forward_length": 32,
+        "expert_shared_count": 1}
+
+
+@pytest.mark.parametrize("layers, vocab, lite", [(27, 102400, True), (26, 128256, True), (48, 128256, True),
+                                                 (48, 154880, False), (3, 128256, False)])
+def test_deepseek2_q_lora_rank_defaults_as_in_llama_cpp(tmp_path, layers, vocab, lite):
+    """llama.cpp lets the "lite" deepseek2 models (26 or 27 layers, DeepSeek-V2-Lite and GigaChat3-10B;
+    48 layers with a 128256-token vocabulary, Kanana-2-30B-A3B) omit attention.q_lora_rank (q straight
+    from the hidden state); any other file without it is refused, naming the key."""
+    path = tmp_path / "ds2.gguf"
+    _tiny_file(path, "deepseek2", _BASE | _DS2 | {"block_count": layers, "vocab_size": vocab},
+               {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with GGUFFile.open(path) as f:
+        if lite:
+            assert read_arch(f).q_lora == 0
+        else:
+            with pytest.raises(clutor.ModelFileError) as e:
+                read_arch(f)
+            assert e.value.field == "deepseek2.attention.q_lora_rank"
+
+
+@pytest.mark.parametrize("layers, vocab, keys, func", [
+    (47, 154880, {}, "sigmoid"), (48, 154880, {"expert_gating_func": 0}, "sigmoid"),  # GLM-4.7-Lite's files
+    (48, 128256, {}, "softmax"), (3, 154880, {}, "softmax"),                           # DeepSeek-V2 / V2.5's
+    (47, 154880, {"expert_gating_func": 1}, "softmax")])                               # the key decides
+def test_deepseek2_gating_func_defaults_as_in_llama_cpp(tmp_path, layers, vocab, keys, func):
+    """Without expert_gating_func (or with 0, none) llama.cpp routes with a softmax, as DeepSeek-V2 and
+    V2.5's files need, except in GLM-4.7-Lite's (47 or 48 layers, 154880 tokens), which use a sigmoid."""
+    path = tmp_path / "ds2.gguf"
+    _tiny_file(path, "deepseek2", _BASE | _DS2 | {"block_count": layers, "vocab_size": vocab,
+                                                  "attention.q_lora_rank": 16} | keys,
+               {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with GGUFFile.open(path) as f:
+        assert read_arch(f).func == func
+
+
 def test_qwen2moe_expert_sizes_default_as_in_llama_cpp(tmp_path):
     """llama.cpp's defaults for Qwen2-MoE (and Qwen3-MoE): expert_feed_forward_length =
     feed_forward_length / expert_used_count, expert_shared_feed_forward_length = feed_forward_length

@@ -177,6 +177,24 @@ def test_token_tiles_equal_single_tokens(name: str) -> None:
                 np.testing.assert_array_equal(together[t : t + 4], four, err_msg=f"{name} tokens {t}-{t + 3}")
 
 
+@pytest.mark.parametrize("name", TYPES_32 + TYPES_256 + TYPES_IQ)
+def test_one_token_rows_have_the_same_bits_in_any_group(name: str) -> None:
+    """q8 mode, one token: the 32-element types compute rows four at a time (each its own chain), the
+    rest of a task's rows one at a time. A row's result must not depend on which of those it took:
+    every window of rows starting at each offset gives each row the bits it gets alone."""
+    ks = KS("q8")
+    if kernels.mode(ks) != "q8":
+        pytest.skip("no int8 kernels on this machine")
+    raw, _ = weight(name, 17, 512)
+    rb = raw.size // 17
+    x = activations(1, 512, seed=11)
+    alone = np.concatenate([kernels.matmul(raw[r * rb : (r + 1) * rb], int(QT[name]), 1, 512, x, settings=ks)[0]
+                            for r in range(17)])
+    for r0 in range(4):  # rows r0.. land at every place of a group of four, and in the remainder
+        part = kernels.matmul(raw[r0 * rb :], int(QT[name]), 17 - r0, 512, x, settings=ks)[0]
+        np.testing.assert_array_equal(part, alone[r0:], err_msg=f"{name} rows from {r0}")
+
+
 @pytest.mark.parametrize("mode", ["f32", "q8"])
 def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
     """matmul_jobs: experts on their own rows of x, q/k/v side by side; mixed types, a job big
@@ -205,6 +223,27 @@ def test_matmul_jobs_equal_each_product_alone(mode: str) -> None:
         kernels.matmul_jobs([kernels.Job(jobs[0].w[:-1], jobs[0].qtype, 33, 0, 5, 0)], n_cols, x, out)
 
 
+@pytest.mark.skipif(kernels.drivers.matmul_jobs_q8 is None or kernels._max_numba_threads() < 2,
+                    reason="no int8 path on this CPU, or one thread only")
+def test_one_thread_q8_launch_runs_serially_with_the_parallel_bits(monkeypatch) -> None:
+    """A one-thread int8 launch runs the serial driver (no parallel region: its entry costs a
+    one-token product ~2.5 us); what it computes has the bits of the parallel launch on two threads."""
+    monkeypatch.setattr(kernels, "_PARALLEL_MIN_BYTES", 0)  # a two-thread setting splits even this small product
+    raw, _ = weight("Q4_K", 256, 1024)  # 144 KiB
+    x = activations(3, 1024, seed=4)
+    two = kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
+    drv = kernels.drivers
+
+    def refuse(*a):
+        raise AssertionError("the parallel driver ran for a one-thread launch")
+
+    monkeypatch.setattr(drv, "matmul_jobs_q8", refuse)
+    one = kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=1))
+    np.testing.assert_array_equal(one, two)
+    with pytest.raises(AssertionError, match="parallel driver"):
+        kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
+
+
 def test_read_only_and_offset_views() -> None:
     raw, ref = weight("Q4_K", 17, 512)
     arena = np.zeros(raw.size + 4096 + 7, np.uint8)  # a slot inside a bigger buffer, odd offset
@@ -227,7 +266,8 @@ def test_one_dimensional_x() -> None:
     np.testing.assert_allclose(y, (x @ ref.T)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_thread_count_does_not_change_results() -> None:
+def test_thread_count_does_not_change_results(monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "_PARALLEL_MIN_BYTES", 0)  # split this small product over the threads too
     raw, _ = weight("Q6_K", 255, 2048)
     x = activations(3, 2048, seed=3)
     for mode in ("f32", "q8"):

@@ -10,8 +10,9 @@ set is its own:
     ... --row prefix
 
 ``--row kv``: ``--requests`` (32) concurrent requests of ``--prompt-tokens`` (560) prompt tokens and
-``--tokens`` (40) greedy tokens each: the process's peak resident set (VmHWM), wall time, and each request's
-tokens (a digest: equal digests mean equal tokens in every request).
+``--tokens`` (40) greedy tokens each: the process's peak resident set (VmHWM, as the requests' stats
+give it), wall time, and each request's tokens (a digest: equal digests mean equal tokens in every
+request).
 
 ``--row prefix``: 8 requests whose prompts share a ``--shared-tokens`` (256) system prompt and differ in a
 32-token tail, started 100 ms apart: prompt tokens computed (prompt tokens minus those reused from the KV of
@@ -36,18 +37,6 @@ import clutor  # noqa: E402
 from clutor.bench.prompt import bench_prompt  # noqa: E402
 
 
-def vm_hwm() -> int:
-    """The process's peak resident set in bytes (VmHWM), 0 where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return 0
-
-
 async def generate(model, prompt: list[int], max_tokens: int) -> tuple[list[int], object]:
     tokens, stats = [], None
     async for c in model.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
@@ -66,10 +55,11 @@ async def kv_row(model, args) -> dict:
     seconds = time.perf_counter() - t0
     digest = hashlib.blake2b(json.dumps([t for t, _ in outs]).encode(), digest_size=8).hexdigest()
     row = {"row": "kv", "requests": args.requests, "positions": args.prompt_tokens + args.tokens,
-           "seconds": round(seconds, 2), "tokens_digest": digest, "peak_rss": vm_hwm()}
-    st = model.engine_stats() if hasattr(model, "engine_stats") else None
-    if hasattr(st, "preemptions"):  # an engine with a KV pool
-        row.update(preemptions=st.preemptions, kv_bytes_per_token=model.engine.bytes_per_token)
+           "seconds": round(seconds, 2), "tokens_digest": digest,
+           "peak_rss": max(st.peak_rss for _, st in outs)}  # each stats' VmHWM: the last is the run's peak
+    es = model.engine_stats() if hasattr(model, "engine_stats") else None
+    if hasattr(es, "preemptions"):  # an engine with a KV pool
+        row.update(preemptions=es.preemptions, kv_bytes_per_token=model.engine.bytes_per_token)
     return row
 
 

@@ -203,17 +203,22 @@ class Runner:
             # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
             # a comparison of all of them per expert: flat index i = row * K + slot.
             K = sel.shape[1]
-            flat = sel.ravel()  # [R*K]
-            order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
-            ids = np.fromiter((v.expert for v in views), np.int64, len(views))
-            grouped = flat[order]  # [R*K] expert ids, ascending
-            lo = np.searchsorted(grouped, ids, "left")
-            hi = np.searchsorted(grouped, ids, "right")
-            counts = (hi - lo).tolist()
-            starts = np.cumsum([0] + counts)[:-1].tolist()
-            picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
-            rows = picked // K  # [S], S = rows summed over experts
-            xg = h[rows]  # [S, D]
+            if len(sel) == 1:  # one row (a one-sequence decode step): view i's expert is in slot slot_of[...]
+                slot_of = {e: k for k, e in enumerate(sel[0].tolist())}
+                picked = np.array([slot_of[v.expert] for v in views], np.int64)  # [S]
+                counts, starts = [1] * len(views), list(range(len(views)))
+                xg = np.repeat(h, len(views), axis=0)  # [S, D]
+            else:
+                flat = sel.ravel()  # [R*K]
+                order = np.argsort(flat, kind="stable")  # grouped by expert, row-major within each
+                ids = np.fromiter((v.expert for v in views), np.int64, len(views))
+                grouped = flat[order]  # [R*K] expert ids, ascending
+                lo = np.searchsorted(grouped, ids, "left")
+                hi = np.searchsorted(grouped, ids, "right")
+                counts = (hi - lo).tolist()
+                starts = np.cumsum([0] + counts)[:-1].tolist()
+                picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
+                xg = h[picked // K]  # [S, D], S = rows summed over experts
             if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
                 gu = np.empty((len(xg), F), np.float32)
                 jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
@@ -447,6 +452,8 @@ def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: lis
 def _by_votes(sel: np.ndarray) -> list[int]:
     """Distinct experts of sel [T, K], most-chosen first, ties in router order (token 0's rank 0 first),
     so a one-token step asks for its experts exactly in the order the router ranked them."""
+    if len(sel) == 1:  # one row: its experts are distinct, each chosen once, in router order
+        return sel[0].tolist()
     flat = sel.reshape(-1)
     ids, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.lexsort((first, -counts))  # by count descending, then first appearance

@@ -53,21 +53,36 @@ class DeepSeek2(Arch):
         n_all = read_int(f, "block_count", 1, 4096)
         n_nextn = read_int(f, "nextn_predict_layers", 0, n_all - 1, default=0)
         n_layers = n_all - n_nextn
-        lite = n_layers in (26, 27)  # llama.cpp: DeepSeek-V2-Lite may omit q_lora_rank
+        n_vocab = _n_vocab(f)
+        # llama.cpp's "lite" variants (DeepSeek-V2-Lite, GigaChat3-10B-A1.8B, Kanana-2-30B-A3B) may omit q_lora_rank
+        lite = n_layers in (26, 27) or (n_layers == 48 and n_vocab == 128256)
         q_lora = read_int(f, "attention.q_lora_rank", 0, MAX_DIM, default=0 if lite else _MISSING)
         kv_lora = read_int(f, "attention.kv_lora_rank", 1, MAX_DIM)
-        n_rot = read_int(f, "rope.dimension_count", 2, MAX_DIM)
         split = f"{a}.attention.key_length_mla" in f.metadata and f"{a}.attention.value_length_mla" in f.metadata
+        # llama.cpp's defaults for every architecture: key_length = n_embd / n_head, rope.dimension_count =
+        # key_length. In either form of a converter's file that leaves no non-RoPE part of a head (the MQA
+        # form's key_length is the latent's, kv_lora + rope): llama.cpp then stops at its assertion
+        # n_embd_head_qk_nope >= 1, and Clutor refuses the file naming the missing key.
+        n_head = read_layer_int(f, "attention.head_count", 1, 4096)
+        k_len = read_int(f, "attention.key_length", 2, MAX_DIM, default=read_int(f, "embedding_length", 1, MAX_DIM) // n_head)
+        n_rot = read_int(f, "rope.dimension_count", 2, MAX_DIM, default=k_len)
         if split:  # the MQA form: key_length / value_length describe the latent, the _mla keys the heads
-            hk = read_int(f, "attention.key_length_mla", n_rot + 1, MAX_DIM)
+            hk = read_int(f, "attention.key_length_mla", 2, MAX_DIM)
             hv = read_int(f, "attention.value_length_mla", 1, MAX_DIM)
         else:
-            hk = read_int(f, "attention.key_length", n_rot + 1, MAX_DIM)
+            hk = k_len
             hv = read_int(f, "attention.value_length", 1, MAX_DIM)
+        if n_rot >= hk:
+            key = f"{a}.rope.dimension_count"
+            what = "present" if key not in f.metadata else "an integer"
+            got = (f"absent (llama.cpp's default, attention.key_length = {k_len}, fails its n_embd_head_qk_nope >= 1 check)"
+                   if key not in f.metadata else n_rot)
+            raise ModelFileError(f.path, key, f"{what} below the head's key size {hk} (RoPE part + non-RoPE part)", got)
         n_dense = read_int(f, "leading_dense_block_count", 0, n_layers - 1, default=0)
         n_ff_exp = read_int(f, "expert_feed_forward_length", 1, MAX_DIM)
         n_shared = read_int(f, "expert_shared_count", 0, 64)
-        func = read_int(f, "expert_gating_func", 0, 4, default=0) or 1  # absent / none -> softmax
+        # absent / none -> softmax, but sigmoid in GLM-4.7-Lite's files (47 or 48 layers, 154880 tokens), as llama.cpp decides
+        func = read_int(f, "expert_gating_func", 0, 4, default=0) or (2 if n_layers in (47, 48) and n_vocab == 154880 else 1)
         if func not in GATING:
             raise UnsupportedError(f.path, f"{a}.expert_gating_func", "1 (softmax), 2 (sigmoid) or 3 (softmax over "
                                    "the chosen)", func)
@@ -204,3 +219,15 @@ class DeepSeek2(Arch):
             d["rope"] += f", YaRN x{self.yarn.factor:g} from {self.yarn.n_ctx_orig}"
         return d | {"mtp_layers_skipped": self.n_nextn}
 
+
+def _n_vocab(f) -> int:
+    """The vocabulary size as llama.cpp's deepseek2 loader reads it to recognise a model: the
+    vocab_size key, else the tokenizer's token list, else (a file without a tokenizer) the embedding rows."""
+    v = f.get(f"{f.arch}.vocab_size", None)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    toks = f.get("tokenizer.ggml.tokens", None)
+    if toks is not None:
+        return len(toks)
+    tok = f.tensors.get("token_embd.weight")
+    return int(tok.shape[0]) if tok is not None else 0

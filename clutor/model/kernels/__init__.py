@@ -41,7 +41,7 @@ side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch
 2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
 Threads: the numba kernels split rows over ``settings.threads`` threads (default: the CPUs this
-process may use; weights under 128 KiB run on one). numba's thread count is per calling thread, so
+process may use; products under 3 MiB of weight bytes x tokens run on one). numba's thread count is per calling thread, so
 it is applied on every call. BLAS has its own pool: a caller running kernels from several threads
 at once should cap BLAS threads (e.g. OPENBLAS_NUM_THREADS=1 or threadpoolctl) and settings.threads
 so the total stays at the core count. numba's OpenMP workers spin after each launch unless
@@ -92,7 +92,12 @@ _Q8_BLOCK = {int(q): t.q8_block for q, t in TYPES.items() if t.q8_block}
 _BLAS_MIN_T = {"q8": 1 << 62, "f32": 32}
 # Rows dequantised per BLAS call: small enough to stay in L2/L3 between the two steps.
 _CHUNK_BYTES = 4 << 20
-_PARALLEL_MIN_BYTES = 128 << 10
+# Weight bytes x tokens from which a product is split over the threads. A launch on two threads waits
+# for the second one to wake and to finish (~50-100 us on the project's 2-core EPYC VM when Python work
+# separates the launches, as between a decode step's products); one thread streams ~10 GB/s, so below
+# ~3 MiB one thread is done first (one-token Q8_0 products, K = 2048, quiet machine, one thread vs two:
+# 1 MiB 57 vs 83 us, 2 MiB 100 vs 125, 4 MiB 223 vs 189, 8 MiB 483 vs 272).
+_PARALLEL_MIN_BYTES = 3 << 20
 
 
 @dataclass(frozen=True)
@@ -321,7 +326,7 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     if qtype == F32:
         np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
         return out
-    # Waking a second thread costs ~10-15 us; below ~128 KiB of weight bytes one thread is done first.
+    # Below _PARALLEL_MIN_BYTES of weight bytes x tokens one thread is done first.
     _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
     ggml = mode(settings) == "q8"
     q8 = ggml and qtype in _Q8_BLOCK
@@ -338,9 +343,9 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     elif n_tok >= _blas_from(settings, q8):
         _blas(w, qtype, rb, n_rows, n_cols, x2, out2)
     elif q8:
-        _run_jobs_q8(_Q8_BLOCK[qtype], [(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
+        _run_jobs_q8(_Q8_BLOCK[qtype], [(_drv.address(w), qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
     else:
-        _run_jobs([(w.ctypes.data, qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
+        _run_jobs([(_drv.address(w), qtype, rb, n_rows, 0, n_tok, 0)], n_cols, x2, out2)
     return out
 
 
@@ -398,7 +403,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
             y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
             continue
-        job = (j.w.ctypes.data, qtype, rb, n_rows, j.t0, j.n_tok, j.col)
+        job = (_drv.address(j.w), qtype, rb, n_rows, j.t0, j.n_tok, j.col)
         if int8:
             by_block.setdefault(_Q8_BLOCK[qtype], []).append(job)
         else:
@@ -413,30 +418,27 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
     return out
 
 
-def _job_columns(jobs: list[tuple[int, int, int, int, int, int, int]]) -> np.ndarray:
-    """Checked jobs as the drivers take them: int64 [7, n_jobs] (address, type, row bytes, rows, t0,
-    n_tok, col)."""
-    return np.array(list(zip(*jobs)), dtype=np.int64)
-
-
 def _run_jobs(jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int, x: np.ndarray,
               out: np.ndarray) -> None:
     """The float tile driver on checked jobs (address, type, row bytes, rows, t0, n_tok, col); the
     caller keeps the weights alive and has set the thread count."""
-    ws, qts, rbs, nrs, t0s, nts, cols = _job_columns(jobs)
-    _launch(_drv.matmul_jobs_f32, ws, qts, rbs, nrs, n_cols, x, t0s, nts, out, cols)
+    _launch(_drv.matmul_jobs_f32, np.array(jobs, np.int64), n_cols, x, out)
 
 
 def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]], n_cols: int, x: np.ndarray,
                  out: np.ndarray) -> None:
     """The int8 driver on checked jobs whose types all take activation blocks of `block` elements:
-    x is rounded once for all of them, in the same launch."""
-    ws, qts, rbs, nrs, t0s, nts, cols = _job_columns(jobs)
+    x is rounded once for all of them, in the same launch; on the calling thread alone when the
+    caller set one thread."""
     xq, xd, xs1, xs16 = _act_buffers(x.shape[0], n_cols, block)
     # quantize_activations and the int8 kernels index these without bounds checks
     assert n_cols % block == 0 and n_cols % 32 == 0 and xq.shape == x.shape, (block, n_cols, xq.shape, x.shape)
     assert xd.shape[1] * block == xs1.shape[1] * 32 == xs16.shape[1] * 16 == n_cols
-    _launch(_drv.matmul_jobs_q8, ws, qts, rbs, nrs, n_cols, x, block, xq, xd, xs1, xs16, t0s, nts, out, cols)
+    jobs_a = np.array(jobs, np.int64)  # [n_jobs, 7]
+    if getattr(_tls, "nthreads", None) == 1:
+        _drv.matmul_jobs_q8_serial(jobs_a, n_cols, x, block, xq, xd, xs1, xs16, out)
+    else:
+        _launch(_drv.matmul_jobs_q8, jobs_a, n_cols, x, block, xq, xd, xs1, xs16, out)
 
 
 # q8 mode: the float types whose activations ggml rounds to their own type first (vec_dot_type F16 / BF16)
@@ -501,8 +503,8 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
 
 def _warm_drivers():
     """The compiled drivers warmup() launches (each compiles its helpers with it)."""
-    return [d for d in (_drv.dequantize_rows, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _act.quantize_activations)
-            if d is not None]
+    return [d for d in (_drv.dequantize_rows, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _drv.matmul_jobs_q8_serial,
+                        _drv.address, _act.quantize_activations) if d is not None]
 
 
 def compiled() -> bool | None:
@@ -571,7 +573,13 @@ def _warmup(settings: KernelSettings) -> None:
     ro.flags.writeable = False
     for ww in (w, ro):
         _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
-    job = [(w.ctypes.data, Q8_0, w.size, 1, 0, 1, 0)]  # addresses: one flavour
+    for ww in (w, ro):
+        _drv.address(ww)
+    job = [(_drv.address(w), Q8_0, w.size, 1, 0, 1, 0)]  # addresses: one flavour
     _run_jobs(job, n_cols, x, out)
     if _drv.matmul_jobs_q8 is not None:
-        _run_jobs_q8(32, job, n_cols, x, out)
+        n = _tls.nthreads
+        for threads in sorted({1, min(2, _max_numba_threads())}):  # the serial and the parallel launch
+            _apply_threads(threads)
+            _run_jobs_q8(32, job, n_cols, x, out)
+        _apply_threads(n)

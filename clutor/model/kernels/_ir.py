@@ -439,22 +439,31 @@ def deq_intrinsic(formats: dict[int, Format]):
 IDOT_CHAINS: dict[int, int] = {}
 
 
-def idot_intrinsic(formats: dict[int, Format], ntok: int):
+def idot_intrinsic(formats: dict[int, Format], ntok: int, nrows: int = 1):
     """-> intrinsic idot(qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride): the row of type qt at
     byte base of w times `ntok` int8 activation rows (activations.py) starting at element xe,
     xstride elements apart; a float32 (ntok == 1) or a UniTuple of ntok float32. Each block is
-    unpacked once for all the tokens. Only formats with an int8 path (``iprep``); x86 AVX2 only."""
-    rtype = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
+    unpacked once for all the tokens. Only formats with an int8 path (``iprep``); x86 AVX2 only.
+
+    nrows > 1 (with ntok == 1): idot(qt, w, base, row_bytes, n_cols, xq, xd, xs1, xs16, xe, xstride)
+    -> UniTuple of nrows float32: the rows at base, base + row_bytes, ... times one token. Each row
+    keeps its own single accumulator chain, summed in block order exactly as the one-row call sums
+    it (same bits); the rows' chains are independent, so their FMA latencies overlap."""
+    assert nrows == 1 or ntok == 1, "several rows are for one token"
+    lanes = max(ntok, nrows)  # (row, token) pairs computed: one chain each
+    rtype = types.float32 if lanes == 1 else types.UniTuple(types.float32, lanes)
 
     # The row function is emitted once per module as a function of its own that is never inlined:
     # inlined into the drivers' row loop beside every other type's code (and the other token
     # counts'), LLVM hoisted their constants out of that loop and spilled them around this type's
     # block loop, which then reloaded its own constants every block (Q2_K: 29 stack accesses per
     # block, 1.4x slower than the same code alone). A call per row costs a few ns.
-    fname = "clutor.idot%d.%s" % (ntok, "_".join(f"{q}" for q in sorted(formats)))
-    ret_ty = f32 if ntok == 1 else ir.LiteralStructType([f32] * ntok)
+    fname = "clutor.idot%d%s.%s" % (ntok, "x%d" % nrows if nrows > 1 else "", "_".join(f"{q}" for q in sorted(formats)))
+    ret_ty = f32 if lanes == 1 else ir.LiteralStructType([f32] * lanes)
     arg_tys = [i64, i8.as_pointer(), i64, i64, i8.as_pointer(), f32.as_pointer(), f32.as_pointer(),
                i16.as_pointer(), i64, i64]
+    if nrows > 1:
+        arg_tys.insert(3, i64)  # row_bytes
 
     def define(module: ir.Module) -> ir.Function:
         fn = module.globals.get(fname)
@@ -464,60 +473,71 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
         fn.linkage = "internal"
         fn.attributes.add("noinline")
         bld = ir.IRBuilder(fn.append_basic_block("entry"))
-        qtype, wptr, row_base, n_elems, xq, xd, xs1, xs16, x_elem0, x_stride = fn.args
+        if nrows > 1:
+            qtype, wptr, row_base, row_bytes, n_elems, xq, xd, xs1, xs16, x_elem0, x_stride = fn.args
+            row_bases = [row_base] + [bld.add(row_base, bld.mul(row_bytes, c64(r))) for r in range(1, nrows)]
+        else:
+            qtype, wptr, row_base, n_elems, xq, xd, xs1, xs16, x_elem0, x_stride = fn.args
+            row_bases = [row_base]
         starts = [bld.add(x_elem0, bld.mul(x_stride, c64(t))) for t in range(ntok)]
-        # [token][chain]: a few tokens leave the FMA latency exposed, so consecutive blocks
-        # alternate between independent accumulators (the tokens themselves are chains enough)
-        n_chains = IDOT_CHAINS.get(ntok, 1)
+        # lane i = (row i // ntok, token i % ntok); [lane][chain]: a few tokens leave the FMA latency
+        # exposed, so consecutive blocks may alternate between independent accumulators (the tokens,
+        # or the rows, are chains enough)
+        n_chains = IDOT_CHAINS.get(ntok, 1) if nrows == 1 else 1
         accs = [[cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(n_chains)]
-                for _ in range(ntok)]
-        corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(ntok)]
-        sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(ntok)]
+                for _ in range(lanes)]
+        corrs = [cgutils.alloca_once_value(bld, ir.Constant(f32, 0.0)) for _ in range(lanes)]
+        sides = [cgutils.alloca_once_value(bld, ir.Constant(V8f, None)) for _ in range(lanes)]
 
-        # grouped formats: per token, the block's integer sum over its sub-blocks
-        iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(ntok)]
+        # grouped formats: per lane, the block's integer sum over its sub-blocks
+        iaccs = [cgutils.alloca_once_value(bld, ir.Constant(V8i32, None)) for _ in range(lanes)]
 
         def case(fmt: Format) -> None:
             def grouped_body(blk, k):
-                off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
                 for iacc in iaccs:
                     bld.store(ir.Constant(V8i32, None), iacc)
                 x_blocks = [bld.add(x_start, bld.mul(blk, c64(fmt.elems))) for x_start in starts]
+                offs = [bld.add(base, bld.mul(blk, c64(fmt.nbytes))) for base in row_bases]
 
                 def group(g):
-                    state = fmt.iprep(bld, wptr, off, g)
-                    for x_block, iacc in zip(x_blocks, iaccs):
-                        env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
-                        bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
+                    for r, off in enumerate(offs):
+                        state = fmt.iprep(bld, wptr, off, g)
+                        for x_block, iacc in zip(x_blocks, iaccs[r * ntok : (r + 1) * ntok]):
+                            env = IEnv(wptr, xq, xd, xs1, xs16, _group_elem(bld, fmt, x_block, g))
+                            bld.store(bld.add(bld.load(iacc), fmt.itok(bld, state, env)), iacc)
 
                 _each_group(bld, fmt, group)
-                wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
-                for x_block, iacc, chains in zip(x_blocks, iaccs, accs):
-                    env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
-                    acc = chains[k % n_chains]
-                    scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
-                    bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
+                for r, off in enumerate(offs):
+                    wscale = splat(bld, fmt.iscale(bld, wptr, off), V8f)
+                    lane = slice(r * ntok, (r + 1) * ntok)
+                    for x_block, iacc, chains in zip(x_blocks, iaccs[lane], accs[lane]):
+                        env = IEnv(wptr, xq, xd, xs1, xs16, x_block)
+                        acc = chains[k % n_chains]
+                        scaled = bld.fmul(bld.sitofp(bld.load(iacc), V8f), splat(bld, xscale(bld, env, fmt.elems), V8f))
+                        bld.store(fma(bld, scaled, wscale, bld.load(acc)), acc)
 
             # (blocks of one unrolled step alternate chains; a type unrolled once, as the K-quants,
             # sums its blocks in order into one accumulator, as ggml does)
             def body(blk, k):
-                off = bld.add(row_base, bld.mul(blk, c64(fmt.nbytes)))
-                state = fmt.iprep(bld, wptr, off)
-                for x_start, chains, corr, side in zip(starts, accs, corrs, sides):
-                    env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
-                    parts, block_corr = fmt.itok(bld, state, env)
-                    acc = chains[k % n_chains]
-                    for ivec, scale, *where in parts:
-                        to = side if where and where[0] == "side" else acc
-                        sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
-                        bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
-                    if block_corr is not None:
-                        bld.store(bld.fadd(bld.load(corr), block_corr), corr)
+                for r, base in enumerate(row_bases):
+                    off = bld.add(base, bld.mul(blk, c64(fmt.nbytes)))
+                    state = fmt.iprep(bld, wptr, off)
+                    lane = slice(r * ntok, (r + 1) * ntok)
+                    for x_start, chains, corr, side in zip(starts, accs[lane], corrs[lane], sides[lane]):
+                        env = IEnv(wptr, xq, xd, xs1, xs16, bld.add(x_start, bld.mul(blk, c64(fmt.elems))))
+                        parts, block_corr = fmt.itok(bld, state, env)
+                        acc = chains[k % n_chains]
+                        for ivec, scale, *where in parts:
+                            to = side if where and where[0] == "side" else acc
+                            sv = scale if isinstance(scale.type, ir.VectorType) else splat(bld, scale, V8f)
+                            bld.store(fma(bld, bld.sitofp(ivec, V8f), sv, bld.load(to)), to)
+                        if block_corr is not None:
+                            bld.store(bld.fadd(bld.load(corr), block_corr), corr)
 
             # the token loop already multiplies the code per block; keep compile time sane
             nblocks = bld.sdiv(n_elems, c64(fmt.elems))
-            _blocks_loop(bld, fmt, nblocks, grouped_body if fmt.groups > 1 else body, wptr, [row_base],
-                         max(1, fmt.unroll // ntok))
+            _blocks_loop(bld, fmt, nblocks, grouped_body if fmt.groups > 1 else body, wptr, row_bases,
+                         max(1, fmt.unroll // lanes))
 
         _switch(bld, qtype, {q: f for q, f in formats.items() if f.iprep is not None}, case)
         vals = []
@@ -527,7 +547,7 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
                 total = bld.fadd(total, bld.load(acc))
             # (a side accumulator nobody used is zeros: adding it changes no bit)
             vals.append(bld.fadd(bld.fadd(hsum_f(bld, total), hsum_f(bld, bld.load(side))), bld.load(corr)))
-        if ntok == 1:
+        if lanes == 1:
             bld.ret(vals[0])
         else:
             agg = ir.Constant(ret_ty, ir.Undefined)
@@ -535,6 +555,24 @@ def idot_intrinsic(formats: dict[int, Format], ntok: int):
                 agg = bld.insert_value(agg, v, t)
             bld.ret(agg)
         return fn
+
+    if nrows > 1:
+        @intrinsic
+        def idot_rows(typingctx, qt, w, base, row_bytes, n_cols, xq, xd, xs1, xs16, xe, xstride):
+            sig = rtype(qt, w, base, row_bytes, n_cols, xq, xd, xs1, xs16, xe, xstride)
+
+            def codegen(context, bld, signature, args):
+                qtype, w_arg, row_base, rb, n_elems, xq_arg, xd_arg, xs1_arg, xs16_arg, x_elem0, x_stride = args
+                arg_types = signature.args
+                ptrs = [data_ptr(context, bld, arg_types[1], w_arg), data_ptr(context, bld, arg_types[5], xq_arg),
+                        data_ptr(context, bld, arg_types[6], xd_arg, f32), data_ptr(context, bld, arg_types[7], xs1_arg, f32),
+                        data_ptr(context, bld, arg_types[8], xs16_arg, i16)]
+                res = bld.call(define(bld.module), [qtype, ptrs[0], row_base, rb, n_elems, *ptrs[1:], x_elem0, x_stride])
+                return _result(context, bld, [bld.extract_value(res, t) for t in range(lanes)], rtype)
+
+            return sig, codegen
+
+        return idot_rows
 
     @intrinsic
     def idot(typingctx, qt, w, base, n_cols, xq, xd, xs1, xs16, xe, xstride):

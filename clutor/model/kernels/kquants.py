@@ -84,6 +84,19 @@ def _k4_quants(bld, wptr, off, five: bool):
     return out
 
 
+def _two_sums(bld, a, b):
+    """<8 x i32> a, b -> [sum(a), sum(b), 0, 0, 0, 0, 0, 0] (<8 x i32>): both horizontal sums in one tree,
+    two vphaddd and one add of the halves, where two reductions take seven instructions each (integer
+    sums: any order gives the same bits)."""
+    ph = _ir.declare(bld, "llvm.x86.avx2.phadd.d", _ir.V8i32, [_ir.V8i32, _ir.V8i32])
+    v1 = bld.call(ph, [a, b])    # [a01, a23, b01, b23 | a45, a67, b45, b67]
+    v2 = bld.call(ph, [v1, v1])  # [a0-3, b0-3, a0-3, b0-3 | a4-7, b4-7, a4-7, b4-7]
+    v4 = ir.VectorType(_ir.i32, 4)
+    half = lambda lanes: bld.shuffle_vector(v2, ir.Constant(_ir.V8i32, ir.Undefined), _ir.vconst(v4, lanes))  # noqa: E731
+    s = bld.add(half([0, 1, 2, 3]), half([4, 5, 6, 7]))  # [A, B, A, B]
+    return bld.shuffle_vector(s, ir.Constant(v4, None), _ir.vconst(_ir.V8i32, [0, 1, 4, 4, 4, 4, 4, 4]))
+
+
 def _k4_format(name: str, five: bool) -> Format:
     def fvals(bld, wptr, off):
         d = _ir.half(bld, _ir.at(bld, wptr, off))
@@ -120,8 +133,7 @@ def _k4_format(name: str, five: bool) -> Format:
         # every expert) sums each super-block's integers whole: acc += float(sum) * (d * dx), accm +=
         # float(sum of mins) * (dmin * dx), the result acc - accm. Lane 0 of the side accumulator carries
         # acc, lane 1 -accm, the rest zeros (exact), so the result rounds as ggml's.
-        totals = bld.insert_element(bld.insert_element(ir.Constant(_ir.V8i32, None), _ir.hsum_i(bld, acc),
-                                                       ir.Constant(_ir.i32, 0)), _ir.hsum_i(bld, mvec), ir.Constant(_ir.i32, 1))
+        totals = _two_sums(bld, acc, mvec)
         sc = bld.insert_element(bld.insert_element(ir.Constant(_ir.V8f, None), bld.fmul(d, dx), ir.Constant(_ir.i32, 0)),
                                 bld.fneg(bld.fmul(dmin, dx)), ir.Constant(_ir.i32, 1))
         return [(totals, sc, "side")], None
