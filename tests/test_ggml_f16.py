@@ -16,7 +16,7 @@ from clutor.model.layers import rmsnorm
 from clutor.model.weight_types import QT
 from conftest import GOLDEN, fixture_path
 
-Q8 = KernelSettings("q8")
+Q8 = KernelSettings("q8", ggml_f16=True)
 EPS = np.float32(1e-6)  # the fixture's attention.layer_norm_rms_epsilon
 
 

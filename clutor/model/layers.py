@@ -63,10 +63,13 @@ class Rope:
     adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through, and so do the
     pairs ``still`` marks (qwen35moe's interleaved M-RoPE gives text a zero position in some of them).
     ``factors`` divide the pairs' frequencies (llama.cpp's rope_freqs; Gemma 4's global layers).
-    ``ggml_theta``: the angles as ggml's CPU RoPE computes them, in float32: pair i's angle is the
+    ``ggml_theta``: RoPE as ggml's CPU RoPE computes it, in float32: pair i's angle is the
     position times base^(-2/n_rot) i times over, each product rounded, then divided by its factor
-    (rather than the exact angle rounded once). The two differ by ~1e-7 x position radians, enough to
-    move a float16-weight model's logits by ~0.01 at a hundred positions.
+    (rather than the exact angle rounded once), libm's cosf / sinf of it (kernels.ggmlmath), and each
+    rotated value x0 cos - x1 sin as one FMA of x0 cos with x1 sin rounded (as GCC contracts ggml's
+    rotate_pairs). The exact angle differs by ~1e-7 x position radians, enough to move a
+    float16-weight model's logits by ~0.01 at a hundred positions; an ulp in cos or in the rotation
+    flips halves in the next F16 product.
 
     The angles are computed for the positions of each call, not tabled for the whole context: a
     table of n_ctx x n_rot/2 would let the context length (or a file's key_length) decide an
@@ -132,13 +135,9 @@ class Rope:
         if self._ggml is None:
             ang = pos.astype(np.float64)[:, None] * self.inv[None, :]  # [R, n_rot/2]
             return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-        scale, ff = self._ggml
-        ang = np.empty((len(pos), self.half), np.float32)
-        theta = pos.astype(np.float32)  # [R]
-        for i in range(self.half):
-            ang[:, i] = theta / ff[i]
-            theta = theta * scale
-        return np.cos(ang), np.sin(ang)
+        from .kernels.ggmlmath import rope_cos_sin  # late: numba is slow to import
+
+        return rope_cos_sin(pos, *self._ggml)
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
@@ -149,7 +148,11 @@ class Rope:
         half = self.half
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
         out = np.empty_like(x)
-        if self.style == "neox":
+        if self._ggml is not None and self.style == "neox":  # one FMA each, as ggml's rotate_pairs compiles
+            x1, x2 = x[..., :half].astype(np.float64), x[..., half : 2 * half].astype(np.float64)
+            out[..., :half] = x1 * cos - (x2 * sin).astype(np.float32)
+            out[..., half : 2 * half] = x1 * sin + (x2 * cos).astype(np.float32)
+        elif self.style == "neox":
             x1, x2 = x[..., :half], x[..., half : 2 * half]
             out[..., :half] = x1 * cos - x2 * sin
             out[..., half : 2 * half] = x2 * cos + x1 * sin

@@ -239,6 +239,10 @@ class Runner:
             if biased:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)
+            scale = self.arch.expert_scale(self._w.layers[l])  # [E] or None
+            if scale is not None:  # each expert's own output scale, then the router's weight
+                for v, t0, n in zip(views, starts, counts):
+                    y[t0 : t0 + n] *= scale[v.expert]
             y *= w.reshape(-1)[picked][:, None]
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
             return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}

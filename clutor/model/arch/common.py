@@ -222,6 +222,9 @@ class Arch:
     # activation mode, whose point is llama.cpp's arithmetic; the f32 mode keeps floats exact (set by
     # the runner from the model's kernel settings)
     ggml_numerics: bool = True
+    # F16 products summed in llama.cpp's own order in the q8 mode (KernelSettings.ggml_f16: slower;
+    # for an architecture whose F16 files need it to meet llama.cpp's logits)
+    ggml_f16_sums: ClassVar[bool] = False
 
     def __init__(self, path: str, cfg: ModelConfig):
         self.path = path
@@ -365,6 +368,11 @@ class Arch:
     def route(self, lw, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax over all experts, top-k, weights not renormalised (olmoe, qwen2moe)."""
         return gate(h, lw.router, self.cfg.n_expert_used)
+
+    def expert_scale(self, lw) -> np.ndarray | None:
+        """Each expert's own output scale [E] (Gemma 4's ffn_down_exps.scale), applied to its down
+        product before the router's weight, as llama.cpp applies it; None: none."""
+        return None
 
     def expert_act(self, gu: np.ndarray, F: int) -> np.ndarray:
         """SwiGLU of gate | up [S, 2F] -> [S, F]."""

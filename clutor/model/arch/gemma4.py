@@ -27,7 +27,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM, MAX_HEAD_DIM
-from ..layers import Rope, gate, rmsnorm
+from ..kernels.ggmlmath import attend as ggml_attend, gelu_table, softmax as ggml_softmax
+from ..layers import Rope, gate, rmsnorm, router_logits
 from ..state import FullKV, WindowKV
 from .common import Arch, T, read_common, read_float, read_int, refuse_tensor
 
@@ -35,14 +36,13 @@ _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 
 
 def gelu(x: np.ndarray, ggml: bool = True) -> np.ndarray:
-    """GELU, tanh form. ggml: as ggml's CPU backend computes it (its GELU table): x rounded to
-    float16, the tanh form of that value rounded to float16; 0 at or below -10, x itself at or above
+    """GELU, tanh form. ggml: as ggml's CPU backend computes it, bit for bit: its GELU table
+    (kernels.ggmlmath.gelu_table) at x rounded to float16; 0 at or below -10, x itself at or above
     10 (the rounding moves a GELU by up to ~5e-4 of its value). Otherwise float32 throughout."""
     if not ggml:
         return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * x * (np.float32(1.0) + np.float32(0.044715) * x * x)))
-    x16 = x.astype(np.float16).astype(np.float32)
-    y = (np.float32(0.5) * x16 * (np.float32(1.0) + np.tanh(_GELU_C * x16 * (np.float32(1.0) + np.float32(0.044715) * x16 * x16))))
-    y = y.astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond a half's range: the where() below takes x or 0
+        y = gelu_table()[x.astype(np.float16).view(np.uint16)]
     return np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, y))
 
 
@@ -56,6 +56,7 @@ class _Ropes:
 class Gemma4(Arch):
     name = "gemma4"
     attention_kind = "GQA, QK-norm"
+    ggml_f16_sums = True  # every product rounds its input to half: one ulp grows layer by layer
 
     def __init__(self, path, cfg, *, swa, window, n_kv, hd_swa, n_rot_swa, base_swa, n_ff, softcap):
         super().__init__(path, cfg)
@@ -200,8 +201,8 @@ class Gemma4(Arch):
         k = rmsnorm(kp, lw.k_norm, eps)  # [R, Hkv, hd]
         v = rmsnorm(vp, np.float32(1.0), eps)  # [R, Hkv, hd], no weight, not rotated
         rope_l = rope.swa if self.swa[l] else rope.full
-        o = step.attend(l, step.rope(rope_l, q), step.rope(rope_l, k), v, 1.0,
-                        window=self.window if self.swa[l] else 0)  # [R, H * hd]
+        o = step.attend(l, step.rope(rope_l, q), step.rope(rope_l, k), v, 1.0, window=self.window if self.swa[l] else 0,
+                        kernel=ggml_attend if self.ggml_numerics else None)  # [R, H * hd]
         return rmsnorm(lw.wo(o), lw.attn_post_norm, eps)
 
     def ffn_input(self, lw, x):
@@ -212,10 +213,18 @@ class Gemma4(Arch):
         return rmsnorm(x, np.float32(1.0 / math.sqrt(D)), self.cfg.eps) * lw.router_scale
 
     def route(self, lw, h):
-        sel, w = gate(h, lw.router, self.cfg.n_expert_used, norm=True)
-        if lw.down_scale is not None:  # each expert's own output scale, folded into its weight
-            w = w * lw.down_scale[sel]
-        return sel, w
+        if not self.ggml_numerics:
+            return gate(h, lw.router, self.cfg.n_expert_used, norm=True)
+        # llama.cpp's order: its softmax (ggml_v_expf, float64 sums), top-k, the weights divided by
+        # their float64 sum (clamped to F16's smallest normal)
+        probs = ggml_softmax(router_logits(h, lw.router))  # [R, E]
+        sel = np.argsort(-probs, axis=-1, kind="stable")[:, : self.cfg.n_expert_used]  # [R, K]
+        w = np.take_along_axis(probs, sel, axis=-1)  # [R, K]
+        tot = np.maximum(np.sum(w, axis=-1, keepdims=True, dtype=np.float64).astype(np.float32), np.float32(6.103515625e-5))
+        return sel, w / tot
+
+    def expert_scale(self, lw):
+        return lw.down_scale  # (down · s) · w, as llama.cpp multiplies: not down · (w · s)
 
     def expert_act(self, gu, F):
         return gelu(gu[:, :F], self.ggml_numerics) * gu[:, F:]

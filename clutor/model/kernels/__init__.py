@@ -332,7 +332,7 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     q8 = ggml and qtype in _Q8_BLOCK
     if ggml and qtype in _ROUNDED:  # F16 / BF16: ggml multiplies them with activations of their own type
         x2 = _rounded(x2, qtype, "xround")
-    if ggml and qtype == F16:  # summed in ggml's order (f16dots: a one-ulp difference grows through a model)
+    if ggml and qtype == F16 and settings.ggml_f16:  # summed in ggml's order (f16dots: one ulp grows through a model)
         _f16.matmul(x2, w.view(np.uint16).reshape(n_rows, n_cols), out2, "mul_mat")
         return out
     if n_tok >= _blas_from(settings, q8) and q8:  # BLAS on ggml's activation blocks as floats
@@ -394,7 +394,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         if j.n_tok == 0:
             continue
         int8 = q8 and qtype in _Q8_BLOCK
-        if q8 and qtype == F16:
+        if q8 and qtype == F16 and settings.ggml_f16:
             rows = slice(j.t0, j.t0 + j.n_tok)
             _f16.matmul(_rounded(x[rows], F16, "xround16"), j.w.view(np.uint16).reshape(n_rows, n_cols),
                         out[rows, j.col : j.col + n_rows], order)
