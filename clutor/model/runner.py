@@ -423,6 +423,8 @@ class _Late:
 def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:
     """Which segments chose each expert of sel [R, K] (seg_of_row [R]): {expert: [segment index]}."""
     n = int(seg_of_row[-1]) + 1
+    if n == 1:  # one segment (a lone sequence's decode step): every expert is its
+        return {e: [0] for e in sel.reshape(-1).tolist()}
     pairs = np.unique(sel.astype(np.int64) * n + seg_of_row[:, None])  # expert * n + segment, distinct
     out: dict[int, list[int]] = {}
     for e, si in zip((pairs // n).tolist(), (pairs % n).tolist()):
