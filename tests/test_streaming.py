@@ -627,3 +627,26 @@ def test_prefetch_picks_by_router_weight_where_weights_are_probabilities(monkeyp
     assert len(sizes) > 1, sizes  # the count follows the weights, not a fixed rank budget
     for pf, sel, w in run(go("qwen3moe")):
         assert pf == sel[:PREFETCH_RANKS], (pf, sel, w)
+
+
+def test_default_prefetch_only_with_a_cache_of_more_than_a_tokens_experts(six_layers):
+    """prefetch=None, one sequence: the six-layer model needs 6 x 2 = 12 experts a token; a cache of 12
+    buffers (one token's experts) prefetches nothing, one of 32 (PREFETCH_MIN_TOKENS = 1.5 tokens and
+    more) prefetches every decode step; prefetch=True prefetches in the small cache too."""
+    from clutor.model.runner import PREFETCH_MIN_TOKENS
+
+    minimum, slot = _minimum(six_layers)
+
+    async def go(buffers: int, prefetch):
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=buffers * slot, prefetch=prefetch) as model:
+            cfg = model.config
+            per_token = len(cfg.moe_layers) * cfg.n_expert_used
+            async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
+                pass
+            return model.runner.experts.capacity / per_token, model.io_stats().prefetch_issued
+
+    small, issued_small = run(go(12, None))
+    large, issued_large = run(go(32, None))
+    forced, issued_forced = run(go(12, True))
+    assert small < PREFETCH_MIN_TOKENS <= large, (small, large)
+    assert issued_small == 0 and issued_large > 0 and issued_forced > 0, (issued_small, issued_large, issued_forced)

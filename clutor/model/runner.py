@@ -58,6 +58,12 @@ PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, ho
 # < 0.1 56% right, 0.1-0.2 82%, >= 0.2 99%). Renormalised weights are shares of the top-k instead, not
 # comparable across rows or models: there the ranks decide.
 PREFETCH_MIN_WEIGHT = 0.1
+# prefetch=None (the default) prefetches one sequence's decode only where the cache holds at least this
+# many tokens' experts (each MoE layer's top-k): in a smaller one each wrong guess evicts an expert the
+# next token wants again. wide.gguf, one stream, quiet, same sitting: a cache of one token's experts
+# (12.5%, 16) read 57.7 MiB/token with prefetch and 48.3 without (7.8 vs 11.9 tok/s); one of two tokens'
+# (25%, 32) 27.0 against 29.6 prefetching by rank (docs/benchmarks.md, "One stream, phase 4").
+PREFETCH_MIN_TOKENS = 1.5
 
 
 class Runner:
@@ -93,6 +99,7 @@ class Runner:
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self._roomy = not room or room >= PREFETCH_MIN_TOKENS * len(cfg.moe_layers) * cfg.n_expert_used
         self._lock = asyncio.Lock()
         self.steps = 0  # steps run
         self.rows = 0   # rows computed over those steps
@@ -330,8 +337,9 @@ class Runner:
 
     def _prefetching(self, n_seq: int) -> bool:
         """Prefetch in a decode step of n_seq sequences: True always, False never, None (the default)
-        alone only (a batched step is disk-bound: its wrong guesses would only add bytes)."""
-        return n_seq == 1 if self._prefetch is None else self._prefetch
+        alone only (a batched step is disk-bound: its wrong guesses would only add bytes) and only with
+        a cache of PREFETCH_MIN_TOKENS tokens' experts or more."""
+        return n_seq == 1 and self._roomy if self._prefetch is None else self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode
