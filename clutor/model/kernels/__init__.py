@@ -40,7 +40,8 @@ side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch
 2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
 Threads: the numba kernels split rows over ``settings.threads`` threads (default: the CPUs this
-process may use; products under 3 MiB of weight bytes x tokens run on one). numba's thread count is per calling thread, so
+process may use; products under 3 MiB of weight bytes x tokens run on one, a byte of the i-quants,
+which unpack slowly, counting 2.5-3.5 times). numba's thread count is per calling thread, so
 it is applied on every call. BLAS has its own pool: a caller running kernels from several threads
 at once should cap BLAS threads (e.g. OPENBLAS_NUM_THREADS=1 or threadpoolctl) and settings.threads
 so the total stays at the core count. numba's OpenMP workers spin after each launch unless
@@ -97,6 +98,16 @@ _CHUNK_BYTES = 4 << 20
 # ~3 MiB one thread is done first (one-token Q8_0 products, K = 2048, quiet machine, one thread vs two:
 # 1 MiB 57 vs 83 us, 2 MiB 100 vs 125, 4 MiB 223 vs 189, 8 MiB 483 vs 272).
 _PARALLEL_MIN_BYTES = 3 << 20
+# ... counted in Q8_0's bytes: the i-quants unpack through grids at 1-2.5 GB/s of weight bytes on one thread
+# (Q8_0 ~7-10), so a byte of theirs counts 2.5 (IQ1_S / IQ1_M 3.5). One-token products, 2048 columns, 1 vs 2
+# threads, quiet machine, OMP_WAIT_POLICY=PASSIVE as the clutor command runs: a layer's q/k/v in IQ1_S, IQ1_S,
+# IQ2_XXS (2.6 MB) 1.79 vs 1.21 ms, two IQ2_XXS matrices (2.1 MB) 1.29 vs 1.04, one IQ2_XXS (1.0 MB) 0.46 vs
+# 0.57, one IQ1_S (0.8 MB) 0.62 vs 0.67; the K-quants keep Q8_0's count (one Q3_K, 1.7 MB: 0.36 vs 0.38).
+_BYTE_COST = np.ones(max(int(q) for q in TYPES) + 1, np.float64)  # GGML type id -> Q8_0 bytes per byte
+for _name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"):
+    _BYTE_COST[int(QT[_name])] = 2.5
+for _name in ("IQ1_S", "IQ1_M"):
+    _BYTE_COST[int(QT[_name])] = 3.5
 
 
 @dataclass(frozen=True)
@@ -324,8 +335,8 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     if qtype == F32:
         np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
         return out
-    # Below _PARALLEL_MIN_BYTES of weight bytes x tokens one thread is done first.
-    _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
+    # Below _PARALLEL_MIN_BYTES of (Q8_0-equivalent) weight bytes x tokens one thread is done first.
+    _apply_threads(1 if w.size * n_tok * _BYTE_COST[qtype] < _PARALLEL_MIN_BYTES else _n_threads(settings))
     ggml = mode(settings) == "q8"
     q8 = ggml and qtype in _Q8_BLOCK
     if ggml and qtype in _ROUNDED:  # F16 / BF16: ggml multiplies them with activations of their own type
@@ -396,7 +407,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
             by_block.setdefault(_Q8_BLOCK[qtype], []).append(job)
         else:
             batched.setdefault(qtype if q8 and qtype in _ROUNDED else 0, []).append(job)
-        work += j.w.size * j.n_tok
+        work += j.w.size * j.n_tok * _BYTE_COST[qtype]
     if batched or by_block:
         _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
     for rounding, group in batched.items():
