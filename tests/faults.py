@@ -28,6 +28,7 @@ class WrappedHandle(ReadHandle):
         self.request = inner.request
         self.inner = inner
         self.done = loop.create_future()
+        self.notify = None
 
     @property
     def state(self) -> ReadState:  # type: ignore[override]
@@ -84,6 +85,11 @@ class FaultyBackend:
         self._outer_pending -= 1
         if o.done.done():
             return
+        self._settle(o, f)
+        if not f.cancelled():
+            o.settled()  # as a real backend does once it resolved a read
+
+    def _settle(self, o: FaultyHandle, f: asyncio.Future) -> None:
         if f.cancelled():
             o.done.cancel()
             return

@@ -597,3 +597,56 @@ def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(si
     assert all_cached > 0 and sum(sum(g) for _, g in decode) > all_cached  # both kinds of layer occurred
     assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
     store.check()
+
+
+def test_prefetch_picks_by_router_weight_where_weights_are_probabilities(monkeypatch):
+    """olmoe's router weights are its softmax over every expert (top-k not renormalised): the experts
+    decode prefetches for the next MoE layer are those of its router (on the current residual) given
+    weight >= PREFETCH_MIN_WEIGHT, best first, however many that is (none, or more than two); a
+    renormalised router (qwen3moe) keeps the PREFETCH_RANKS best ranks."""
+    from clutor.model.runner import PREFETCH_MIN_WEIGHT, PREFETCH_RANKS
+
+    async def go(arch: str):
+        async with clutor.Model.open(fixture_path(arch, "Q8_0"), io="memory") as model:
+            r = model.runner
+            rng = np.random.default_rng(5)
+            out = []
+            for trial in range(40):
+                x = rng.standard_normal((1, model.config.n_embd)).astype(np.float32) * (0.5 + trial / 10)
+                l = model.config.moe_layers[-1]
+                _, pf = r._predict(l, x)
+                lw = r._w.layers[l]
+                sel, w = r.arch.route(lw, r.arch.ffn_input(lw, x))
+                out.append((pf, sel[0].tolist(), w[0].tolist()))
+            return out
+
+    sizes = set()
+    for pf, sel, w in run(go("olmoe")):
+        assert pf == [e for e, q in zip(sel, w) if q >= PREFETCH_MIN_WEIGHT], (pf, sel, w)
+        sizes.add(len(pf))
+    assert len(sizes) > 1, sizes  # the count follows the weights, not a fixed rank budget
+    for pf, sel, w in run(go("qwen3moe")):
+        assert pf == sel[:PREFETCH_RANKS], (pf, sel, w)
+
+
+def test_default_prefetch_only_with_a_cache_of_more_than_a_tokens_experts(six_layers):
+    """prefetch=None, one sequence: the six-layer model needs 6 x 2 = 12 experts a token; a cache of 12
+    buffers (one token's experts) prefetches nothing, one of 32 (PREFETCH_MIN_TOKENS = 1.5 tokens and
+    more) prefetches every decode step; prefetch=True prefetches in the small cache too."""
+    from clutor.model.runner import PREFETCH_MIN_TOKENS
+
+    minimum, slot = _minimum(six_layers)
+
+    async def go(buffers: int, prefetch):
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=buffers * slot, prefetch=prefetch) as model:
+            cfg = model.config
+            per_token = len(cfg.moe_layers) * cfg.n_expert_used
+            async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
+                pass
+            return model.runner.experts.capacity / per_token, model.io_stats().prefetch_issued
+
+    small, issued_small = run(go(12, None))
+    large, issued_large = run(go(32, None))
+    forced, issued_forced = run(go(12, True))
+    assert small < PREFETCH_MIN_TOKENS <= large, (small, large)
+    assert issued_small == 0 and issued_large > 0 and issued_forced > 0, (issued_small, issued_large, issued_forced)

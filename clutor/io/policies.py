@@ -358,6 +358,29 @@ class LRFU(Policy):
         return math.log2(period) - log2_q
 
     def victims(self) -> Generator[Key, None, None]:
+        # The first candidate (nearly always the one evicted) from a look at each layer's live heap top,
+        # without a generator per layer; the full merge only when the caller asks for a second.
+        best = None
+        current = self._current
+        for layer, heap in self._heaps.items():
+            while heap and current.get(heap[0][2]) != heap[0][1]:
+                heapq.heappop(heap)  # stale: superseded or removed (the merge would skip it too)
+            if heap:
+                key = heap[0][2]
+                head = (-self._log2_wait(key), self._seq_of(key), layer, key)
+                if best is None or head < best:
+                    best = head
+        if best is None:
+            return
+        yield best[3]
+        rest = self._merged()
+        try:
+            next(rest)  # the same key: the merge starts from the same heads
+            yield from rest
+        finally:
+            rest.close()
+
+    def _merged(self) -> Generator[Key, None, None]:
         orders = {layer: _lazy_heap_order(self._heaps[layer], self._current) for layer in self._heaps}
         heads = []
         try:

@@ -164,7 +164,7 @@ def slot_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> int:
 class _Load:
     """One expert being read into a slot (or a spare): one read per part, one future for whoever waits."""
 
-    __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "done", "released")
+    __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "done", "released", "waiters")
 
     def __init__(self, key, slot: int | None, spare: int | None, prefetch: bool, loop: asyncio.AbstractEventLoop):
         self.key = key
@@ -176,6 +176,7 @@ class _Load:
         self.error: BaseException | None = None
         self.done: asyncio.Future[None] = loop.create_future()
         self.released = False          # (spare loads) the batch that owns the spare let go of it
+        self.waiters: list[Callable[["_Load"], None]] = []  # get_ready iterations told when it is over
 
 
 @dataclass
@@ -270,7 +271,8 @@ class ExpertStore:
         self._n_parts = len(geo.region)
         staging = self.n_slots // 4 if prefetch_slots is None else prefetch_slots
         self.cache = ExpertCache(self.n_slots, make_policy(policy, self.n_slots), max_staging=staging)
-        self._files = {path: i for i, path in enumerate(layout.files)}
+        self._paths = layout.files  # (computed from every layer's tensors: looked up once)
+        self._files = {path: i for i, path in enumerate(self._paths)}
         self._parts: dict[tuple[int, int], tuple[_Part, _Part, _Part]] = {}
         self._loads: dict[int, _Load] = {}            # slot -> load while the slot is LOADING
         self._pf: dict[int, dict[tuple[int, int], _Load]] = {}  # layer -> its prefetches not yet demanded
@@ -281,6 +283,7 @@ class ExpertStore:
         self._drained: asyncio.Future[None] | None = None
         self._freed = asyncio.Event()                  # something was released: a waiting get() may retry
         self._c = _Counters()
+        self._views: dict[int, ExpertView] = {}  # arena buffer -> the view last made of it (see _view)
         self._closed = False
 
     # -- ExpertSource ----------------------------------------------------------------------------
@@ -305,33 +308,54 @@ class ExpertStore:
         caller computes (one kernel launch per group) while the rest is read. Views stay valid until
         the iteration ends or the generator is closed; then all are released."""
         views, wait, release = await self._begin(layer, experts)
-        pending: dict[asyncio.Future, tuple[int, int]] = {}
+        # Loads over and not yet yielded; filled by _finish as each one ends (no future per load, no
+        # asyncio.wait: one wake-up of this iteration per group, whatever the number of reads).
+        arrived: list[_Load] = []
+        wake: list[asyncio.Future | None] = [None]
+
+        def on_arrival(load: _Load) -> None:
+            arrived.append(load)
+            fut = wake[0]
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
         try:
             waiting = {load.key for load in wait}
             ready = [view for e, view in views.items() if (layer, e) not in waiting]
             if ready:
                 yield ready
-            pending.update((asyncio.shield(load.done), load.key) for load in wait)  # shield: never cancel a read
-            while pending:
-                t0 = time.perf_counter()
-                try:
-                    finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    self._c.wait_seconds += time.perf_counter() - t0
-                keys = [pending.pop(fut) for fut in finished]
-                # every error retrieved before the first is raised: two reads failing together must not
-                # leave the second logged as "never retrieved"
-                errors = [err for err in (fut.exception() for fut in finished) if err is not None]
-                if errors:
-                    raise errors[0]
+            left = 0
+            for load in wait:
+                if load.done.done():
+                    arrived.append(load)
+                else:
+                    load.waiters.append(on_arrival)
+                    left += 1
+            left += len(arrived)
+            while left:
+                if not arrived:
+                    wake[0] = self._loop.create_future()
+                    t0 = time.perf_counter()
+                    try:
+                        await wake[0]
+                    finally:
+                        self._c.wait_seconds += time.perf_counter() - t0
+                        wake[0] = None
+                group = arrived[:]
+                arrived.clear()
+                left -= len(group)
+                for load in group:
+                    if load.done.cancelled():
+                        raise ClosedError(f"the read of layer {load.key[0]} expert {load.key[1]} was withdrawn")
+                    if load.error is not None:
+                        raise load.error
+                keys = {load.key for load in group}
                 # in request order, so a group's order does not depend on completion order
                 yield [views[e] for e in views if (layer, e) in keys]
         finally:
-            for fut in pending:
-                if not fut.done():
-                    fut.cancel()  # cancels only our shield wrapper; the read itself goes on
-                elif not fut.cancelled():
-                    fut.exception()  # retrieved: a second failed read is not logged as unhandled
+            for load in wait:
+                if on_arrival in load.waiters:
+                    load.waiters.remove(on_arrival)
             release()
 
     async def _begin(self, layer: int, experts: Sequence[int]):
@@ -490,6 +514,7 @@ class ExpertStore:
             self._drained = self._loop.create_future()
             await asyncio.shield(self._drained)
         await self.backend.aclose()
+        self._views.clear()  # they reference the arena's mapping
         self._arena.close()
 
     async def __aenter__(self) -> "ExpertStore":
@@ -635,6 +660,13 @@ class ExpertStore:
         del self._loads[load.slot]
         self.cache.fail(load.slot)  # never submitted: the slot is free again; counted as wasted
         load.done.cancel()
+        self._tell(load)
+
+    @staticmethod
+    def _tell(load: _Load) -> None:
+        waiters, load.waiters = load.waiters, []
+        for arrived in waiters:
+            arrived(load)
 
     # -- internals: reads --------------------------------------------------------------------------
     def _parts_of(self, key: tuple[int, int]) -> tuple[_Part, ...]:
@@ -670,7 +702,7 @@ class ExpertStore:
             for load in loads:
                 load.handles = []
                 self._outstanding += 1
-                load.error = ExpertReadError(self.layout.files[r0.file], r0.offset, r0.length, f"submit failed: {why}",
+                load.error = ExpertReadError(self._paths[r0.file], r0.offset, r0.length, f"submit failed: {why}",
                                              *load.key)
                 self._finish(load)
             if demand:
@@ -690,7 +722,7 @@ class ExpertStore:
             if load.prefetch:
                 self._pf_submitted.add(load)
             for p, h in enumerate(hs):
-                h.done.add_done_callback(lambda fut, load=load, p=p, h=h: self._on_read(load, p, h, t0, fut))
+                h.notify = lambda h, load=load, p=p: self._on_read(load, p, h, t0)
         if demand:
             self._pump()
 
@@ -719,12 +751,19 @@ class ExpertStore:
         batch = [self._pq.popleft() for _ in range(min(room, len(self._pq)))]
         self._submit(batch, demand=False)
 
-    def _on_read(self, load: _Load, p: int, h: ReadHandle, t0: float, fut: asyncio.Future) -> None:
+    def _on_read(self, load: _Load, p: int, h: ReadHandle, t0: float) -> None:
+        """One of the load's reads is over (called by the backend as it takes the completion)."""
         if load.handles is None or p >= len(load.handles) or load.handles[p] is not h:
             return  # withdrawn and re-queued: a newer read will fill this buffer
+        fut = h.done
         self._c.read_seconds += time.perf_counter() - t0
         part = self._parts_of(load.key)[p]
-        path = self.layout.files[part.file]
+        if not fut.cancelled() and fut.exception() is None and fut.result() >= part.skip + part.nbytes:
+            load.remaining -= 1  # the common case, without building the error's words
+            if load.remaining == 0:
+                self._finish(load)
+            return
+        path = self._paths[part.file]
         what = f"layer {load.key[0]} expert {load.key[1]} {PARTS[p]} slab"
         # Every failure names the expert (ExpertReadError), so the model fails only the requests routed to it.
         if fut.cancelled():
@@ -770,6 +809,7 @@ class ExpertStore:
         else:
             load.done.set_exception(load.error)
             load.done.exception()  # the waiter may have been cancelled; do not log it as unretrieved
+        self._tell(load)
         self._freed.set()
         if self._closed:
             if self._outstanding == 0 and self._drained is not None and not self._drained.done():
@@ -778,6 +818,15 @@ class ExpertStore:
             self._pump()
 
     def _view(self, layer: int, expert: int, buffer: int) -> ExpertView:
+        """The view of an expert in an arena buffer: made once per (buffer, expert) while the buffer
+        keeps holding it (the arena's layout is fixed: the same bytes, the same slices)."""
+        made = self._views.get(buffer)
+        if made is not None and made.layer == layer and made.expert == expert:
+            return made
+        made = self._views[buffer] = self._make_view(layer, expert, buffer)
+        return made
+
+    def _make_view(self, layer: int, expert: int, buffer: int) -> ExpertView:
         arena, geo = self._arena, self._geo
         return ExpertView.of(layer, expert, [arena.region_array(buffer, geo.start[p] + part.skip, part.nbytes)
                                              for p, part in enumerate(self._parts_of((layer, expert)))],

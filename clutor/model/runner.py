@@ -51,6 +51,19 @@ if TYPE_CHECKING:
 __all__ = ["Runner"]
 
 PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, how many prefetch reads
+# ... or, where the router's weights are its softmax over every expert (olmoe, qwen2moe: top-k not
+# renormalised), each predicted expert the router gives at least this weight: on real routing
+# (wide.gguf, 3 x 96 sampled tokens in RAM) as many right picks as the best two ranks (coverage 0.418
+# vs 0.414 of the experts then routed) with a quarter fewer wrong ones (223 vs 295 of ~1700; by weight:
+# < 0.1 56% right, 0.1-0.2 82%, >= 0.2 99%). Renormalised weights are shares of the top-k instead, not
+# comparable across rows or models: there the ranks decide.
+PREFETCH_MIN_WEIGHT = 0.1
+# prefetch=None (the default) prefetches one sequence's decode only where the cache holds at least this
+# many tokens' experts (each MoE layer's top-k): in a smaller one each wrong guess evicts an expert the
+# next token wants again. wide.gguf, one stream, quiet, same sitting: a cache of one token's experts
+# (12.5%, 16) read 57.7 MiB/token with prefetch and 48.3 without (7.8 vs 11.9 tok/s); one of two tokens'
+# (25%, 32) 27.0 against 29.6 prefetching by rank (docs/benchmarks.md, "One stream, phase 4").
+PREFETCH_MIN_TOKENS = 1.5
 
 
 class Runner:
@@ -80,11 +93,14 @@ class Runner:
         # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
         # or None: in steps of one sequence only (see Model.open's prefetch option).
         self._prefetch = prefetch
+        from .arch.common import Arch
+        self._pick_by_weight = type(arch).route is Arch.route  # softmax over all experts, top-k kept as is
         self._hints = experts.wants_hints
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
+        self._roomy = not room or room >= PREFETCH_MIN_TOKENS * len(cfg.moe_layers) * cfg.n_expert_used
         self._lock = asyncio.Lock()
         self.steps = 0  # steps run
         self.rows = 0   # rows computed over those steps
@@ -323,8 +339,9 @@ class Runner:
 
     def _prefetching(self, n_seq: int) -> bool:
         """Prefetch in a decode step of n_seq sequences: True always, False never, None (the default)
-        alone only (a batched step is disk-bound: its wrong guesses would only add bytes)."""
-        return n_seq == 1 if self._prefetch is None else self._prefetch
+        alone only (a batched step is disk-bound: its wrong guesses would only add bytes) and only with
+        a cache of PREFETCH_MIN_TOKENS tokens' experts or more."""
+        return n_seq == 1 and self._roomy if self._prefetch is None else self._prefetch
 
     def _predicting(self, n_seq: int) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode
@@ -333,13 +350,18 @@ class Runner:
 
     def _predict(self, l: int, x: np.ndarray) -> tuple[list[int], list[int]]:
         """Experts layer l will likely want: its router on the current residual, most-voted first;
-        and the part of them prefetch reads: each row's PREFETCH_RANKS best-ranked. The lower ranks are
-        mostly wrong (on real routing the whole top-k prefetched was 40% right, the best two 61%) and
-        each wrong one costs an expert's read and evicts a cached expert."""
+        and the part of them prefetch reads: each row's experts of router weight >= PREFETCH_MIN_WEIGHT
+        where weights are probabilities, else its PREFETCH_RANKS best-ranked. The others are mostly
+        wrong, and each wrong one costs an expert's read and evicts a cached expert."""
         lw = self._w.layers[l]
         h = self.arch.ffn_input(lw, x)  # [R, D]
-        sel, _ = self.arch.route(lw, self.arch.router_input(lw, x, h))  # [R, K], each row best first
-        return _by_votes(sel)[: self._max_batch], _by_votes(sel[:, :PREFETCH_RANKS])[: self._max_batch]
+        sel, w = self.arch.route(lw, self.arch.router_input(lw, x, h))  # [R, K], each row best first
+        if self._pick_by_weight:
+            picks = sel[w >= PREFETCH_MIN_WEIGHT]  # [P], row-major: each row's best first
+            pf = picks.tolist() if len(sel) == 1 else _by_votes(picks.reshape(-1, 1))  # one row: distinct already
+        else:
+            pf = _by_votes(sel[:, :PREFETCH_RANKS])
+        return _by_votes(sel)[: self._max_batch], pf[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
@@ -426,6 +448,8 @@ class _Late:
 def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:
     """Which segments chose each expert of sel [R, K] (seg_of_row [R]): {expert: [segment index]}."""
     n = int(seg_of_row[-1]) + 1
+    if n == 1:  # one segment (a lone sequence's decode step): every expert is its
+        return {e: [0] for e in sel.reshape(-1).tolist()}
     pairs = np.unique(sel.astype(np.int64) * n + seg_of_row[:, None])  # expert * n + segment, distinct
     out: dict[int, list[int]] = {}
     for e, si in zip((pairs // n).tolist(), (pairs % n).tolist()):
