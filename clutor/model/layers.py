@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from .kernels.norms import rmsnorm_rows
 from .kernels.rowwise import rowdot
 from .profile import kernel_done
 
@@ -16,7 +17,10 @@ __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention",
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., n] * w [n] / rms(x) along the last axis."""
+    """x [..., n] * w [n] / rms(x) along the last axis, as ggml sums it (kernels.norms)."""
+    if x.dtype == np.float32 and w.dtype == np.float32 and w.shape == x.shape[-1:] and x.ndim >= 1:
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+        return rmsnorm_rows(x2, w, eps).reshape(x.shape)
     ms = np.mean(np.square(x), axis=-1, keepdims=True)
     return x * (1.0 / np.sqrt(ms + eps)) * w
 
