@@ -14,8 +14,8 @@ The vocabulary is a cut of a real one: the first tokens of ggml-vocab-qwen35.ggu
 with the merges among them, plus the family's special tokens, so the file is small. The converter
 identifies a tokenizer's split rules by hashing how it tokenizes a test text, which a cut vocabulary
 cannot reproduce; the tool therefore tells it the pre-tokenizer by name (`qwen35`), which is the one
-thing it decides for the converter. Multi-token-prediction layers are not made (--no-mtp): transformers'
-model classes do not have them, and Clutor does not compute them.
+thing it decides for the converter. Multi-token-prediction layers are not made (--no-mtp, where the
+converter takes it): transformers' model classes do not have them, and Clutor does not compute them.
 """
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ PRESETS = {
                 routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, layer_norm_epsilon=1e-5,
                 max_position_embeddings=4096, tie_word_embeddings=False, use_conv_bias=True,
                 pad_token_id=0, bos_token_id=1, eos_token_id=4)),
+    # MiniMax-M2: head_dim 64 x 4 heads = 256 wide on n_embd 128 (the real model: 128 x 48 on 3072), RoPE on
+    # half of each head; config_extra holds the keys of the real config.json that the converter reads
+    # (rotary_dim, scoring_func) and transformers' config class does not keep.
+    "minimax-m2": dict(
+        cls="MiniMaxM2ForCausalLM", config="MiniMaxM2Config", vocab=768, pre="minimax-m2",
+        specials=["]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"],
+        eos="[e~[", pad="[e~[", bos="]~!b[", init_buffers=True, no_mtp=False,  # the converter has no MTP for it
+        config_extra=dict(rotary_dim=32, scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer",
+                          use_routing_bias=True),
+        hf=dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                max_position_embeddings=4096, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+                bos_token_id=761, eos_token_id=763, pad_token_id=763)),
 }
 
 
@@ -121,11 +135,13 @@ def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str 
 
 
 # ---- weights ----------------------------------------------------------------------------------
-def init_weights(model, seed: int) -> None:
+def init_weights(model, seed: int, init_buffers: bool = False) -> None:
     """Random weights at scales that keep a tiny model's activations and logits well spread: linear
     maps N(0, 1/fan_in), norms 1 + N(0, 0.1) (stored as offsets from 1 where the family's RMSNorm
     computes x (1 + w)), a decay of exp(-(0.05..1) softplus(...)) per token in the recurrent layers,
-    routers and the output sharper than the rest so that routing and argmax have clear winners."""
+    routers and the output sharper than the rest so that routing and argmax have clear winners.
+    init_buffers: also draw the expert selection bias where the model keeps it as a buffer (after
+    every parameter, so the parameters' draws do not move)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -133,7 +149,7 @@ def init_weights(model, seed: int) -> None:
     def normal(shape, std):
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    offset_norms = not type(model).__name__.startswith("NemotronH")
+    offset_norms = not type(model).__name__.startswith(("NemotronH", "MiniMaxM2"))  # these compute x w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
@@ -160,6 +176,9 @@ def init_weights(model, seed: int) -> None:
                 fan_in = shape[-1]
                 v = normal(shape, 1.0 / np.sqrt(fan_in))
             p.copy_(v.reshape(shape))
+        for name, b in model.named_buffers() if init_buffers else ():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(normal(tuple(b.shape), 0.1))
 
 
 # ---- conversion -------------------------------------------------------------------------------
@@ -176,10 +195,10 @@ runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
 """
 
 
-def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str) -> None:
+def convert(hf_dir: Path, llama_dir: Path, out: Path, pre: str, no_mtp: bool = True) -> None:
     env = dict(os.environ, PYTHONPATH=f"{llama_dir}{os.pathsep}{llama_dir / 'gguf-py'}", FIXTURE_PRE=pre)
     cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(llama_dir)!r}); exec({CONVERT!r})",
-           "convert", str(hf_dir), "--outtype", "f16", "--no-mtp", "--outfile", str(out)]
+           "convert", str(hf_dir), "--outtype", "f16", *(["--no-mtp"] if no_mtp else []), "--outfile", str(out)]
     subprocess.run(cmd, check=True, env=env, cwd=llama_dir)
 
 
@@ -203,8 +222,11 @@ def make_checkpoint(preset: str, out: Path, seed: int) -> None:
     if "specials" not in spec:
         cfg.eos_token_id = cfg.pad_token_id = None
     model = getattr(transformers, spec["cls"])(cfg)
-    init_weights(model, seed)
+    init_weights(model, seed, spec.get("init_buffers", False))
     model.save_pretrained(out, safe_serialization=True)
+    if "config_extra" in spec:
+        conf = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(conf | spec["config_extra"], indent=2))
     if "specials" in spec:
         write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
                         specials_first=spec.get("specials_first", False))
@@ -227,7 +249,8 @@ def main(argv=None) -> int:
         hf = args.keep_hf or Path(tmp) / "hf"
         make_checkpoint(args.preset, hf, args.seed)
         f16 = args.out_dir / f"tiny-{args.preset}-F16.gguf"
-        convert(hf, args.llama_cpp.resolve(), f16, PRESETS[args.preset].get("pre", "qwen35"))
+        spec = PRESETS[args.preset]
+        convert(hf, args.llama_cpp.resolve(), f16, spec.get("pre", "qwen35"), spec.get("no_mtp", True))
         for t in args.types:
             if t != "F16":
                 quantize(f16, args.out_dir / f"tiny-{args.preset}-{t}.gguf", t)

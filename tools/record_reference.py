@@ -151,6 +151,9 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
         return {"n_layer": n_layer, "n_rot": n_rot, "recurrent": recurrent, "still": still, "norm_w": True,
                 "ssm": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.state_size"), kv(f"{arch}.ssm.group_count"),
                         kv(f"{arch}.ssm.time_step_rank"))}
+    if arch == "minimax-m2":  # whole-vector q/k norms, partial NEOX RoPE, biased selection, always renormalised
+        return {"n_rot": kv(f"{arch}.rope.dimension_count"), "norm_w": True,
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")]}
     if arch == "nemotron_h_moe":
         hkv, ff = kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.feed_forward_length")
         kinds = tuple("ssm" if h == 0 and f == 0 else "attention" if f == 0 else "moe" for h, f in zip(hkv, ff))
@@ -268,7 +271,7 @@ class Reference:
         q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
         if b + "attn_q.bias" in w:
             q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
-        if hp.arch == "olmoe":  # QK-norm over the whole vectors
+        if hp.arch in ("olmoe", "minimax-m2"):  # QK-norm over the whole vectors
             q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
         q = q.reshape(hp.n_head, hp.head_dim)
         k = k.reshape(hp.n_head_kv, hp.head_dim)
