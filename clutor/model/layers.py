@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from .kernels.norms import rmsnorm_rows
 from .kernels.rowwise import rowdot
 from .profile import kernel_done
 
@@ -16,8 +17,11 @@ __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention",
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., n] * w [n] / rms(x) along the last axis, as ggml computes it: the squares summed in
-    float64, their mean rounded back to x's type (so that the result is llama.cpp's to the bit)."""
+    """x [..., n] * w [n] / rms(x) along the last axis, as ggml computes it: the float32 squares summed in
+    float64, their mean rounded back to x's type (so that the result is llama.cpp's to the bit; kernels.norms)."""
+    if x.dtype == np.float32 and w.dtype == np.float32 and w.shape == x.shape[-1:] and x.ndim >= 1:
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+        return rmsnorm_rows(x2, w, eps).reshape(x.shape)
     ms = (np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(x.dtype)
     return x * (1.0 / np.sqrt(ms + eps)) * w
 

@@ -6,6 +6,11 @@ and leaves the rest to the step:
     q, k = step.rope(rope, q), step.rope(rope, k)   # each row at its own position
     o = step.attend(l, q, k, v, scale)              # k, v into each sequence's pages, then attention
 
+or, for rotary attention over every earlier position (no window, no sinks, no latent rows), both in
+two compiled passes that read the pages in place (clutor.model.kernels.paged):
+
+    o = step.attend_rotary(l, rope, q, k, v, scale)
+
 A recurrent layer (Gated DeltaNet, Mamba-2) reads and updates each segment's own state in place:
 ``seg.seq.rs.conv[l]`` and ``seg.seq.rs.ssm[l]`` (clutor.model.recurrent.RecurrentState, at position
 ``seg.p0`` when the step starts); a decode step stacks the one-token segments' states to batch its
@@ -17,8 +22,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .kernels import paged
 from .kernels.kvpages import gather_f16
-from .kernels.rowwise import attend
+from .kernels.rowwise import attend, threads_for
 from .kv import PAGE
 
 if TYPE_CHECKING:
@@ -40,6 +46,7 @@ class Step:
         self.accounting = False  # the runner charges the segments' ledgers with this step's expert I/O
         self._angles: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []  # per page group: each row's (page, offset)
+        self._tables: dict[int, np.ndarray] = {}  # page group -> int64 [S, pages]: each segment's first pages
 
     def prepare(self) -> None:
         """Before the first layer: the plan's page copies, and where each row's KV goes."""
@@ -74,6 +81,36 @@ class Step:
         if cs is None:
             cs = self._angles[id(rope)] = rope.angles_at(self.plan.pos)
         return rope.rotate(x, *cs)
+
+    def attend_rotary(self, l: int, rope: "Rope", q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      scale: float) -> np.ndarray:
+        """attend(l, rope(q), rope(k), v, scale) for full-context layers: q [R, H, dk], k [R, Hkv, dk]
+        rotated and k, v [R, Hkv, dv] written in one pass, then each row attends over its sequence's
+        pages as they are stored -> [R, H * dv]."""
+        gi, li = self.pool.group_of(l)
+        g = self.pool.groups[gi]
+        if g.window or g.latent:
+            return self.attend(l, self.rope(rope, q), self.rope(rope, k), v, scale)
+        cs = self._angles.get(id(rope))
+        if cs is None:
+            cs = self._angles[id(rope)] = rope.angles_at(self.plan.pos)
+        pages, offs = self._slots[gi]
+        store = paged.storage(g.data, g.scales)
+        qr = paged.rope_write(q, k, v, cs[0], cs[1], rope.style == "neox", pages, offs, li, store)
+        tab = self._tables.get(gi)
+        if tab is None:
+            tab = self._tables[gi] = self._table(gi)
+        plan = self.plan
+        threads_for(len(plan.pos) * q.shape[1] * (int(plan.pos.max()) + 1) * (g.k_dim + g.v_dim))
+        return paged.attend_pages(qr, tab, plan.seg_of_row, plan.pos, li, store, g.k_dim, g.v_dim, scale)
+
+    def _table(self, gi: int) -> np.ndarray:
+        """Each segment's pages of group gi through its last position in this step: int64 [S, most pages]."""
+        need = [-(-(s.p0 + s.n) // PAGE) for s in self.segments]
+        tab = np.zeros((len(need), max(need)), np.int64)
+        for i, (s, n) in enumerate(zip(self.segments, need)):
+            tab[i, :n] = s.seq.tables[gi][:n]
+        return tab
 
     def attend(self, l: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, scale: float, *,
                window: int = 0, sinks: np.ndarray | None = None, kernel=None) -> np.ndarray:

@@ -341,7 +341,7 @@ class Arch:
         (``step``: clutor.model.step.Step writes k, v into each sequence's state and attends)."""
         cfg = self.cfg
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
-        o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
+        o = step.attend_rotary(l, rope, q, k, v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
         return lw.wo(o)
 
     def embed(self, x: np.ndarray) -> np.ndarray:

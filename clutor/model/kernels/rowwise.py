@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["attend", "rowdot"]
+__all__ = ["attend", "rowdot", "threads_for"]
 
 _FLAGS = {"reassoc", "contract"}  # no nnan / ninf: -inf is a real value here (the running max's start)
 _SMALL = 1 << 17  # multiply-adds below which one thread is done before a second one wakes (~10 us)
@@ -102,8 +102,8 @@ def _rowdot(x, w, out):
 _NO_SINKS = np.zeros(1, np.float32)
 
 
-def _threads(work: int) -> None:
-    """One thread for small work; otherwise the count the caller's last product set (the model's)."""
+def threads_for(work: int) -> None:
+    """One thread for small work (multiply-adds); otherwise the count the caller's last product set (the model's)."""
     if work < _SMALL:
         from . import _apply_threads
 
@@ -122,7 +122,7 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, p0: int, k0: int, scale:
         q = q.astype(np.float32)
     out = np.empty((T, H * V.shape[2]), np.float32)
     scores = np.empty((H * T, n), np.float32)
-    _threads(T * H * n * (dk + V.shape[2]))
+    threads_for(T * H * n * (dk + V.shape[2]))
     _attend(q, K, V, int(p0), int(k0), np.float32(scale), int(window),
             _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32), sinks is not None,
             scores, out)
@@ -133,6 +133,6 @@ def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, D] @ w [E, D].T -> float32 [T, E], each element alone (see the module docstring)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _threads(x.shape[0] * w.shape[0] * x.shape[1])
+    threads_for(x.shape[0] * w.shape[0] * x.shape[1])
     _rowdot(x, w, out)
     return out
