@@ -215,6 +215,7 @@ class Arch:
     attention_kind: ClassVar[str] = "GQA"
     fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
     rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
+    weight_before_ffn: ClassVar[bool] = False  # True: each routed expert reads its input times its weight (llama4)
 
     def __init__(self, path: str, cfg: ModelConfig):
         self.path = path
