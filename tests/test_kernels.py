@@ -244,6 +244,25 @@ def test_one_thread_q8_launch_runs_serially_with_the_parallel_bits(monkeypatch) 
         kernels.matmul(raw, int(QT.Q4_K), 256, 1024, x, settings=KS("q8", threads=2))
 
 
+@pytest.mark.skipif(kernels.drivers.matmul_jobs_q8 is None or kernels._max_numba_threads() < 2,
+                    reason="no int8 path on this CPU, or one thread only")
+def test_slow_unpacking_types_split_smaller_products_over_the_threads(monkeypatch) -> None:
+    """The parallel split counts a product's work, not only its bytes: an IQ1_S product of 1.5 MiB (~1.2 ms
+    on one thread) runs on both threads, a Q8_0 product of the same bytes (~0.2 ms) on the calling one."""
+    drv = kernels.drivers
+    ran = []
+    monkeypatch.setattr(drv, "matmul_jobs_q8", lambda *a: ran.append("parallel"))
+    monkeypatch.setattr(drv, "matmul_jobs_q8_serial", lambda *a: ran.append("serial"))
+    ks = KS("q8", threads=2)
+    for name in ("IQ1_S", "Q8_0"):
+        block, nbytes = GGML_QUANT_SIZES[QT[name]]
+        n_cols = 2048
+        n_rows = (3 << 19) // (n_cols // block * nbytes)
+        raw = np.zeros(n_rows * n_cols // block * nbytes, np.uint8)
+        kernels.matmul(raw, int(QT[name]), n_rows, n_cols, activations(1, n_cols, seed=1), settings=ks)
+    assert ran == ["parallel", "serial"]
+
+
 def test_read_only_and_offset_views() -> None:
     raw, ref = weight("Q4_K", 17, 512)
     arena = np.zeros(raw.size + 4096 + 7, np.uint8)  # a slot inside a bigger buffer, odd offset

@@ -3,6 +3,7 @@
 
     python tools/llama_tensors.py MODEL.gguf [--ids 1,2,3 | --golden tests/golden/X.npz] [--list]
     python tools/llama_tensors.py MODEL.gguf --golden G.npz --compare [--activations q8|f32]
+    python tools/llama_tensors.py MODEL.gguf --ids 1,2,3 --save OUT.npz --names attn_norm-0,Qcur-0
 
 Runs one batched evaluation of the ids in llama-cpp-python (2 threads, F32 KV cache, the settings of
 tools/record_reference.py) with the scheduler's eval callback, and keeps every float32 tensor the
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print every captured tensor's name, shape and op")
     ap.add_argument("--compare", action="store_true", help="compare with Clutor's forward pass, layer by layer")
     ap.add_argument("--activations", default="q8", choices=("q8", "f32"))
+    ap.add_argument("--save", type=Path, help="write the tensors --names lists (and the ids) to this .npz")
+    ap.add_argument("--names", help="comma-separated graph names for --save")
     args = ap.parse_args(argv)
     if args.golden:
         ids = np.load(args.golden)["prompt_ids"].tolist()
@@ -265,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         compare(args.model, ids, args.activations)
         return 0
     got, ops = capture(args.model, ids)
+    if args.save:
+        names = (args.names or "").split(",")
+        missing = [n for n in names if n not in got]
+        if missing:
+            raise SystemExit(f"not in the graph: {missing}")
+        np.savez_compressed(args.save, ids=np.array(ids, np.int32),
+                            **{n.replace("-", "_"): got[n] for n in names})
     for name, arr in got.items():
         if args.list:
             print(f"{name:40s} {str(arr.shape):24s} op {ops[name]}")

@@ -76,6 +76,24 @@ PRESETS = {
                 routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1, layer_norm_epsilon=1e-5,
                 max_position_embeddings=4096, tie_word_embeddings=False, use_conv_bias=True,
                 pad_token_id=0, bos_token_id=1, eos_token_id=4)),
+    # Gemma-4-26B-A4B's form at toy size: five sliding-window layers (window 16, so ~90-token prompts
+    # leave it) to one global, global layers with their own head size and KV heads and V = K
+    # (attention_k_eq_v), 25% proportional RoPE there; every layer a shared GELU MLP plus fused experts.
+    "gemma4": dict(
+        cls="Gemma4ForCausalLM", config="Gemma4TextConfig", vocab=1024, spm=True,
+        specials=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
+                  "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|think|>"],
+        eos="<eos>", pad="<pad>", bos="<bos>", no_mtp=False,  # its converter refuses --no-mtp
+        hf=dict(hidden_size=128, num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=32,
+                global_head_dim=64, attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                moe_intermediate_size=32, intermediate_size=96, sliding_window=16, final_logit_softcapping=30.0,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=1024, num_kv_shared_layers=0,
+                rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}},
+                pad_token_id=0, eos_token_id=1, bos_token_id=2)),
     # MiniMax-M2: head_dim 64 x 4 heads = 256 wide on n_embd 128 (the real model: 128 x 48 on 3072), RoPE on
     # half of each head; config_extra holds the keys of the real config.json that the converter reads
     # (rotary_dim, scoring_func) and transformers' config class does not keep.
@@ -148,6 +166,27 @@ def write_tokenizer(out: Path, n_vocab: int, specials: list[str], template: str 
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
+def write_spm_tokenizer(out: Path, n_vocab: int, specials: list[str], eos: str, pad: str, bos: str) -> None:
+    """A SentencePiece-style BPE tokenizer.json as Gemma's: spaces normalised to U+2581, merges over
+    characters, byte fallback (<0x00>..<0xFF>) for what no token spells; trained on Clutor's corpus
+    (clutor/data/corpus.txt) with the control tokens first and the byte tokens after them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    # (the alphabet limited so that merges fill the rest of the vocabulary)
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab, special_tokens=specials + byte_tokens, limit_alphabet=150,
+                                  show_progress=False)
+    tok.train([str(ROOT / "clutor" / "data" / "corpus.txt")], trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False,
+              "bos_token": bos, "eos_token": eos, "pad_token": pad, "unk_token": "<unk>", "model_max_length": 4096}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
 # ---- weights ----------------------------------------------------------------------------------
 def init_weights(model, seed: int, init_buffers: bool = False) -> None:
     """Random weights at scales that keep a tiny model's activations and logits well spread: linear
@@ -163,11 +202,13 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
     def normal(shape, std):
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    offset_norms = not type(model).__name__.startswith(("NemotronH", "MiniMaxM2", "Llama4"))  # these compute x w
+    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2", "Llama4"))  # these compute x w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
-            if name.endswith("A_log"):
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):  # Gemma 4's scales
+                v = normal(shape, 0.2) + 1.0
+            elif name.endswith("A_log"):
                 v = torch.log(torch.rand(shape, generator=g) * 0.95 + 0.05)
             elif name.endswith("dt_bias"):
                 v = normal(shape, 0.5)
@@ -180,12 +221,23 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
                 v = normal(shape, 0.3) + (1.0 if name.endswith(".D") else 0.0)
             elif name.endswith("e_score_correction_bias"):  # Nemotron's expert selection bias
                 v = normal(shape, 0.1)
+            elif ("embed_tokens" in name or "embeddings" in name) and not offset_norms and "Gemma4" in type(model).__name__:
+                # Gemma multiplies its embeddings by sqrt(n_embd) and ties the head to them: rows of
+                # N(0, 9 / n_embd) give a residual of N(0, 9) and logits of about N(0, 3^2) before the
+                # 30 tanh(z / 30) cap, as a trained model's sit (N(0, 1) rows would put them at 11^2,
+                # in the cap's flat part, every sublayer's output a tenth of the embedding)
+                v = normal(shape, 3.0 / np.sqrt(shape[-1]))
             elif "embed_tokens" in name or "embeddings" in name:
                 v = normal(shape, 1.0)
             elif name == "lm_head.weight":
                 v = normal(shape, 3.0 / np.sqrt(shape[-1]))
             elif name.endswith(("mlp.gate.weight", "mixer.gate.weight", "feed_forward.router.weight")):  # the router
                 v = normal(shape, 2.0 / np.sqrt(shape[-1]))
+            elif name.endswith("router.proj.weight"):
+                # Gemma 4's router reads rms_norm(x) / sqrt(n_embd): weights sqrt(n_embd) times the
+                # others' give its logits the same spread (N(0, 2^2)); at 2 / sqrt(n_embd) they would
+                # be N(0, 0.18^2) and every top-k choice a near-tie (gaps of 1e-3..3e-2)
+                v = normal(shape, 2.0)
             else:
                 fan_in = shape[-1]
                 v = normal(shape, 1.0 / np.sqrt(fan_in))
@@ -241,7 +293,9 @@ def make_checkpoint(preset: str, out: Path, seed: int) -> None:
     if "config_extra" in spec:
         conf = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(conf | spec["config_extra"], indent=2))
-    if "specials" in spec:
+    if spec.get("spm"):
+        write_spm_tokenizer(out, spec["vocab"], spec["specials"], eos=spec["eos"], pad=spec["pad"], bos=spec["bos"])
+    elif "specials" in spec:
         write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],
                         specials_first=spec.get("specials_first", False))
     else:

@@ -108,6 +108,7 @@ class _Hparams:
     kinds: tuple = ()           # nemotron_h_moe: per layer "ssm", "attention" or "moe"
     mamba: tuple = ()           # (conv kernel, d_inner, d_state, groups, heads)
     kq_norm: bool = False       # llama4: unweighted RMS norm of q and k after RoPE
+    gemma: dict | None = None   # gemma4: per-layer window flags, KV heads, head sizes; RoPEs; soft-cap
 
 
 def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
@@ -167,6 +168,16 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
                 "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
                 "mamba": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.inner_size"), kv(f"{arch}.ssm.state_size"),
                           kv(f"{arch}.ssm.group_count"), kv(f"{arch}.ssm.time_step_rank"))}
+    if arch == "gemma4":
+        swa = kv(f"{arch}.attention.sliding_window_pattern")
+        hkv = kv(f"{arch}.attention.head_count_kv")
+        hkv = hkv if isinstance(hkv, list) else [hkv] * len(swa)
+        hd, hd_swa = kv(f"{arch}.attention.key_length"), kv(f"{arch}.attention.key_length_swa")
+        return {"norm_w": True, "gemma": {
+            "swa": swa, "hkv": hkv, "hd": [hd_swa if s else hd for s in swa], "window": kv(f"{arch}.attention.sliding_window"),
+            "rot": [kv(f"{arch}.rope.dimension_count_swa") if s else kv(f"{arch}.rope.dimension_count") for s in swa],
+            "base": [kv(f"{arch}.rope.freq_base_swa") if s else kv(f"{arch}.rope.freq_base") for s in swa],
+            "softcap": kv(f"{arch}.final_logit_softcapping", 0.0) or 0.0}}
     return {}
 
 
@@ -462,6 +473,57 @@ class Reference:
         o = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), V)
         return w[b + "attn_output.weight"] @ (o * (1 / (1 + np.exp(-gate)))).reshape(-1)
 
+    def _gemma4_layer(self, il: int, x: np.ndarray, pos: int) -> tuple[np.ndarray, float]:
+        """One token through Gemma 4 layer il (shared/notes/archs.md): QK-normed attention (V = K where
+        attn_v is absent, V normed without weight), scale 1, window layers masked; a shared GELU MLP
+        and routed GELU experts, each post-normed, summed, post-normed."""
+        hp, w, b, g = self.hp, self.w, f"blk.{il}.", self.hp.gemma
+        H, Hkv, hd = hp.n_head, g["hkv"][il], g["hd"][il]
+        h = self._rms(x, w[b + "attn_norm.weight"])
+        q = self._rms((w[b + "attn_q.weight"] @ h).reshape(H, hd), w[b + "attn_q_norm.weight"])
+        kp = (w[b + "attn_k.weight"] @ h).reshape(Hkv, hd)
+        vp = (w[b + "attn_v.weight"] @ h).reshape(Hkv, hd) if b + "attn_v.weight" in w else kp
+        k, v = self._rms(kp, w[b + "attn_k_norm.weight"]), self._rms(vp, 1.0)
+        n = g["rot"][il]
+        freq = g["base"][il] ** (-2.0 * np.arange(n // 2) / n)
+        if not g["swa"][il]:
+            freq = freq / w["rope_freqs.weight"]
+        def rope(t):
+            c, s = np.cos(pos * freq), np.sin(pos * freq)
+            a, bb = t[:, : n // 2], t[:, n // 2 : n]
+            return np.concatenate([a * c - bb * s, a * s + bb * c, t[:, n:]], axis=-1)
+        q, k = rope(q), rope(k)
+        self.k[il].append(k)
+        self.v[il].append(v)
+        K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, Hkv, hd]
+        K, V = np.repeat(K, H // Hkv, axis=1), np.repeat(V, H // Hkv, axis=1)
+        s = np.einsum("hd,thd->ht", q, K)  # scale 1
+        if g["swa"][il]:
+            s[:, : max(0, len(K) - g["window"])] = -np.inf
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        o = np.einsum("ht,thd->hd", p / p.sum(axis=-1, keepdims=True), V).reshape(-1)
+        x = x + self._rms(w[b + "attn_output.weight"] @ o, w[b + "post_attention_norm.weight"])
+        gelu = lambda t: 0.5 * t * (1 + np.tanh(np.sqrt(2 / np.pi) * (t + 0.044715 * t ** 3)))  # noqa: E731
+        m = self._rms(x, w[b + "ffn_norm.weight"])
+        y = w[b + "ffn_down.weight"] @ (gelu(w[b + "ffn_gate.weight"] @ m) * (w[b + "ffn_up.weight"] @ m))
+        margin = np.inf
+        if b + "ffn_gate_inp.weight" in w:
+            r = self._rms(x, 1.0) / np.sqrt(len(x)) * w[b + "ffn_gate_inp.scale"]
+            sel, gate, margin = self._route(b, r)
+            h2 = self._rms(x, w[b + "pre_ffw_norm_2.weight"])
+            gu = w[b + "ffn_gate_up_exps.weight"]
+            F = gu.shape[1] // 2
+            ye = np.zeros_like(x)
+            for e, gw in zip(sel, gate):
+                a = gu[e] @ h2
+                ye += gw * w.get(b + "ffn_down_exps.scale", np.ones(gu.shape[0]))[e] * (
+                    w[b + "ffn_down_exps.weight"][e] @ (gelu(a[:F]) * a[F:]))
+            y = self._rms(y, w[b + "post_ffw_norm_1.weight"]) + self._rms(ye, w[b + "post_ffw_norm_2.weight"])
+        x = x + self._rms(y, w[b + "post_ffw_norm.weight"])
+        if b + "layer_output_scale.weight" in w:
+            x = x * w[b + "layer_output_scale.weight"]
+        return x, margin
+
     def _route(self, b: str, h2: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
         """(experts, weights, margin): margin = how far (in router-logit units) the k-th choice is from
         the next, so that a rounding error of that size could flip it."""
@@ -517,12 +579,18 @@ class Reference:
         hp, w = self.hp, self.w
         pos = len(self.k[0])
         x = w["token_embd.weight"][token].copy()  # [D]
+        if hp.gemma:
+            x = x * np.sqrt(len(x))
         margin = np.inf
         state = {l: (c.copy(), s.copy()) for l, (c, s) in self.states[-1].items()}
         for il in range(hp.n_layer):
             b = f"blk.{il}."
             if hp.arch == "llama4":
                 x, m = self._llama4_layer(il, x, pos)
+                margin = min(margin, m)
+                continue
+            if hp.gemma:
+                x, m = self._gemma4_layer(il, x, pos)
                 margin = min(margin, m)
                 continue
             if hp.kinds:
@@ -573,6 +641,9 @@ class Reference:
             x = x + y
         self.states.append(state)
         logits = w["output.weight"] @ self._rms(x, w["output_norm.weight"])
+        if hp.gemma and hp.gemma["softcap"]:
+            c = hp.gemma["softcap"]
+            logits = c * np.tanh(logits / c)
         return logits, float(margin)
 
     def undo(self) -> None:

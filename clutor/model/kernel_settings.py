@@ -32,11 +32,17 @@ class KernelSettings:
     faster of the two where the machine has int8 SIMD (clutor.model.kernels: ``mode``).
     threads: threads one product is split over (None: the CPUs this process may use).
     blas_min_tokens: token count from which a product is dequantised and handed to BLAS (None: the
-    measured default, clutor.model.kernels._BLAS_MIN_T)."""
+    measured default, clutor.model.kernels._BLAS_MIN_T).
+    ggml_f16: in the q8 mode, F16 products summed in llama.cpp's own order, bit for bit
+    (kernels/f16dots.py): 4x slower than BLAS at one token, ~20x in a prefill. Set by Model.open for
+    the architectures whose F16 files need it to stay within 0.02 of llama.cpp's logits (Gemma 4:
+    its every product rounds its input to half, so one ulp grows layer by layer); False: rounded
+    activations times the weights through the float kernels or BLAS."""
 
     activations: str = "auto"
     threads: int | None = None
     blas_min_tokens: int | None = None
+    ggml_f16: bool = False
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATIONS:

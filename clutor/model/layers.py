@@ -16,8 +16,9 @@ __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention",
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [..., n] * w [n] / rms(x) along the last axis."""
-    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    """x [..., n] * w [n] / rms(x) along the last axis, as ggml computes it: the squares summed in
+    float64, their mean rounded back to x's type (so that the result is llama.cpp's to the bit)."""
+    ms = (np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(x.dtype)
     return x * (1.0 / np.sqrt(ms + eps)) * w
 
 
@@ -61,6 +62,14 @@ class Rope:
     style "neox" rotates the pairs (x[i], x[i + n_rot/2]) (olmoe, qwen, glm4moe); "norm" the
     adjacent pairs (x[2i], x[2i+1]) (llama, deepseek2). Dims past n_rot pass through, and so do the
     pairs ``still`` marks (qwen35moe's interleaved M-RoPE gives text a zero position in some of them).
+    ``factors`` divide the pairs' frequencies (llama.cpp's rope_freqs; Gemma 4's global layers).
+    ``ggml_theta``: RoPE as ggml's CPU RoPE computes it, in float32: pair i's angle is the
+    position times base^(-2/n_rot) i times over, each product rounded, then divided by its factor
+    (rather than the exact angle rounded once), libm's cosf / sinf of it (kernels.ggmlmath), and each
+    rotated value x0 cos - x1 sin as one FMA of x0 cos with x1 sin rounded (as GCC contracts ggml's
+    rotate_pairs). The exact angle differs by ~1e-7 x position radians, enough to move a
+    float16-weight model's logits by ~0.01 at a hundred positions; an ulp in cos or in the rotation
+    flips halves in the next F16 product.
 
     The angles are computed for the positions of each call, not tabled for the whole context: a
     table of n_ctx x n_rot/2 would let the context length (or a file's key_length) decide an
@@ -68,13 +77,22 @@ class Rope:
     """
 
     def __init__(self, n_rot: int, base: float, n_ctx: int, style: str = "neox", yarn: "Yarn | None" = None,
-                 mscale: float = 1.0, still: np.ndarray | None = None):
+                 mscale: float = 1.0, still: np.ndarray | None = None, factors: np.ndarray | None = None,
+                 ggml_theta: bool = False):
         self.half = n_rot // 2
         self.n_ctx = n_ctx
         self.style = style
         self.mscale = np.float32(mscale)  # magnitude applied to cos and sin (YaRN's, where an arch keeps it)
         inv = base ** (-np.arange(self.half, dtype=np.float64) * 2.0 / n_rot)  # [n_rot/2]
         self.inv = yarn.frequencies(inv, n_rot, base) if yarn is not None else inv
+        self._ggml = None  # (theta_scale, factors) float32, for ggml_theta
+        if ggml_theta:
+            if yarn is not None or still is not None:
+                raise ValueError("ggml_theta is for plain RoPE (with factors) only")
+            ff = np.ones(self.half, np.float32) if factors is None else np.asarray(factors, np.float32)
+            self._ggml = (np.float32(base) ** np.float32(-2.0 / n_rot), ff)
+        if factors is not None:  # rope_freqs [n_rot/2]: each pair's frequency divided (1e30: a pair that stays put)
+            self.inv = self.inv / np.asarray(factors, np.float64)
         if still is not None:  # pairs [n_rot/2] that do not turn (their position is 0: M-RoPE's unused sections)
             self.inv = np.where(still, 0.0, self.inv)
         self._memo: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (p0, T) -> (cos, sin)
@@ -90,8 +108,7 @@ class Rope:
         hit = self._memo.get((p0, T))
         if hit is not None:
             return hit
-        ang = np.arange(p0, p0 + T, dtype=np.float64)[:, None] * self.inv[None, :]  # [T, n_rot/2]
-        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        cos, sin = self._cos_sin(np.arange(p0, p0 + T))
         if self.mscale != 1:
             cos, sin = cos * self.mscale, sin * self.mscale
         cos.flags.writeable = sin.flags.writeable = False
@@ -108,11 +125,19 @@ class Rope:
         the same values angles() gives for those positions."""
         if len(pos) and not (0 <= int(pos.min()) and int(pos.max()) < self.n_ctx):
             raise ValueError(f"RoPE positions {int(pos.min())}..{int(pos.max())} outside the context of {self.n_ctx}")
-        ang = pos.astype(np.float64)[:, None] * self.inv[None, :]  # [R, n_rot/2]
-        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        cos, sin = self._cos_sin(pos)
         if self.mscale != 1:
             cos, sin = cos * self.mscale, sin * self.mscale
         return cos, sin
+
+    def _cos_sin(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin float32 [R, n_rot/2] of positions pos [R] (magnitude not applied)."""
+        if self._ggml is None:
+            ang = pos.astype(np.float64)[:, None] * self.inv[None, :]  # [R, n_rot/2]
+            return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        from .kernels.ggmlmath import rope_cos_sin  # late: numba is slow to import
+
+        return rope_cos_sin(pos, *self._ggml)
 
     def __call__(self, x: np.ndarray, p0: int) -> np.ndarray:
         """x [T, heads, hd] at positions p0..p0+T-1 -> rotated copy."""
@@ -123,7 +148,11 @@ class Rope:
         half = self.half
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
         out = np.empty_like(x)
-        if self.style == "neox":
+        if self._ggml is not None and self.style == "neox":  # one FMA each, as ggml's rotate_pairs compiles
+            x1, x2 = x[..., :half].astype(np.float64), x[..., half : 2 * half].astype(np.float64)
+            out[..., :half] = x1 * cos - (x2 * sin).astype(np.float32)
+            out[..., half : 2 * half] = x1 * sin + (x2 * cos).astype(np.float32)
+        elif self.style == "neox":
             x1, x2 = x[..., :half], x[..., half : 2 * half]
             out[..., :half] = x1 * cos - x2 * sin
             out[..., half : 2 * half] = x2 * cos + x1 * sin

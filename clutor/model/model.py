@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
@@ -62,6 +63,8 @@ class Model:
         self._trace = trace
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
+        if arch.ggml_f16_sums:  # F16 products in llama.cpp's order (slower; only where a model needs it)
+            self.kernels = dataclasses.replace(self.kernels, ggml_f16=True)
         for w in dense.matrices():
             w.kernels = self.kernels
         # Prefetch (decode steps only). None, the default: in steps of one sequence, where the disk idles

@@ -49,15 +49,17 @@ def matmul(raw: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     return y
 
 
-def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: KernelSettings = DEFAULT) -> np.ndarray:
-    """Several products sharing x [S, n_cols] and out [S, M] (see kernels.matmul_jobs and its Job):
-    one kernel launch when every type has a kernel, else one product at a time."""
+def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: KernelSettings = DEFAULT,
+                order: str = "mul_mat") -> np.ndarray:
+    """Several products sharing x [S, n_cols] and out [S, M] (see kernels.matmul_jobs and its Job;
+    order: "mul_mat_id" for experts): one kernel launch when every type has a kernel, else one
+    product at a time."""
     from . import kernels
 
     if all(kernels.has_kernel(j.qtype) for j in jobs) and len({j.qtype == QT.F16 for j in jobs}) == 1:
         x = _rounded_as_llama(x, (jobs[0].qtype,), settings)
         t0 = time.perf_counter()
-        kernels.matmul_jobs(jobs, n_cols, x, out, settings)
+        kernels.matmul_jobs(jobs, n_cols, x, out, settings, order)
         kernel_done(t0)
         return out
     for j in jobs:

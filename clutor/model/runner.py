@@ -12,9 +12,9 @@ else could overlap that group's compute, and each trip costs a hand-off between 
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
-    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, h)
-    x = x + sum over routed experts (each read once per step, for every row that chose it)
-          + arch.ffn_extra(lw, h)
+    h = arch.ffn_input(lw, x); sel, w = arch.route(lw, arch.router_input(lw, x, h))
+    x = arch.ffn_out(lw, x, h, sum over routed experts (each read once per step, for every row that
+          chose it)): by default x + that sum + arch.ffn_extra(lw, h)
 then the output rows each segment wants (logits, or the final hidden states), and its head (sampling)
 on the compute thread.
 
@@ -75,6 +75,7 @@ class Runner:
         if moe:
             self._ahead[moe[-1]] = moe[0]
         self._rope = arch.make_rope(n_ctx)
+        arch.ggml_numerics = kernels.mode(kernels_) == "q8"
         self._trace = trace
         # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
         # or None: in steps of one sequence only (see Model.open's prefetch option).
@@ -162,7 +163,7 @@ class Runner:
         if l == 0:
             step.prepare()
             with prof.span("embed"):
-                x = self._w.tok_embd.rows(step.plan.ids)  # [R, D]
+                x = arch.embed(self._w.tok_embd.rows(step.plan.ids))  # [R, D]
         else:
             with prof.span("shared + sum"):
                 x = self._moe_add(l - 1, x, h, ys)  # [R, D]
@@ -172,7 +173,7 @@ class Runner:
             h = arch.ffn_input(lw, x)  # [R, D]
             if lw.experts is None:
                 return x, h, None, None, None
-            sel, w = arch.route(lw, h)  # [R, K], [R, K]
+            sel, w = arch.route(lw, arch.router_input(lw, x, h))  # [R, K], [R, K]
         nxt = ahead_pf = None
         ahead = self._ahead.get(l)
         if step.plan.decode and ahead is not None and (self._predicting(len(sel)) if ahead == l + 1
@@ -229,7 +230,7 @@ class Runner:
                 gu = np.empty((len(xg), 2 * F), np.float32)  # [S, 2F]: gate | up
                 jobs = [job for v, t0, n in zip(views, starts, counts)
                         for job in (Job(v.gate, et.gate, F, t0, n, 0), Job(v.up, et.up, F, t0, n, F))]
-            matmul_jobs(jobs, D, xg, gu, self.kernels)
+            matmul_jobs(jobs, D, xg, gu, self.kernels, order="mul_mat_id")  # llama.cpp's MUL_MAT_ID sums
             biased = bool(views[0].biases)  # gpt-oss: each expert's gate/up/down biases, read with it (float32)
             if biased:
                 for v, t0, n in zip(views, starts, counts):
@@ -238,10 +239,14 @@ class Runner:
             a = self.arch.expert_act(gu, F)  # [S, F]
             y = np.empty((len(xg), D), np.float32)  # [S, D]
             matmul_jobs([Job(v.down, et.down, D, t0, n) for v, t0, n in zip(views, starts, counts)], F, a, y,
-                        self.kernels)
+                        self.kernels, order="mul_mat_id")
             if biased:
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] += v.biases[2].view(np.float32)
+            scale = self.arch.expert_scale(self._w.layers[l])  # [E] or None
+            if scale is not None:  # each expert's own output scale, then the router's weight
+                for v, t0, n in zip(views, starts, counts):
+                    y[t0 : t0 + n] *= scale[v.expert]
             if not before:
                 y *= wf
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
@@ -253,9 +258,9 @@ class Runner:
         return [late.ys[e] for e in late.wanted if e in late.ys]
 
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
-        """x + the routed experts' outputs + what the architecture adds (shared experts, or a dense
-        layer's FFN). Each row's experts are summed in its router's slot order (as llama.cpp adds
-        them), never in the order they were asked for or read: that order depends on the other rows
+        """The layer's output from x and the routed experts' outputs (arch.ffn_out: by default x + them
+        + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are
+        summed in its router's slot order (as llama.cpp adds them), never in the order they were asked for or read: that order depends on the other rows
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
@@ -270,10 +275,7 @@ class Runner:
                 out += slots[:, k]
         else:
             out = np.zeros_like(h)  # [R, D]
-        extra = self.arch.ffn_extra(self._w.layers[l], h)
-        if extra is not None:
-            out += extra
-        return x + out
+        return self.arch.ffn_out(self._w.layers[l], x, h, out)
 
     def _finish(self, x: np.ndarray, h: np.ndarray, ys: list, step: Step) -> list[Outcome]:
         """The last layer's output, then what each segment wants: the output projection of the
@@ -314,7 +316,7 @@ class Runner:
         if wanted:
             rows = np.concatenate([np.arange(r0, r0 + n) for r0, n in wanted]) if len(wanted) > 1 else \
                 np.arange(wanted[0][0], wanted[0][0] + wanted[0][1])
-            logits = w.output(rmsnorm(x[rows], w.output_norm, cfg.eps))  # [rows, V]
+            logits = self.arch.final_logits(w.output(rmsnorm(x[rows], w.output_norm, cfg.eps)))  # [rows, V]
             at = 0
             for i, sp in enumerate(spans):
                 if sp is not None:
@@ -340,7 +342,8 @@ class Runner:
         mostly wrong (on real routing the whole top-k prefetched was 40% right, the best two 61%) and
         each wrong one costs an expert's read and evicts a cached expert."""
         lw = self._w.layers[l]
-        sel, _ = self.arch.route(lw, self.arch.ffn_input(lw, x))  # [R, K], each row best first
+        h = self.arch.ffn_input(lw, x)  # [R, D]
+        sel, _ = self.arch.route(lw, self.arch.router_input(lw, x, h))  # [R, K], each row best first
         return _by_votes(sel)[: self._max_batch], _by_votes(sel[:, :PREFETCH_RANKS])[: self._max_batch]
 
     # -- event loop: expert I/O ------------------------------------------------------------------------

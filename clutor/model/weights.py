@@ -125,6 +125,7 @@ def load_dense(f, arch, progress: Callable[[int], None] | None = None) -> DenseW
 
     glob, *layer_tables = _tables(arch)
     glob = {k: load(t) for k, t in glob.items()}
+    arch.prepare_global(glob)
     layers = []
     for table in layer_tables:
         lw = LayerWeights(**{k: load(t) for k, t in table.items() if t.resident})

@@ -7,7 +7,10 @@ The layer loop (clutor.model.runner) calls, for each layer, on the compute threa
     arch.route(lw, h)                      -> (experts [R, K], weights [R, K])   (MoE layers only)
     arch.expert_act(gu, F)                 -> [S, F] from gate | up [S, 2F]       (each routed expert)
     arch.ffn_extra(lw, h)                  -> [R, D] or None: shared expert(s) or a dense layer's FFN
-and ``arch.layer_states()`` says what each layer keeps per sequence (FullKV, WindowKV, LatentKV,
+and, where an architecture differs (Gemma 4): arch.embed(rows) on the token embeddings,
+arch.router_input(lw, x, h) for what the router reads, arch.ffn_out(lw, x, h, routed) for the layer's
+output (default x + routed + ffn_extra), arch.final_logits(logits) on the output projection.
+``arch.layer_states()`` says what each layer keeps per sequence (FullKV, WindowKV, LatentKV,
 Recurrent: clutor.model.state). The base class implements the GQA attention over every position's
 keys and values, softmax top-k routing and SwiGLU experts; an architecture module overrides what it
 does differently.
@@ -216,6 +219,13 @@ class Arch:
     fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
     rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
     weight_before_ffn: ClassVar[bool] = False  # True: each routed expert reads its input times its weight (llama4)
+    # llama.cpp's own rounding where it rounds besides the products (Gemma's GELU table): in the q8
+    # activation mode, whose point is llama.cpp's arithmetic; the f32 mode keeps floats exact (set by
+    # the runner from the model's kernel settings)
+    ggml_numerics: bool = True
+    # F16 products summed in llama.cpp's own order in the q8 mode (KernelSettings.ggml_f16: slower;
+    # for an architecture whose F16 files need it to meet llama.cpp's logits)
+    ggml_f16_sums: ClassVar[bool] = False
 
     def __init__(self, path: str, cfg: ModelConfig):
         self.path = path
@@ -291,6 +301,9 @@ class Arch:
             out += self.layer_tensors(l).values()
         return out + self.unread_tensors() + [t for t in glob.values() if t.name != "token_embd.weight"]
 
+    def prepare_global(self, glob: dict) -> None:
+        """See the freshly loaded global tensors (by table key) before the model is built."""
+
     def prepare(self, lw) -> None:
         """Rearrange a layer's freshly loaded tensors (deepseek2 splits its older attn_kv_b)."""
 
@@ -332,12 +345,35 @@ class Arch:
         o = step.attend(l, step.rope(rope, q), step.rope(rope, k), v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
         return lw.wo(o)
 
+    def embed(self, x: np.ndarray) -> np.ndarray:
+        """The token embeddings' rows [R, D] as the first layer reads them (Gemma scales them)."""
+        return x
+
     def ffn_input(self, lw, x: np.ndarray) -> np.ndarray:
         return rmsnorm(x, lw.ffn_norm, self.cfg.eps)  # [R, D]
+
+    def router_input(self, lw, x: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """What the router reads, given the residual x and the experts' input h (h: most architectures)."""
+        return h
+
+    def ffn_out(self, lw, x: np.ndarray, h: np.ndarray, routed: np.ndarray) -> np.ndarray:
+        """The layer's output from the residual x [R, D], the experts' input h and the routed experts'
+        weighted sum [R, D]: x + routed + ffn_extra(h)."""
+        extra = self.ffn_extra(lw, h)
+        return x + routed if extra is None else x + (routed + extra)
+
+    def final_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The output projection's logits [rows, V] as returned (Gemma soft-caps them)."""
+        return logits
 
     def route(self, lw, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax over all experts, top-k, weights not renormalised (olmoe, qwen2moe)."""
         return gate(h, lw.router, self.cfg.n_expert_used)
+
+    def expert_scale(self, lw) -> np.ndarray | None:
+        """Each expert's own output scale [E] (Gemma 4's ffn_down_exps.scale), applied to its down
+        product before the router's weight, as llama.cpp applies it; None: none."""
+        return None
 
     def expert_act(self, gu: np.ndarray, F: int) -> np.ndarray:
         """SwiGLU of gate | up [S, 2F] -> [S, F]."""

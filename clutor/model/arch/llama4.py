@@ -93,10 +93,9 @@ class Llama4(Arch):
 
     # -- compute ------------------------------------------------------------------------------------
     def make_rope(self, n_ctx):
-        rope = super().make_rope(n_ctx)
-        if self._factors is not None:  # ggml divides each pair's angle by its factor
-            rope.inv = rope.inv / self._factors.astype(np.float64)
-        return rope
+        from ..layers import Rope
+
+        return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style, factors=self._factors)
 
     def layer_states(self):
         cfg = self.cfg

@@ -14,7 +14,8 @@ BLAS threshold; DEFAULT when omitted). Nothing here is process-wide state.
   Q8_K with a float scale per 256; activations.py reproduces llama.cpp's bytes bit for bit), then
   int8 x int8 dot products run block by block as ggml's x86 code computes them: float(integer dot)
   times the product of the two scales, per block. F16 / BF16 weights take x rounded to half /
-  bfloat16 (as ggml converts it), F32 weights x itself. The result is x' @ W.T up to float rounding,
+  bfloat16 (as ggml converts it), F32 weights x itself; F16 products then sum in ggml's own order,
+  bit for bit (f16dots: "mul_mat" for dense weights, "mul_mat_id" for experts). The result is x' @ W.T up to float rounding,
   x' being x as ggml rounds it (Q4_1 / Q5_1 add each block's min times Q8_1's rounded sum), so it
   differs from x @ W.T by the rounding, per output element r of token t at most
       ||W_r||_2 * sqrt(sum_b n_b * (max|x_tb| * (1/254 + 1/2048))**2)   (+ float rounding)
@@ -40,7 +41,8 @@ side) in ONE parallel launch: waking the worker threads costs ~0.1 ms per launch
 2 MB expert's product. Each job's block of out equals what matmul gives for it alone.
 
 Threads: the numba kernels split rows over ``settings.threads`` threads (default: the CPUs this
-process may use; products under 3 MiB of weight bytes x tokens run on one). numba's thread count is per calling thread, so
+process may use; products under 3 MiB of weight bytes x tokens run on one, a byte of the i-quants,
+which unpack slowly, counting 2.5-3.5 times). numba's thread count is per calling thread, so
 it is applied on every call. BLAS has its own pool: a caller running kernels from several threads
 at once should cap BLAS threads (e.g. OPENBLAS_NUM_THREADS=1 or threadpoolctl) and settings.threads
 so the total stays at the core count. numba's OpenMP workers spin after each launch unless
@@ -97,6 +99,16 @@ _CHUNK_BYTES = 4 << 20
 # ~3 MiB one thread is done first (one-token Q8_0 products, K = 2048, quiet machine, one thread vs two:
 # 1 MiB 57 vs 83 us, 2 MiB 100 vs 125, 4 MiB 223 vs 189, 8 MiB 483 vs 272).
 _PARALLEL_MIN_BYTES = 3 << 20
+# ... counted in Q8_0's bytes: the i-quants unpack through grids at 1-2.5 GB/s of weight bytes on one thread
+# (Q8_0 ~7-10), so a byte of theirs counts 2.5 (IQ1_S / IQ1_M 3.5). One-token products, 2048 columns, 1 vs 2
+# threads, quiet machine, OMP_WAIT_POLICY=PASSIVE as the clutor command runs: a layer's q/k/v in IQ1_S, IQ1_S,
+# IQ2_XXS (2.6 MB) 1.79 vs 1.21 ms, two IQ2_XXS matrices (2.1 MB) 1.29 vs 1.04, one IQ2_XXS (1.0 MB) 0.46 vs
+# 0.57, one IQ1_S (0.8 MB) 0.62 vs 0.67; the K-quants keep Q8_0's count (one Q3_K, 1.7 MB: 0.36 vs 0.38).
+_BYTE_COST = np.ones(max(int(q) for q in TYPES) + 1, np.float64)  # GGML type id -> Q8_0 bytes per byte
+for _name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"):
+    _BYTE_COST[int(QT[_name])] = 2.5
+for _name in ("IQ1_S", "IQ1_M"):
+    _BYTE_COST[int(QT[_name])] = 3.5
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class KernelInfo:
 
 from . import _ir  # noqa: E402
 from . import activations as _act  # noqa: E402
+from . import f16dots as _f16  # noqa: E402
 from . import drivers as _drv  # noqa: E402
 
 log = logging.getLogger("clutor.kernels")
@@ -324,12 +337,15 @@ def matmul(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
     if qtype == F32:
         np.matmul(x2, w.view(np.float32).reshape(n_rows, n_cols).T, out=out2)
         return out
-    # Below _PARALLEL_MIN_BYTES of weight bytes x tokens one thread is done first.
-    _apply_threads(1 if w.size * n_tok < _PARALLEL_MIN_BYTES else _n_threads(settings))
+    # Below _PARALLEL_MIN_BYTES of (Q8_0-equivalent) weight bytes x tokens one thread is done first.
+    _apply_threads(1 if w.size * n_tok * _BYTE_COST[qtype] < _PARALLEL_MIN_BYTES else _n_threads(settings))
     ggml = mode(settings) == "q8"
     q8 = ggml and qtype in _Q8_BLOCK
     if ggml and qtype in _ROUNDED:  # F16 / BF16: ggml multiplies them with activations of their own type
         x2 = _rounded(x2, qtype, "xround")
+    if ggml and qtype == F16 and settings.ggml_f16:  # summed in ggml's order (f16dots: one ulp grows through a model)
+        _f16.matmul(x2, w.view(np.uint16).reshape(n_rows, n_cols), out2, "mul_mat")
+        return out
     if n_tok >= _blas_from(settings, q8) and q8:  # BLAS on ggml's activation blocks as floats
         xf, blocks = _q8_floats(x2, _Q8_BLOCK[qtype])
         _blas(w, qtype, rb, n_rows, n_cols, xf, out2)
@@ -356,13 +372,15 @@ class Job(NamedTuple):
 
 
 def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray,
-                settings: KernelSettings = DEFAULT) -> np.ndarray:
+                settings: KernelSettings = DEFAULT, order: str = "mul_mat") -> np.ndarray:
     """Several products sharing x [S, n_cols] and out [S, M] (C-contiguous float32), e.g. a layer's
     experts (each on its own rows of x) or q/k/v (same rows, side by side in out).
 
     Each (row, token) result equals what matmul() gives for that job alone. All jobs below the BLAS
     threshold run in ONE parallel launch (one per activation block size in q8 mode): waking the worker threads costs ~0.1 ms per
-    launch on a 2-core VM, as much as a 2 MB expert's product itself. Returns out."""
+    launch on a 2-core VM, as much as a 2 MB expert's product itself. order: which of llama.cpp's
+    products the F16 jobs stand for in q8 mode, "mul_mat" (dense) or "mul_mat_id" (experts), whose
+    sums run in different orders (f16dots). Returns out."""
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != n_cols or not (x.flags.c_contiguous and x.flags.aligned):
         raise ClutorError(f"kernels: x must be C-contiguous, aligned float32 [S, {n_cols}], got {x.dtype} {x.shape}")
     if (out.dtype != np.float32 or out.ndim != 2 or not (out.flags.c_contiguous and out.flags.aligned)
@@ -387,6 +405,11 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
         if j.n_tok == 0:
             continue
         int8 = q8 and qtype in _Q8_BLOCK
+        if q8 and qtype == F16 and settings.ggml_f16:
+            rows = slice(j.t0, j.t0 + j.n_tok)
+            _f16.matmul(_rounded(x[rows], F16, "xround16"), j.w.view(np.uint16).reshape(n_rows, n_cols),
+                        out[rows, j.col : j.col + n_rows], order)
+            continue
         if qtype == F32 or j.n_tok >= _blas_from(settings, int8):
             y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
             out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
@@ -396,7 +419,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
             by_block.setdefault(_Q8_BLOCK[qtype], []).append(job)
         else:
             batched.setdefault(qtype if q8 and qtype in _ROUNDED else 0, []).append(job)
-        work += j.w.size * j.n_tok
+        work += j.w.size * j.n_tok * _BYTE_COST[qtype]
     if batched or by_block:
         _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
     for rounding, group in batched.items():

@@ -11,7 +11,8 @@ order depends only on their length), and each (row, head) is computed by one thr
 count does not change a bit either.
 
     attend(q, K, V, p0, k0, scale, window, sinks, out)    causal attention, rows t of q at p0 + t
-    rowdot(x, w, out)                                     out[t, e] = x[t] . w[e]
+    rowdot(x, w, out)                                     out[t, e] = x[t] . w[e], summed as llama.cpp
+                                                          sums a product of several rows (bit for bit)
 """
 from __future__ import annotations
 
@@ -69,17 +70,33 @@ def _attend(q, K, V, p0, k0, scale, window, sinks, use_sinks, scores, out):
             out[t, base + d] *= inv
 
 
-@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=_FLAGS)
+@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath={"contract"})
 def _rowdot(x, w, out):
+    # llama.cpp's F32 product of two rows or more (tinyBLAS on AVX2): one 8-lane FMA accumulator over
+    # the 8-element chunks in order, lanes summed as (s0 + s2) + (s1 + s3), s_i = v_{i+4} + v_i; only
+    # contraction allowed, so every sum runs as written. D not a multiple of 8: one sum in order.
     T, D = x.shape
     E = w.shape[0]
     for i in prange(T * E):
         t = i // E
         e = i - t * E
-        acc = np.float32(0.0)
-        for d in range(D):
-            acc += x[t, d] * w[e, d]
-        out[t, e] = acc
+        if D % 8 == 0:
+            v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+            for k in range(0, D, 8):
+                v0 = x[t, k] * w[e, k] + v0
+                v1 = x[t, k + 1] * w[e, k + 1] + v1
+                v2 = x[t, k + 2] * w[e, k + 2] + v2
+                v3 = x[t, k + 3] * w[e, k + 3] + v3
+                v4 = x[t, k + 4] * w[e, k + 4] + v4
+                v5 = x[t, k + 5] * w[e, k + 5] + v5
+                v6 = x[t, k + 6] * w[e, k + 6] + v6
+                v7 = x[t, k + 7] * w[e, k + 7] + v7
+            out[t, e] = ((v4 + v0) + (v6 + v2)) + ((v5 + v1) + (v7 + v3))
+        else:
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc = x[t, d] * w[e, d] + acc
+            out[t, e] = acc
 
 
 _NO_SINKS = np.zeros(1, np.float32)

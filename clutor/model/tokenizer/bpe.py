@@ -8,6 +8,7 @@ Llama-3 family) a word that is itself a vocabulary entry is taken whole, as llam
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -15,7 +16,7 @@ from tokenizers import models, pre_tokenizers
 
 from ...errors import ModelFileError
 
-__all__ = ["ByteLevelBPE", "token_text_bytes", "raw_bytes"]
+__all__ = ["ByteLevelBPE", "SpaceBPE", "token_text_bytes", "raw_bytes"]
 
 
 def raw_bytes(text: str) -> bytes:
@@ -104,3 +105,37 @@ class ByteLevelBPE:
             # encode_batch, not encode: it releases the GIL while it runs (encode holds it throughout:
             # half a second per megabyte of prompt in which no other thread, the event loop's included, runs)
             out.extend(self._hf.encode_batch([words], is_pretokenized=True, add_special_tokens=False)[0].ids)
+
+
+class SpaceBPE:
+    """SentencePiece-style BPE (``tokenizer.ggml.model = gemma4``), as llama.cpp runs it: spaces
+    written as U+2581, the text cut into runs of newlines and runs of anything else (a run of newlines
+    that is itself a token is taken whole), each run merged over its characters by merge rank, and
+    whatever no token spells written as byte tokens <0xXX>."""
+
+    _RUNS = re.compile(r"[^\n]+|\n+")
+
+    def __init__(self, text_to_id: Mapping[str, int], merges: Sequence[tuple[str, str]], path: str):
+        vocab = {t: i for t, i in text_to_id.items() if _valid(t)}
+        merges = [m for m in merges if _valid(m[0]) and _valid(m[1])]
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, byte_fallback=True)
+        except Exception as e:
+            raise ModelFileError(path, "tokenizer.ggml.merges", "merges of tokens in the vocabulary", e) from e
+        self._hf = _HFTokenizer(bpe)
+        self._text_to_id = text_to_id
+
+    def encode(self, text: str, out: list[int]) -> None:
+        """Append the ids of plain ``text`` (spaces not yet escaped) to ``out``."""
+        words = self._RUNS.findall(text.replace(" ", "\u2581"))
+        todo: list[str] = []
+        for w in words:
+            if w[0] == "\n" and w in self._text_to_id:
+                if todo:
+                    out.extend(self._hf.encode_batch([todo], is_pretokenized=True, add_special_tokens=False)[0].ids)
+                    todo = []
+                out.append(self._text_to_id[w])
+            else:
+                todo.append(w)
+        if todo:
+            out.extend(self._hf.encode_batch([todo], is_pretokenized=True, add_special_tokens=False)[0].ids)

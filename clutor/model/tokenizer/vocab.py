@@ -32,7 +32,7 @@ import numpy as np
 
 from ...errors import ClutorError, ModelFileError, UnsupportedError
 from ..config import MAX_VOCAB
-from .bpe import ByteLevelBPE, raw_bytes, token_text_bytes
+from .bpe import ByteLevelBPE, SpaceBPE, raw_bytes, token_text_bytes
 from .pretokenize import KNOWN_PRE, pre_tokenizer
 from .spm import SPACE, SentencePiece
 
@@ -45,7 +45,7 @@ _SPECIAL = _UNKNOWN | _CONTROL  # hidden unless special, parsed only with specia
 # tokenizer.ggml.token_type -> attribute; other values are "undefined" (0): never shown
 _TYPE_ATTR = {1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER, 5: _UNUSED, 6: _BYTE}
 
-_MODELS = ("gpt2", "llama")
+_MODELS = ("gpt2", "llama", "gemma4")
 _C_SPACE = " \t\n\v\f\r"  # C isspace(): what a strip attribute removes next to a special token
 
 # Texts that end generation (llama.cpp's list); each is made a control token.
@@ -82,6 +82,7 @@ class Tokenizer:
             raise UnsupportedError(path, "tokenizer.ggml.model", f"one of {', '.join(_MODELS)}", _shown(model))
         self.model: str = str(model)
         spm = self.model == "llama"
+        spaced = self.model == "gemma4"  # BPE over U+2581-escaped text, byte tokens <0xXX> (Gemma 4)
 
         # The pre-tokenizer: BPE only (llama.cpp ignores the field for SentencePiece). An absent name
         # is llama.cpp's "default" split (it warns that quality suffers), an unknown one is refused.
@@ -90,7 +91,9 @@ class Tokenizer:
             raise ModelFileError(path, "tokenizer.ggml.pre", "a string", type(pre).__name__)
         self.pre: str = pre or "default"
         self._pretok = None
-        if not spm:
+        if spaced:
+            self.pre = "gemma4"  # llama.cpp's only split for this model, whatever the file says
+        elif not spm:
             if self.pre not in KNOWN_PRE:
                 raise UnsupportedError(path, "tokenizer.ggml.pre", f"one of {', '.join(sorted(KNOWN_PRE))}",
                                        _shown(pre))
@@ -138,6 +141,8 @@ class Tokenizer:
         self.add_space_prefix: bool = _flag(metadata, "tokenizer.ggml.add_space_prefix", spm, path)
         self.add_bos: bool = _flag(metadata, "tokenizer.ggml.add_bos_token",
                                    spm or (self._pretok is not None and self._pretok.add_bos), path)
+        if spaced:
+            self.add_bos = True  # llama.cpp overrides a false add_bos_token for Gemma 4
         self.add_eos: bool = _flag(metadata, "tokenizer.ggml.add_eos_token", False, path)
         for flag, key, tid in ((self.add_bos, "bos", self._bos_id), (self.add_eos, "eos", self._eos_id)):
             if flag and tid is None:
@@ -169,7 +174,7 @@ class Tokenizer:
         for k, (t, _, _) in enumerate(self._special):
             self._special_by_first.setdefault(t[0], []).append(k)
 
-        self._plain, self._shown = _pieces(tokens, attrs, spm)
+        self._plain, self._shown = _pieces(tokens, attrs, spm or spaced)
 
         if spm:
             scores = _floats(metadata, "tokenizer.ggml.scores", path, n)
@@ -187,7 +192,8 @@ class Tokenizer:
                 if cut < 0:
                     raise ModelFileError(path, f"tokenizer.ggml.merges[{k}]", "'left right'", repr(m))
                 merges.append((m[:cut], m[cut + 1:]))
-            self._bpe = ByteLevelBPE(text_to_id, merges, self._pretok.ignore_merges, path)
+            self._bpe = (SpaceBPE(text_to_id, merges, path) if spaced
+                         else ByteLevelBPE(text_to_id, merges, self._pretok.ignore_merges, path))
             self._spm = None
 
     # -- construction -------------------------------------------------------------------------
@@ -267,6 +273,8 @@ class Tokenizer:
             for frag in frags:
                 if isinstance(frag, int):
                     ids.append(frag)
+                elif self._pretok is None:  # SpaceBPE: its own split
+                    self._bpe.encode(frag, ids)
                 else:
                     self._bpe.encode(self._pretok.split(frag), ids)
         if self.add_eos and add_bos is not False:
