@@ -117,6 +117,9 @@ def test_streamed_equals_memory_bit_for_bit(arch, activations):
     ("minimax-m2", ["layer kinds     3 attention", "heads           4 q / 2 kv, head dim 64",
                     "RoPE neox, 32 of 64 dims", "sigmoid + selection bias, top-k, renormalised",
                     "experts         8, top-2, hidden 64"]),
+    ("llama4", ["layers          4 (2 dense interleaved)", "layer kinds     3 chunked, 1 attention", "chunks of 8192 in 3 of 4 layers, no RoPE in 1, q/k norm",
+                "RoPE norm, 32 of 32 dims, frequencies / rope_freqs", "shared expert hidden 64",
+                "top-k of the logits, sigmoid(logit) x the expert's input"]),
 ])
 def test_info_shows_the_layers(arch, words, capsys):
     from clutor.cli import main
@@ -156,3 +159,34 @@ def test_minimax_m2_gating_other_than_softmax_or_sigmoid_is_refused():
     with pytest.raises(clutor.UnsupportedError) as e:
         read_arch(TableView("minimax-m2", meta, shapes, path="g4.gguf"))
     assert e.value.field == "minimax-m2.expert_gating_func" and "sigmoid" in str(e.value)
+
+
+# -- Llama 4's chunks ------------------------------------------------------------------------------
+def test_llama4_chunks_and_temperature_tuning_match_an_independent_reference(monkeypatch):
+    """Llama 4's chunk (8192) and temperature floor (8192) are hard-coded in llama.cpp, beyond any
+    prompt a test can afford: both shrunk to 32 here, in Clutor and in tools/record_reference.py's
+    float64 forward pass (written from llama.cpp's graph, independent of Clutor), so that 86 positions
+    cross two chunk edges and three temperature steps. Chunked layers must then see only their chunk's
+    keys: with full attention the logits part by far more than the bar (checked below)."""
+    import record_reference
+    from clutor.model.arch import llama4
+
+    g = golden("llama4", "F16")
+    ids = g["prompt_ids"].tolist()
+    ref = record_reference.Reference(fixture_path("llama4", "F16"))
+    ref.chunk = ref.temp_floor = 32
+    want, _ = ref.run(ids)
+    monkeypatch.setattr(llama4, "CHUNK", 32)
+
+    async def go(**opts):
+        async with clutor.Model.open(fixture_path("llama4", "F16"), kv_type="f32", **opts) as model:
+            full = await model.logits(ids)
+            seq = model.new_sequence()  # the same positions in steps that straddle the chunk edges
+            parts = [await model.forward(seq, ids[a:b], all_logits=True) for a, b in ((0, 20), (20, 50), (50, len(ids)))]
+            return full, np.concatenate(parts)
+
+    got, stepped = run(go())
+    assert np.abs(got - want).max() <= 0.02 and (got.argmax(-1) == want.argmax(-1)).all(), np.abs(got - want).max()
+    np.testing.assert_allclose(stepped, got, rtol=0, atol=STEP_TOL["q8"] * np.abs(got).max())
+    plain, _ = record_reference.Reference(fixture_path("llama4", "F16")).run(ids)  # one chunk: all keys
+    assert np.abs(plain - want)[40:].max() > 0.1  # the chunks matter at these positions

@@ -108,6 +108,20 @@ PRESETS = {
                 max_position_embeddings=4096, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
                 bos_token_id=761, eos_token_id=763, pad_token_id=763)),
+    # Llama 4 (Scout's layout, Maverick's interleave): 4 layers = 3 chunked RoPE layers + 1 full NoPE layer,
+    # MoE in every 2nd (1, 3) with a shared expert, dense SwiGLU (intermediate_size_mlp) between; RoPE with
+    # Scout's llama3 scaling (factor 16, low = high = 1, original 8192: rope_freqs 1 or 16 per pair).
+    "llama4": dict(
+        cls="Llama4ForCausalLM", config="Llama4TextConfig", vocab=768, pre="llama4",
+        specials=["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
+                  "<|python_start|>", "<|python_end|>"],
+        eos="<|eot|>", pad="<|end_of_text|>", bos="<|begin_of_text|>", no_mtp=False,
+        hf=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                intermediate_size=64, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                interleave_moe_layer_step=2, rms_norm_eps=1e-5, max_position_embeddings=16384,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+                tie_word_embeddings=False, bos_token_id=761, eos_token_id=765, pad_token_id=762)),
 }
 
 
@@ -188,7 +202,7 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
     def normal(shape, std):
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2"))  # these compute x w
+    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2", "Llama4"))  # these compute x w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
@@ -217,7 +231,7 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
                 v = normal(shape, 1.0)
             elif name == "lm_head.weight":
                 v = normal(shape, 3.0 / np.sqrt(shape[-1]))
-            elif name.endswith(("mlp.gate.weight", "mixer.gate.weight")):  # the router
+            elif name.endswith(("mlp.gate.weight", "mixer.gate.weight", "feed_forward.router.weight")):  # the router
                 v = normal(shape, 2.0 / np.sqrt(shape[-1]))
             elif name.endswith("router.proj.weight"):
                 # Gemma 4's router reads rms_norm(x) / sqrt(n_embd): weights sqrt(n_embd) times the

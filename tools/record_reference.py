@@ -107,6 +107,7 @@ class _Hparams:
     still: tuple = ()           # qwen35moe: rotary pairs that text leaves at position 0 (M-RoPE's 4th section)
     kinds: tuple = ()           # nemotron_h_moe: per layer "ssm", "attention" or "moe"
     mamba: tuple = ()           # (conv kernel, d_inner, d_state, groups, heads)
+    kq_norm: bool = False       # llama4: unweighted RMS norm of q and k after RoPE
     gemma: dict | None = None   # gemma4: per-layer window flags, KV heads, head sizes; RoPEs; soft-cap
 
 
@@ -152,6 +153,11 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
         return {"n_layer": n_layer, "n_rot": n_rot, "recurrent": recurrent, "still": still, "norm_w": True,
                 "ssm": (kv(f"{arch}.ssm.conv_kernel"), kv(f"{arch}.ssm.state_size"), kv(f"{arch}.ssm.group_count"),
                         kv(f"{arch}.ssm.time_step_rank"))}
+    if arch == "llama4":  # chunked RoPE layers and NoPE layers (every 4th), MoE every interleave_moe_layer_step-th
+        step = kv(f"{arch}.interleave_moe_layer_step")
+        return {"n_rot": kv(f"{arch}.rope.dimension_count", n_embd // n_head), "gating": "llama4",
+                "kinds": tuple("moe" if step and (l + 1) % step == 0 else "dense" for l in range(kv(f"{arch}.block_count"))),
+                "kq_norm": kv(f"{arch}.expert_count") != 128}
     if arch == "minimax-m2":  # whole-vector q/k norms, partial NEOX RoPE, biased selection, always renormalised
         return {"n_rot": kv(f"{arch}.rope.dimension_count"), "norm_w": True,
                 "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")]}
@@ -390,6 +396,64 @@ class Reference:
         y = y + w[b + "ffn_down_shexp.weight"] @ relu2(w[b + "ffn_up_shexp.weight"] @ h)
         return x + y, m
 
+    # Llama 4's hard-coded attention chunk and temperature tuning (llama.cpp's load_arch_hparams);
+    # attributes so that a test can shrink them to reach a chunk's edge within a short prompt
+    chunk = 8192
+    temp_floor = 8192
+
+    def _llama4_layer(self, il: int, x: np.ndarray, pos: int) -> tuple[np.ndarray, float]:
+        """x + attention + FFN of Llama 4's layer il: RoPE (adjacent pairs, frequencies divided by
+        rope_freqs) and the unweighted q/k RMS norm after it in 3 of 4 layers, which attend within
+        their chunk of ``chunk`` positions; every 4th layer has no RoPE, attends to every position and
+        scales q by log(floor((pos + 1) / temp_floor) + 1) * 0.1 + 1. A MoE layer: top-k of the raw
+        router logits, each chosen expert reads its input times sigmoid(logit), plus a shared expert."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        hd = hp.head_dim
+        h = self._rms(x, w[b + "attn_norm.weight"])
+        q = (w[b + "attn_q.weight"] @ h).reshape(hp.n_head, hd)
+        k = (w[b + "attn_k.weight"] @ h).reshape(hp.n_head_kv, hd)
+        v = (w[b + "attn_v.weight"] @ h).reshape(hp.n_head_kv, hd)
+        rope = (il + 1) % 4 != 0
+        if rope:
+            ff = w.get("rope_freqs.weight", np.ones(hd // 2))
+            freq = hp.rope_base ** (-2.0 * np.arange(hd // 2) / hd) / ff
+            c, s_ = np.cos(pos * freq), np.sin(pos * freq)
+
+            def rot(t):
+                out = np.empty_like(t)
+                out[:, 0::2] = t[:, 0::2] * c - t[:, 1::2] * s_
+                out[:, 1::2] = t[:, 0::2] * s_ + t[:, 1::2] * c
+                return out
+            q, k = rot(q), rot(k)
+            if hp.kq_norm:
+                q = q / np.sqrt(np.mean(q * q, -1, keepdims=True) + hp.eps)
+                k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + hp.eps)
+        else:
+            q = q * (np.log(np.floor((pos + 1.0) / self.temp_floor) + 1.0) * 0.1 + 1.0)
+        self.k[il].append(k)
+        self.v[il].append(v)
+        K = np.repeat(np.stack(self.k[il]), hp.n_head // hp.n_head_kv, axis=1)
+        V = np.repeat(np.stack(self.v[il]), hp.n_head // hp.n_head_kv, axis=1)
+        sc = np.einsum("hd,thd->ht", q, K) / np.sqrt(hd)
+        if il % 4 < 3:  # chunked: keys of the query's own chunk only
+            sc[:, : (pos // self.chunk) * self.chunk] = -np.inf
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        o = np.einsum("ht,thd->hd", p / p.sum(-1, keepdims=True), V).reshape(-1)
+        x = x + w[b + "attn_output.weight"] @ o
+        h2 = self._rms(x, w[b + "ffn_norm.weight"])
+        swiglu = lambda g, u, d, t: w[d] @ ((w[g] @ t) / (1 + np.exp(-(w[g] @ t))) * (w[u] @ t))  # noqa: E731
+        if hp.kinds[il] == "dense":
+            return x + swiglu(b + "ffn_gate.weight", b + "ffn_up.weight", b + "ffn_down.weight", h2), np.inf
+        r = w[b + "ffn_gate_inp.weight"] @ h2
+        order = np.argsort(-r)
+        margin = r[order[hp.n_used - 1]] - r[order[hp.n_used]]
+        y = swiglu(b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight", b + "ffn_down_shexp.weight", h2)
+        for e in order[: hp.n_used]:
+            t = h2 / (1 + np.exp(-r[e]))
+            a = w[b + "ffn_gate_exps.weight"][e] @ t
+            y = y + w[b + "ffn_down_exps.weight"][e] @ (a / (1 + np.exp(-a)) * (w[b + "ffn_up_exps.weight"][e] @ t))
+        return x + y, float(margin)
+
     def _gated_attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
         """Full attention of qwen35moe / qwen3next: attn_q rows per head [q | gate], per-head q/k norms,
         partial NEOX RoPE, the output times sigmoid(gate)."""
@@ -521,6 +585,10 @@ class Reference:
         state = {l: (c.copy(), s.copy()) for l, (c, s) in self.states[-1].items()}
         for il in range(hp.n_layer):
             b = f"blk.{il}."
+            if hp.arch == "llama4":
+                x, m = self._llama4_layer(il, x, pos)
+                margin = min(margin, m)
+                continue
             if hp.gemma:
                 x, m = self._gemma4_layer(il, x, pos)
                 margin = min(margin, m)

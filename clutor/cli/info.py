@@ -137,7 +137,8 @@ def run(args) -> int:
     lines = [
         f"file            {d['path']}" + (f" (+{len(d['files']) - 1} parts)" if len(d["files"]) > 1 else ""),
         f"architecture    {c['arch']}",
-        f"layers          {c['n_layers']}" + (f" ({a['dense_layers']} dense first)" if a["dense_layers"] else ""),
+        f"layers          {c['n_layers']}" + (f" ({a['dense_layers']} dense " + ("interleaved" if a.get("dense_interleaved")
+                                                                          else "first") + ")" if a["dense_layers"] else ""),
         f"embedding       {c['n_embd']}",
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
         f"attention       {a['attention']}, RoPE {a['rope']}"

@@ -235,6 +235,10 @@ class Runner:
                 starts = np.cumsum([0] + counts)[:-1].tolist()
                 picked = np.concatenate([order[a:b] for a, b in zip(lo.tolist(), hi.tolist())])  # [S]
                 xg = h[picked // K]  # [S, D], S = rows summed over experts
+            wf = w.reshape(-1)[picked][:, None]  # [S, 1]: each (row, slot)'s router weight
+            before = self.arch.weight_before_ffn
+            if before:  # Llama 4: the weight scales the expert's input, not its output
+                xg = xg * wf
             if views[0].gate is None:  # ungated experts (Nemotron-H): the activation reads up [S, F] alone
                 gu = np.empty((len(xg), F), np.float32)
                 jobs = [Job(v.up, et.up, F, t0, n, 0) for v, t0, n in zip(views, starts, counts)]
@@ -259,7 +263,8 @@ class Runner:
             if scale is not None:  # each expert's own output scale, then the router's weight
                 for v, t0, n in zip(views, starts, counts):
                     y[t0 : t0 + n] *= scale[v.expert]
-            y *= w.reshape(-1)[picked][:, None]
+            if not before:
+                y *= wf
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
             return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 

@@ -113,23 +113,38 @@ class Step:
         return tab
 
     def attend(self, l: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, scale: float, *,
-               window: int = 0, sinks: np.ndarray | None = None, kernel=None) -> np.ndarray:
+               window: int = 0, sinks: np.ndarray | None = None, kernel=None, chunk: int = 0) -> np.ndarray:
         """Write k [R, Hkv, dk] and v [R, Hkv, dv] (None: the values are k's first columns, MLA's
         latent) at every row's position, then causal attention of q [R, H, dk] for each segment
         over its own sequence -> [R, H * dv]. kernel: an attend() of rowwise.attend's signature
-        summing in another order (Gemma 4's: kernels.ggmlmath.attend); None: rowwise.attend."""
+        summing in another order (Gemma 4's: kernels.ggmlmath.attend); None: rowwise.attend.
+        chunk > 0 (a multiple of PAGE): a query at i sees only the keys of its own chunk, positions
+        from (i // chunk) * chunk (Llama 4's chunked layers)."""
         gi, li = self.pool.group_of(l)
         g = self.pool.groups[gi]
         pages, offs = self._slots[gi]
         _write(g, li, pages, offs, k, v)
         outs = []
         for s in self.segments:
+            if chunk:  # each run of the segment's rows within one chunk, over that chunk's keys
+                for p0 in _chunk_starts(s.p0, s.n, chunk):
+                    end = min(s.p0 + s.n, (p0 // chunk + 1) * chunk)
+                    lo = (p0 // chunk) * chunk // PAGE
+                    K, V = _gather(g, li, s.seq.tables[gi][lo : -(-end // PAGE)], end - lo * PAGE)
+                    outs.append((kernel or attend)(q[s.rows][p0 - s.p0 : end - s.p0], K, V, p0, lo * PAGE, scale,
+                                                   sinks=sinks))
+                continue
             end = s.p0 + s.n
             lo = max(0, s.p0 - window + 1) // PAGE if window else 0  # keys no query of this step sees are not read
             K, V = _gather(g, li, s.seq.tables[gi][lo : -(-end // PAGE)], end - lo * PAGE)
             # each (row, head) alone, in a fixed order: a row's result is the same in any batch
             outs.append((kernel or attend)(q[s.rows], K, V, s.p0, lo * PAGE, scale, window=window, sinks=sinks))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+
+def _chunk_starts(p0: int, n: int, chunk: int) -> list[int]:
+    """The first position of each chunk that positions p0 .. p0 + n - 1 touch (p0 itself first)."""
+    return [p0] + list(range((p0 // chunk + 1) * chunk, p0 + n, chunk))
 
 
 def _write(g, li: int, pages: np.ndarray, offs: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:

@@ -14,6 +14,7 @@ from .gemma4 import Gemma4
 from .glm4moe import GLM4MoE
 from .gptoss import GptOss
 from .llama import Llama
+from .llama4 import Llama4
 from .minimax_m2 import MiniMaxM2
 from .nemotron_h_moe import NemotronHMoE
 from .olmoe import OLMoE
@@ -25,7 +26,7 @@ from .qwen3next import Qwen3Next
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
 ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss,
-                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2)}
+                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4)}
 
 
 def read_arch(f) -> Arch:

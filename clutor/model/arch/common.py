@@ -218,6 +218,7 @@ class Arch:
     attention_kind: ClassVar[str] = "GQA"
     fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
     rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
+    weight_before_ffn: ClassVar[bool] = False  # True: each routed expert reads its input times its weight (llama4)
     # llama.cpp's own rounding where it rounds besides the products (Gemma's GELU table): in the q8
     # activation mode, whose point is llama.cpp's arithmetic; the f32 mode keeps floats exact (set by
     # the runner from the model's kernel settings)
