@@ -187,14 +187,14 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, p0: int, k0: int, scale:
     The signature of rowwise.attend (sinks are not supported: no architecture on this path has them)."""
     if sinks is not None:
         raise ValueError("ggmlattn.attend: attention sinks are not supported")
-    from .rowwise import _threads
+    from .rowwise import threads_for
 
     T, H, dk = q.shape
     n = K.shape[1]
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((T, H * V.shape[2]), np.float32)
     scores = np.empty((H * T, n), np.float32)
-    _threads(T * H * n * (dk + V.shape[2]))
+    threads_for(T * H * n * (dk + V.shape[2]))
     _attend(q, K, V, int(p0), int(k0), np.float32(scale), int(window), scores, out)
     return out
 
