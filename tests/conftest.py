@@ -119,6 +119,35 @@ def run(coro):
     return result
 
 
+def expert_slots(path) -> tuple[int, int]:
+    """(top-k, bytes of one expert slot) of a fixture: the unit its streamed tests size caches in."""
+    from clutor.model.arch import read_arch
+    from clutor.model.gguf import GGUFFile
+    from clutor.model.options import slot_bytes
+    from clutor.model.weights import expert_layout
+
+    with GGUFFile.open(path) as f:
+        arch = read_arch(f)
+        return arch.cfg.n_expert_used, slot_bytes(expert_layout(f, arch))
+
+
+def logits_and_steps(path, prompt: list[int], **opts):
+    """A fixture opened with opts: the prompt's full logits [T, V], the last logits of a 5-token
+    prefill and 8 greedy steps after it [9, V], and the model's io_stats()."""
+    import clutor
+
+    async def once():
+        async with clutor.Model.open(path, **opts) as model:
+            full = await model.logits(prompt)
+            seq = model.new_sequence()
+            steps = [(await model.forward(seq, prompt[:5]))[-1]]
+            for _ in range(8):
+                steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
+            return full, np.stack(steps), model.io_stats()
+
+    return run(once())
+
+
 def run_on_loop(make: Callable[[], Awaitable], loop_kind: str = "asyncio"):
     """Run make() on a fresh asyncio or uvloop loop; fail if the loop logged any exception (including
     futures whose exception nobody retrieved, which complain when collected)."""

@@ -13,9 +13,8 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
-from clutor.model.options import slot_bytes
-from clutor.model.weights import expert_layout
-from conftest import ACTIVATIONS, ATTN_ARCHS, ATTN_TYPES, STEP_TOL, fixture_path, golden, run
+from conftest import (ACTIVATIONS, ATTN_ARCHS, ATTN_TYPES, STEP_TOL, expert_slots, fixture_path, golden,
+                      logits_and_steps, run)
 
 
 # -- against llama.cpp -----------------------------------------------------------------------------
@@ -91,22 +90,13 @@ def test_streamed_equals_memory_bit_for_bit(arch, activations):
     and without prefetch): the same bits as io=memory."""
     path = fixture_path(arch, "Q4_K_M")
     prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    with GGUFFile.open(path) as f:
-        arch_ = read_arch(f)
-        k, slot = arch_.cfg.n_expert_used, slot_bytes(expert_layout(f, arch_))
+    k, slot = expert_slots(path)
 
-    async def once(**opts):
-        async with clutor.Model.open(path, activations=activations, **opts) as model:
-            full = await model.logits(prompt)
-            seq = model.new_sequence()
-            steps = [(await model.forward(seq, prompt[:5]))[-1]]
-            for _ in range(8):
-                steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
-            return full, np.stack(steps), model.io_stats()
 
-    full, steps, _ = run(once(io="memory"))
+    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
     for cache, prefetch in ((k * slot, False), ((k + 2) * slot, True)):
-        got, got_steps, st = run(once(io="threads", expert_cache=cache, prefetch=prefetch))
+        got, got_steps, st = logits_and_steps(
+            path, prompt, activations=activations, io="threads", expert_cache=cache, prefetch=prefetch)
         what = f"{arch} cache={cache // slot} slots prefetch={prefetch}"
         assert np.array_equal(got, full), f"{what}: prefill logits differ from io=memory"
         assert np.array_equal(got_steps, steps), f"{what}: decode logits differ from io=memory"

@@ -11,12 +11,8 @@ import numpy as np
 import pytest
 
 import clutor
-from clutor.model.arch import read_arch
-from clutor.model.gguf import GGUFFile
-from clutor.model.options import slot_bytes
-from clutor.model.weights import expert_layout
 from clutor.model.kv import PAGE
-from conftest import ACTIVATIONS, STEP_TOL, fixture_path, golden, run
+from conftest import ACTIVATIONS, STEP_TOL, expert_slots, fixture_path, golden, logits_and_steps, run
 
 ARCH = "gemma4"
 TYPES = ("F16", "Q4_K_M")
@@ -98,21 +94,12 @@ def test_prefill_equals_incremental_decode(activations):
 def test_streamed_equals_memory_bit_for_bit(activations):
     path = fixture_path(ARCH, "Q4_K_M")
     prompt = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    with GGUFFile.open(path) as f:
-        arch = read_arch(f)
-        k, slot = arch.cfg.n_expert_used, slot_bytes(expert_layout(f, arch))
+    k, slot = expert_slots(path)
 
-    async def once(**opts):
-        async with clutor.Model.open(path, activations=activations, **opts) as model:
-            full = await model.logits(prompt)
-            seq = model.new_sequence()
-            steps = [(await model.forward(seq, prompt[:5]))[-1]]
-            for _ in range(8):
-                steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
-            return full, np.stack(steps), model.io_stats()
 
-    full, steps, _ = run(once(io="memory"))
-    got, got_steps, st = run(once(io="threads", expert_cache=k * slot, prefetch=False))
+    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
+    got, got_steps, st = logits_and_steps(
+        path, prompt, activations=activations, io="threads", expert_cache=k * slot, prefetch=False)
     assert np.array_equal(got, full) and np.array_equal(got_steps, steps)
     assert st.misses > 0 and st.evictions > 0
 

@@ -18,7 +18,7 @@ from clutor.model.gguf import GGUFFile
 from clutor.model.weights import expert_layout
 from clutor.model.options import slot_bytes
 from clutor.model.recurrent import RecurrentState
-from conftest import ACTIVATIONS, HYBRID_ARCHS, HYBRID_TYPES, STEP_TOL, fixture_path, golden, run
+from conftest import ACTIVATIONS, HYBRID_ARCHS, HYBRID_TYPES, STEP_TOL, expert_slots, fixture_path, golden, logits_and_steps, run
 
 
 def _max_err(a, b) -> float:
@@ -154,12 +154,6 @@ def test_concurrent_generations_produce_their_solo_tokens(arch):
     assert st.step_rows > st.steps and st.live_sequences == 0
 
 
-def _slot(path) -> tuple[int, int]:
-    with GGUFFile.open(path) as f:
-        cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
-
-
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_streamed_equals_memory_bit_for_bit(arch, activations):
@@ -167,19 +161,12 @@ def test_streamed_equals_memory_bit_for_bit(arch, activations):
     attention-only models; the recurrent and dense parts are resident. Same bits as io=memory."""
     path = fixture_path(arch, "Q4_K_M")
     prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    k, slot = _slot(path)
+    k, slot = expert_slots(path)
 
-    async def once(**opts):
-        async with clutor.Model.open(path, activations=activations, **opts) as model:
-            full = await model.logits(prompt)
-            seq = model.new_sequence()
-            steps = [(await model.forward(seq, prompt[:5]))[-1]]
-            for _ in range(8):
-                steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
-            return full, np.stack(steps), model.io_stats()
 
-    full, steps, _ = run(once(io="memory"))
-    got, got_steps, st = run(once(io="threads", expert_cache=k * slot, prefetch=False))
+    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
+    got, got_steps, st = logits_and_steps(
+        path, prompt, activations=activations, io="threads", expert_cache=k * slot, prefetch=False)
     assert np.array_equal(got, full) and np.array_equal(got_steps, steps)
     assert st.misses > 0 and st.evictions > 0
 
