@@ -126,23 +126,25 @@ def write_gguf(
 
 def copy_gguf(src: Path, dst: Path, split_max_tensors: int = 0,
               retype: dict[str, tuple[int, np.ndarray]] | None = None, drop: frozenset[str] = frozenset(),
-              as_arrays: dict[str, list[int]] | None = None) -> None:
+              as_arrays: dict[str, list[int]] | None = None, strings: dict[str, str] | None = None) -> None:
     """Rewrite src with GGUFWriter: every key and tensor as it is, except the tensors named in
     `retype` (name -> (qtype, raw bytes uint8 [..., row_bytes])), the keys and tensors in `drop` (left out) and
     those in `as_arrays` (written as that array of the key's integer type, as a converter writes a
-    per-layer value); split in parts of split_max_tensors tensors when given (llama.cpp's
-    NAME-0000k-of-0000N.gguf)."""
+    per-layer value), with the string keys of `strings` set (added or replaced); split in parts of
+    split_max_tensors tensors when given (llama.cpp's NAME-0000k-of-0000N.gguf)."""
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
     for name, fld in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop or name in (strings or {}):
             continue
         vtype = fld.types[0]
         if name in (as_arrays or {}):
             w.add_key_value(name, as_arrays[name], VT.ARRAY, sub_type=vtype)
             continue
         w.add_key_value(name, fld.contents(), vtype, sub_type=fld.types[-1] if vtype == VT.ARRAY else None)
+    for name, value in (strings or {}).items():
+        w.add_string(name, value)
     for t in (t for t in r.tensors if t.name not in drop):
         qt, data = (retype or {}).get(t.name, (QT(t.tensor_type), np.asarray(t.data)))
         w.add_tensor(t.name, data, raw_dtype=None if qt in (QT.F32, QT.F16) else QT(qt))

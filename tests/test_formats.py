@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from clutor.formats import (DEEPSEEK, FAMILIES, GLM, HARMONY, HERMES, HERMES_FALLBACK, MISTRAL, MISTRAL_ARGS,
-                            QWEN_XML, THINK, Tool, family_for, starts_in_reasoning)
+from clutor.formats import (DEEPSEEK, FAMILIES, GEMMA4, GLM, HARMONY, HERMES, HERMES_FALLBACK, LLAMA4, MINIMAX_M2,
+                            MISTRAL, MISTRAL_ARGS, QWEN_XML, THINK, Tool, family_for, starts_in_reasoning)
 from clutor.formats.base import Message
 from conftest import SHARED_DATA
 
@@ -30,7 +30,15 @@ EDIT = Tool("edit", {"type": "object", "properties": {
 GET_TIME = Tool("get_time", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 GET_WEATHER = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                    "required": ["city"]})
-TOOLS = {t.name: t for t in (SPECIAL, SPECIAL_OPT, PYTHON, EDIT, GET_TIME, GET_WEATHER)}
+EMPTY_ARGS = Tool("empty_args", {"type": "object", "properties": {}})
+AMOUNT = Tool("amount", {"type": "object", "properties": {"orig": {"type": "number"}}, "required": ["orig"]})
+TOGGLE = Tool("toggle", {"type": "object", "properties": {"enabled": {"type": "boolean"}}, "required": ["enabled"]})
+NULLABLE = Tool("set_nullable", {"type": "object", "properties": {"value": {"type": "null"}}, "required": ["value"]})
+TODO = Tool("todo_list", {"type": "object", "properties": {"todos": {"type": "array"}}, "required": ["todos"]})
+CONFIG = Tool("set_config", {"type": "object", "properties": {"config": {"type": "object"}}, "required": ["config"]})
+TOOLS = {t.name: t for t in (SPECIAL, SPECIAL_OPT, PYTHON, EDIT, GET_TIME, GET_WEATHER, EMPTY_ARGS, AMOUNT, TOGGLE,
+                             NULLABLE, TODO, CONFIG)}
+G4 = GEMMA4.think  # Gemma 4's thought channel
 
 HELLO = "Hello, world!\nWhat's up?"
 CALL1 = [("special_function", {"arg1": 1})]
@@ -138,6 +146,48 @@ CASES = [
      [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
     (MISTRAL_ARGS, 'Calling it.[TOOL_CALLS]get_time[ARGS]{"city": "a [TOOL_CALLS] b"}', None, False, "Calling it.",
      "", [("get_time", {"city": "a [TOOL_CALLS] b"})]),
+    # -- Gemma 4 (llama.cpp's tests/test-chat.cpp, google-gemma-4-31B-it.jinja) --
+    (GEMMA4, "Hello, world!", G4, False, "Hello, world!", "", []),
+    (GEMMA4, "<|channel>thought\nI'm\nthinking<channel|>" + HELLO, G4, False, HELLO, "I'm\nthinking", []),
+    (GEMMA4, "<|channel>thought<channel|>" + HELLO, G4, False, HELLO, "", []),
+    (GEMMA4, "<|channel>thought\nI'm\nthinking<channel|>" + HELLO, None, False,
+     "<|channel>thought\nI'm\nthinking<channel|>" + HELLO, "", []),
+    (GEMMA4, '<|tool_call>call:get_time{city:<|"|>London<|"|>}<tool_call|>', G4, False, "", "",
+     [("get_time", {"city": "London"})]),
+    (GEMMA4, '<|tool_call>call:get_time{city:<|"|>San Francisco<|"|>}<tool_call|>', G4, False, "", "",
+     [("get_time", {"city": "San Francisco"})]),
+    (GEMMA4, "<|tool_call>call:empty_args{}<tool_call|>", G4, False, "", "", [("empty_args", {})]),
+    (GEMMA4, HELLO + '<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>', G4, False, HELLO, "",
+     [("get_time", {"city": "Paris"})]),
+    (GEMMA4, "<|channel>thought\nI'm\nthinking<channel|><|tool_call>call:get_time{city:<|\"|>Paris<|\"|>}<tool_call|>",
+     G4, False, "", "I'm\nthinking", [("get_time", {"city": "Paris"})]),
+    (GEMMA4, '<|tool_call>call:get_time{city:<|"|>London<|"|>}<tool_call|><|tool_call>call:get_weather{city:<|"|>Paris'
+             '<|"|>}<tool_call|>', G4, False, "", "", [("get_time", {"city": "London"}), ("get_weather", {"city": "Paris"})]),
+    (GEMMA4, "<|tool_call>call:special_function{arg1:42}<tool_call|>", G4, False, "", "", [("special_function", {"arg1": 42})]),
+    (GEMMA4, "<|tool_call>call:special_function{arg1:-7}<tool_call|>", G4, False, "", "", [("special_function", {"arg1": -7})]),
+    (GEMMA4, "<|tool_call>call:amount{orig:3.14}<tool_call|>", G4, False, "", "", [("amount", {"orig": 3.14})]),
+    (GEMMA4, "<|tool_call>call:toggle{enabled:true}<tool_call|>", G4, False, "", "", [("toggle", {"enabled": True})]),
+    (GEMMA4, "<|tool_call>call:toggle{enabled:false}<tool_call|>", G4, False, "", "", [("toggle", {"enabled": False})]),
+    (GEMMA4, "<|tool_call>call:set_nullable{value:null}<tool_call|>", G4, False, "", "", [("set_nullable", {"value": None})]),
+    (GEMMA4, '<|tool_call>call:todo_list{todos:[<|"|>buy milk<|"|>,<|"|>walk dog<|"|>]}<tool_call|>', G4, False, "", "",
+     [("todo_list", {"todos": ["buy milk", "walk dog"]})]),
+    (GEMMA4, '<|tool_call>call:set_config{config:{theme:<|"|>dark<|"|>,count:3}}<tool_call|>', G4, False, "", "",
+     [("set_config", {"config": {"theme": "dark", "count": 3}})]),
+    (GEMMA4, "<|tool_call>call:todo_list{todos:[]}<tool_call|>", G4, False, "", "", [("todo_list", {"todos": []})]),
+    (GEMMA4, "<|tool_call>call:set_config{config:{}}<tool_call|>", G4, False, "", "", [("set_config", {"config": {}})]),
+    (GEMMA4, "<|tool_call>call:amount{orig:1.5e10}<tool_call|>", G4, False, "", "", [("amount", {"orig": 1.5e10})]),
+    (GEMMA4, "<|channel>thought\n<channel|>" + HELLO + "<channel|>", G4, False, HELLO, "", []),
+    (GEMMA4, "<|channel>thought\n<channel|>" + HELLO + "<|channel>thought\n<channel|>", G4, False, HELLO, "", []),
+    (GEMMA4, "<|channel>thought\n<channel|>" + HELLO + "<|channel>thought\n<channel|><channel|>", G4, False, HELLO, "",
+     []),
+    (GEMMA4, "<|channel><|channel>thought\n<channel|>" + HELLO, G4, False, HELLO, "", []),
+    # -- MiniMax-M2 (llama.cpp's tests/test-chat.cpp; the template leaves '<think>' open) --
+    (MINIMAX_M2, "\n</think>\n\n" + HELLO, THINK, True, HELLO, "", []),
+    (MINIMAX_M2, "I'm\nthinking\n</think>\n\n" + HELLO, THINK, True, HELLO, "I'm\nthinking", []),
+    (MINIMAX_M2, 'Let\'s call a tool:\n</think>\n\n<minimax:tool_call>\n<invoke name="empty_args">\n</invoke>\n'
+                 "</minimax:tool_call>", THINK, True, "", "Let's call a tool:", [("empty_args", {})]),
+    (MINIMAX_M2, '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1'
+                 "</parameter>\n</invoke>\n</minimax:tool_call>", THINK, True, "", "", CALL1),
 ]
 
 

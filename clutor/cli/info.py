@@ -41,6 +41,7 @@ def describe(path: str) -> dict:
         from ..model.kv import PAGE, refusal, sizes
         from ..model.options import KV_TYPES
 
+        template = f.metadata.get("tokenizer.chat_template")
         specs = arch.layer_states()
         kv_per_token = {t: sizes(specs, t)[0] // PAGE for t in KV_TYPES
                         if not any(refusal(s, t) for s in specs if s is not None and s.kind != "recurrent")}
@@ -60,7 +61,17 @@ def describe(path: str) -> dict:
             # per layer: "full", "window N", "latent", "recurrent", or "none" (an FFN-only layer)
             "layer_states": ["none" if s is None else s.kind + (f" {s.window}" if s.window else "") for s in specs],
             "machine": machine_kernels(),
+            "chat_format": chat_format(template if isinstance(template, str) else None),
         }
+
+
+def chat_format(template: str | None) -> dict:
+    """The chat format the file's template selects (clutor.formats): its name, whether the file has a
+    template at all, and the reasoning tags its replies are split on."""
+    from ..formats import family_for, think_tags
+
+    fam = family_for(template)
+    return {"template": bool(template), "format": fam.name, "reasoning": list(think_tags(template) or ()) or None}
 
 
 def machine_kernels() -> dict:
@@ -114,6 +125,12 @@ def _fmt(n: int) -> str:
     return f"{n} B"
 
 
+def _chat_line(cf: dict) -> str:
+    if not cf["template"]:
+        return f"no chat template in the file (ChatML; tool calls: {cf['format']})"
+    return f"{cf['format']} tool calls" + (f", reasoning in {' ... '.join(cf['reasoning'])}" if cf["reasoning"] else "")
+
+
 def _machine_line(m: dict) -> str:
     by: dict[str, list[str]] = {}
     for name, how in m["types"].items():
@@ -154,6 +171,7 @@ def run(args) -> int:
         if a.get("recurrent_bytes") else "",
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
+        f"chat format     {_chat_line(d['chat_format'])}",
         f"context         {c['n_ctx_train']}",
         f"experts         {c['n_expert']}, top-{c['n_expert_used']}, hidden {c['n_ff_exp']}"
         + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else "")

@@ -7,25 +7,29 @@
 
 Families: Hermes ``<tool_call>`` JSON (Qwen2.5/3), the XML function form (Qwen3-Coder, Qwen3.5),
 gpt-oss harmony, GLM-4.5 ``<arg_key>``, DeepSeek-V3.1's tool-call tokens, Mistral ``[TOOL_CALLS]``
-(both forms). A template with none of their markup gets Hermes calls, described in the system prompt.
+(both forms), Gemma 4's ``<|tool_call>call:``, MiniMax-M2's ``<invoke>`` XML, Llama 4's JSON. A template with none of their markup gets Hermes calls, described in the system prompt.
 """
 from __future__ import annotations
 
 from .base import CallDelta, Delta, Message, StreamParser, Tool, ToolCall
 from .deepseek import DEEPSEEK
 from .family import Family
+from .gemma4 import GEMMA4
 from .glm import GLM
 from .harmony import HARMONY
 from .hermes import HERMES, HERMES_FALLBACK
+from .llama4 import LLAMA4
+from .minimax import MINIMAX_M2
 from .mistral import MISTRAL, MISTRAL_ARGS
 from .qwen_xml import QWEN_XML
 
 __all__ = ["CallDelta", "Delta", "Message", "StreamParser", "Tool", "ToolCall", "Family", "FAMILIES", "family_for",
            "think_tags", "starts_in_reasoning", "THINK", "HARMONY", "QWEN_XML", "GLM", "DEEPSEEK", "MISTRAL",
-           "MISTRAL_ARGS", "HERMES", "HERMES_FALLBACK"]
+           "MISTRAL_ARGS", "HERMES", "HERMES_FALLBACK", "GEMMA4", "MINIMAX_M2", "LLAMA4"]
 
 # In detection order: the first whose markup the template writes wins.
-FAMILIES: tuple[Family, ...] = (HARMONY, QWEN_XML, GLM, DEEPSEEK, MISTRAL_ARGS, MISTRAL, HERMES)
+FAMILIES: tuple[Family, ...] = (HARMONY, GEMMA4, MINIMAX_M2, LLAMA4, QWEN_XML, GLM, DEEPSEEK, MISTRAL_ARGS, MISTRAL,
+                                HERMES)
 THINK = ("<think>", "</think>")
 
 
@@ -39,8 +43,10 @@ def family_for(template: str | None) -> Family:
 
 
 def think_tags(template: str | None) -> tuple[str, str] | None:
-    """The reasoning block's tags when the template knows them (Qwen3, DeepSeek, GLM), else None.
-    (harmony keeps reasoning in its analysis channel: its parser splits it.)"""
+    """The reasoning block's tags when the template knows them (Qwen3, DeepSeek, GLM, MiniMax-M2; Gemma 4's
+    thought channel), else None. (harmony keeps reasoning in its analysis channel: its parser splits it.)"""
+    if template and GEMMA4.detect(template):
+        return GEMMA4.think
     return THINK if template and (THINK[0] in template or THINK[1] in template) else None
 
 

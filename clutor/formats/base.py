@@ -175,12 +175,18 @@ class MarkerParser(StreamParser):
     body: the family's body parser.
     prefix: content emitted before the reply (with reasoning not split, the prompt's open '<think>').
     new_id: makes each call's id (Mistral's template wants 9 letters or digits).
+    keep_unreadable: a block whose call cannot be read (no name in it, or the body parser says it is
+        not a call) is given back as content, markers and all, instead of being dropped: the caller
+        sees what the model wrote.
+    Where two markers start at the same place, the longer wins (Gemma 4's '<|channel>thought' over
+    '<|channel>').
     """
 
     def __init__(self, *, reasoning: tuple[str, str] | None = None, starts_in_reasoning: bool = False,
                  openers: Sequence[Opener] = (), dropped: Sequence[str] = (), body: BodyParser | None = None,
-                 prefix: str = "", new_id: Callable[[], str] = new_call_id):
+                 prefix: str = "", new_id: Callable[[], str] = new_call_id, keep_unreadable: bool = False):
         super().__init__()
+        self.keep_unreadable = keep_unreadable
         self.new_id = new_id
         self.prefix = prefix       # content to emit first (the prompt's open '<think>' when not split)
         self.reasoning = reasoning
@@ -199,6 +205,8 @@ class MarkerParser(StreamParser):
         self.call_text = ""        # the open call's body so far
         self.call_sent = CallBody()  # what of the open call has been emitted
         self.call_ids: list[str] = []
+        self.call_ws = ""          # the content whitespace held back when the open call began
+        self.final = False         # the reply has ended (finish)
 
     # -- content / reasoning text ------------------------------------------------------------------
     def _content(self, d: Delta, text: str) -> None:
@@ -252,9 +260,17 @@ class MarkerParser(StreamParser):
             hit, pos = None, -1
             for m in markers:
                 i = self.pending.find(m)
-                if i >= 0 and (pos < 0 or i < pos):
+                if i >= 0 and (pos < 0 or i < pos or (i == pos and len(m) > len(hit))):
                     hit, pos = m, i
             mode = self.mode
+            if hit is not None and not self.final and any(len(m) > len(self.pending) - pos and m.startswith(self.pending[pos:])
+                                       for m in markers):
+                # a longer marker may still be arriving here ('<|channel>' of '<|channel>thought'): wait
+                before, self.pending = self.pending[:pos], self.pending[pos:]
+                self._text(d, before, final=False)
+                if mode == "call" and self.mode != "call":
+                    continue
+                break
             if hit is None:
                 cut = len(self.pending) - held_suffix(self.pending, markers)
                 chunk, self.pending = self.pending[:cut], self.pending[cut:]
@@ -285,7 +301,7 @@ class MarkerParser(StreamParser):
             return
         if self.mode == "call":
             self._call_progress(d, final=True)  # its closing marker
-            self._end_call()
+            self._end_call(d, m)
             return
         if m in self.dropped:
             return
@@ -300,7 +316,7 @@ class MarkerParser(StreamParser):
         if reset is not None:  # a stateful body parser (HermesBody) starts the new call afresh
             reset()
         self.mode, self.opener, self.call_text, self.call_sent = "call", opener, (m if opener.keep else ""), CallBody()
-        self.ws = ""
+        self.call_ws, self.ws = self.ws, ""
 
     # -- calls ---------------------------------------------------------------------------------------
     def _call_progress(self, d: Delta, final: bool) -> None:
@@ -315,6 +331,11 @@ class MarkerParser(StreamParser):
         if body.name is None:
             if body.end is not None:
                 self.call_sent = CallBody(end=body.end)
+                if self.opener.close == ():  # the body says it ended without a call in it
+                    rest = self.call_text[body.end:]
+                    self.call_text = self.call_text[:body.end]
+                    self._end_call(d)
+                    self.pending = rest + self.pending
             return
         if self.call_sent.name is None:
             self._emit_new(d, body.name, body.arguments)
@@ -323,7 +344,7 @@ class MarkerParser(StreamParser):
         self.call_sent = body
         if body.end is not None and self.opener.close == ():
             rest = self.call_text[body.end:]
-            self._end_call()
+            self._end_call(d)
             self.pending = rest + self.pending
 
     def _emit_new(self, d: Delta, name: str, args: str) -> None:
@@ -331,19 +352,31 @@ class MarkerParser(StreamParser):
         self.call_ids.append(cid)
         d.calls.append(CallDelta(self.n_calls, id=cid, name=name, arguments=args))
 
-    def _end_call(self) -> None:
-        # a block whose name never became readable is dropped: nothing of it was emitted
-        if self.call_sent.calls is None and self.call_sent.name is not None:
+    def _end_call(self, d: Delta, close: str = "") -> None:
+        # a block whose name never became readable: nothing of it was emitted yet; it is dropped, or
+        # given back as the content the model wrote (keep_unreadable)
+        unread = self.call_sent.calls is None and self.call_sent.name is None
+        if not unread and self.call_sent.calls is None:
             self.n_calls += 1
+        opener, text = self.opener, self.call_text
         self.mode, self.opener, self.call_text, self.call_sent = "content", None, "", CallBody()
+        if unread and self.keep_unreadable:
+            self.ws = self.call_ws
+            self._content(d, ("" if opener.keep else opener.marker) + text + close)
 
     def _finish(self) -> Delta:
         d = Delta()
-        rest, self.pending = self.pending, ""
-        self._text(d, rest, final=True)
-        if self.mode == "call":
-            self._call_progress(d, final=True)
-            self._end_call()
+        self.final = True  # no marker can grow any more
+        while True:
+            d.extend(self._feed(""))
+            rest, self.pending = self.pending, ""
+            self._text(d, rest, final=True)
+            if self.mode == "call":
+                self._call_progress(d, final=True)
+                if self.mode == "call":
+                    self._end_call(d)
+            if not self.pending:  # else a call with no closing marker ended inside the text: read what followed
+                break
         self.ws = self.rws = ""
         return d
 

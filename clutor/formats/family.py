@@ -8,7 +8,11 @@ Each family module (hermes, qwen_xml, glm, deepseek, mistral, harmony) defines o
 - ``tools_prompt(tools)``: the system text describing the tools, for templates that do not render
   ``tools`` themselves (None when the template does);
 - ``render_calls(calls)``: an assistant's calls as this family writes them, for templates that do
-  not render ``tool_calls``.
+  not render ``tool_calls``;
+- ``template_messages(messages, template)`` / ``template_prompt(prompt, add_generation_prompt)``: what
+  llama.cpp does around this family's template (clutor.model.chat.chat_prompt applies both): the
+  messages in the shape the template reads, and the prompt made whole where the template leaves it
+  short. Most families change nothing.
 """
 from __future__ import annotations
 
@@ -92,6 +96,12 @@ class Family:
 
     def render_calls(self, calls: Sequence[tuple[str, dict]]) -> str:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def template_messages(self, messages: list[dict], template: str) -> list[dict]:
+        return messages
+
+    def template_prompt(self, prompt: str, add_generation_prompt: bool) -> str:
+        return prompt
 
     def __repr__(self) -> str:
         return f"<chat format {self.name}>"

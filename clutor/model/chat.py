@@ -290,12 +290,21 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     ``name`` in errors), ready for ``tokenizer.encode(text, special=True)``, which adds BOS per the file.
 
     As llama.cpp: the template sees the vocabulary's BOS/EOS texts; a BOS text at the very start is
-    dropped when the tokenizer adds BOS anyway, an EOS text at the very end when it adds EOS.
+    dropped when the tokenizer adds BOS anyway, an EOS text at the very end when it adds EOS; and what
+    llama.cpp does around the template of the chat format it reads (clutor.formats: Gemma 4's first
+    templates get the tool results inline) is done here too.
     """
+    from ..formats import family_for
+
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    text = render_chat(template or tokenizer.chat_template, messages, add_generation_prompt=add_generation_prompt,
+    template = template or tokenizer.chat_template
+    family = family_for(template)
+    if template:
+        messages = family.template_messages(messages, template)
+    text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                        bos_token=bos, eos_token=eos, name=name, **extra)
+    text = family.template_prompt(text, add_generation_prompt)
     if tokenizer.add_bos and bos and text.startswith(bos):
         text = text[len(bos):]
     if tokenizer.add_eos and eos and text.endswith(eos):

@@ -69,6 +69,9 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         raise bad_request("reasoning_format", f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, "
                                               f"got {shown(rf)}")
     kwargs = _template_kwargs(body)
+    gen = body.get("add_generation_prompt", True)  # llama-server's field: false renders no assistant header
+    if not isinstance(gen, bool):
+        raise bad_request("add_generation_prompt", "'add_generation_prompt' must be a boolean")
     offered = tools if tools and choice != "none" else []
 
     msgs = _for_template(messages, fam, template, offered)
@@ -78,7 +81,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     from ..model.chat import chat_ids, chat_prompt
 
     try:
-        prompt = chat_prompt(tokenizer, msgs, template=template, **extra)
+        prompt = chat_prompt(tokenizer, msgs, template=template, add_generation_prompt=gen, **extra)
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
     if n_ctx is not None:
@@ -87,7 +90,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         check_size(prompt, tokenizer, n_ctx, "messages")
     ids = tokenizer.encode(prompt, special=True)
     keep: tuple[int, ...] = ()
-    if recurrent:
+    if recurrent and gen:
         try:
             base = chat_ids(tokenizer, msgs, add_generation_prompt=False, template=template, **extra)
         except ClutorError:
