@@ -188,6 +188,31 @@ CASES = [
                  "</minimax:tool_call>", THINK, True, "", "Let's call a tool:", [("empty_args", {})]),
     (MINIMAX_M2, '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1'
                  "</parameter>\n</invoke>\n</minimax:tool_call>", THINK, True, "", "", CALL1),
+    # two invokes in one block, as the template writes parallel calls; a string value kept as written
+    (MINIMAX_M2, 'Both.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="city">'
+                 'New York, NY</parameter>\n</invoke>\n<invoke name="special_function_with_opt">\n<parameter '
+                 'name="arg1">1</parameter>\n<parameter name="arg2">2</parameter>\n</invoke>\n</minimax:tool_call>',
+     THINK, True, "", "Both.", [("get_time", {"city": "New York, NY"}),
+                                ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
+    # -- Llama 4: the JSON its template asks for and writes back (no llama.cpp parser reads it) --
+    (LLAMA4, '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, False, "", "",
+     [("get_weather", {"city": "Paris"})]),
+    (LLAMA4, '<|python_start|><|python_end|>{"name": "get_time", "parameters": {"city": "Paris"}}{"name": '
+             '"special_function", "parameters": {"arg1": 1}}', None, False, "", "",
+     [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
+    (LLAMA4, '<|python_start|>Both at once.<|python_end|>{"name": "get_time", "parameters": {"city": "a } b"}}', None,
+     False, "Both at once.", "", [("get_time", {"city": "a } b"})]),
+    (LLAMA4, '{"name": "python", "arguments": {"code": "print(1)"}}', None, False, "", "",
+     [("python", {"code": "print(1)"})]),
+    # JSON that names no tool is the model's text; a call cut off is reported with what arrived
+    (LLAMA4, 'Here: {"name": "Bob", "age": 3} and {"name": "get_time"', None, False,
+     'Here: {"name": "Bob", "age": 3} and ', "", [("get_time", {})]),
+    (LLAMA4, HELLO, None, False, HELLO, "", []),
+    # -- a call that cannot be read is given back as the text the model wrote, not dropped --
+    (GEMMA4, "Sure.<|tool_call>call:get_time<tool_call|>", G4, False, "Sure.<|tool_call>call:get_time<tool_call|>", "",
+     []),
+    (MINIMAX_M2, 'x\n</think>\n\n<minimax:tool_call>\n<invoke name="">\n</invoke>\n</minimax:tool_call>', THINK,
+     True, '<invoke name="">\n</invoke>\n', "x", []),
 ]
 
 
