@@ -260,10 +260,15 @@ class _Gemma4(Family):
                     value = json_rule(spec if isinstance(spec, dict) else {})
                 parts.append((key in required, f'"{key}:" {value}'))
             # required arguments first, in order, then any optional ones, comma-separated
-            body = ""
-            for n, (req, one) in enumerate(parts):
-                sep = '"," ' if n else ""
-                body += f" {sep}{one}" if req else f" ({sep}{one})?"
+            req = [one for r, one in parts if r]
+            opt = [one for r, one in parts if not r]
+            if req:
+                body = " " + ' "," '.join(req) + "".join(f' ("," {one})?' for one in opt)
+            elif opt:  # the first argument present has no comma before it
+                body = " (" + " | ".join(opt[i] + "".join(f' ("," {one})?' for one in opt[i + 1:])
+                                          for i in range(len(opt))) + ")?"
+            else:
+                body = ""
             rules[f"call{k}"] = f'{lit("<|tool_call>")} "call:{t.name}{{"{body} "}}" {lit(CLOSE)}'
         return "\n".join([alternatives(rules), repeat_calls(parallel)] + defs)
 
