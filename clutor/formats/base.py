@@ -307,7 +307,9 @@ class MarkerParser(StreamParser):
             return
         if self.reasoning and m == self.reasoning[0]:
             if self.any_content or self.n_calls or self.started_reasoning:
-                self._content(d, m)  # the text before it came in the same piece
+                # the text before it came in the same piece: read it again as the content's, where
+                # it is no marker (as it would have been had that text come first)
+                self.pending = m + self.pending
             else:
                 self.mode = "reasoning"
             return

@@ -43,8 +43,8 @@ class Llama4Body:
             if span is None or span[1] is None:
                 return CallBody(end=end if end is not None else (len(text) if final else None))
             name = string_field(text, span)
-            if name not in self.tools:  # not a call to one of the tools: the model's own JSON
-                return CallBody(end=end if end is not None else span[1])
+            if name not in self.tools:  # not a call to one of the tools: the model's own text, read again
+                return CallBody(end=span[1])  # from its name's end (wherever the pieces were cut)
             self.name = name
         if self.scan is None:
             fields, _ = object_fields(text, 0)
