@@ -74,3 +74,30 @@ def test_a_streamed_token_builds_no_chunk_dict(srv, route, monkeypatch):
     assert usage["completion_tokens"] == n
     assert len(texts) >= n // 2  # (a multi-byte character's pieces come as one)
     assert len(built) <= 4, f"{len(built)} chunk dicts for {n} tokens"
+
+
+def test_serve_takes_short_turns_on_the_gil(monkeypatch):
+    """`clutor serve` sets its process's GIL switch interval (clutor.server.run.SWITCH_INTERVAL) before it
+    serves: the loop's per-token work and the compute thread's glue then wait at most 0.5 ms for each
+    other instead of Python's 5 ms. (Recorded, not applied, so this test process keeps its own.)"""
+    import sys
+
+    import clutor.server
+    from clutor.cli import main
+    from clutor.server import run
+
+    asked, openers = [], []
+    monkeypatch.setattr(sys, "setswitchinterval", asked.append)
+    real_app = clutor.server.create_app
+    monkeypatch.setattr(clutor.server, "create_app", lambda model, **kw: openers.append(model) or real_app(model, **kw))
+
+    async def serve(self, sockets=None):
+        asked.append(("serving", len(sockets)))
+        for s in sockets:
+            s.close()
+        for opener in openers:  # the model is never opened: nothing is served
+            opener.close()
+
+    monkeypatch.setattr(run.Server, "serve", serve)
+    assert main(["serve", str(MODEL), "--port", "0", "--log-level", "warning"]) == 0
+    assert asked == [run.SWITCH_INTERVAL, ("serving", 1)] and run.SWITCH_INTERVAL <= 0.001
