@@ -378,7 +378,7 @@ def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) ->
         rows.append(row)
     llama = []
     if args.vs_llama_cpp:
-        lcommon = _llama_args(args, common)
+        lcommon = {**_llama_args(args, common), **_forced(args, rows)}
         if cap:
             progress.start(f"llama.cpp 1 stream, mmap, capped at {cap}")
             ol = run_worker(args.model, "llama.cpp", lcommon, cap=cap, drop_caches=True, timeout=args.timeout)
@@ -406,6 +406,19 @@ def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tp
     io = result.get("decode_io") or {}
     return bounds(achieved, compute_tps, (disk or {}).get("bytes_per_second"), replay.get("belady_bytes_per_token"),
                   io.get("bytes_per_token")).to_json()
+
+
+def _forced(args, rows: list[dict]) -> dict:
+    """llama.cpp's options to decode the ids Clutor's one-stream row generated (forced decoding), so both
+    rows run the same forward passes and routing: a sampled stream of llama.cpp's own can drift into text
+    that reads far fewer experts (runs of whitespace). Only for the text workload, whose one-stream
+    prompt is llama.cpp's (greedy rows choose the argmax, the same ids where the logits agree)."""
+    if args.workload != "text":
+        return {}
+    one = next((r for r in rows if r["streams"] == 1 and r["ok"]), None)
+    if one is None or len(one["result"].get("tokens") or ()) != args.tokens:
+        return {}
+    return {"forced": one["result"]["tokens"], "forced_prompt_digest": one["result"]["prompt_digests"][0]}
 
 
 def _llama_args(args, common: dict) -> dict:
