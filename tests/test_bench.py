@@ -165,19 +165,23 @@ def test_llama_worker_refuses_bad_forced_ids(tiny, forced, digest, why):
     assert rc != 0 and "forced" in d["error"] and why in d["error"], d
 
 
-def test_bench_forces_llama_cpp_onto_the_one_stream_rows_tokens():
-    """The concurrency table's llama.cpp row gets the 1-stream row's ids and prompt (text workload only)."""
+def test_bench_forces_llama_cpp_onto_clutors_tokens():
+    """llama.cpp's rows get the ids and prompt of the Clutor run they are compared with: the concurrency
+    table's 1-stream row, a single run's result (text workload only)."""
     from types import SimpleNamespace
 
-    from clutor.cli.bench import _forced
+    from clutor.cli.bench import _forced, _one_stream
 
     rows = [{"streams": 4, "ok": True, "result": {"tokens": [9, 9, 9], "prompt_digests": ["b"] * 4}},
             {"streams": 1, "ok": True, "result": {"tokens": [5, 6, 7], "prompt_digests": ["a"]}}]
     text = SimpleNamespace(workload="text", tokens=3)
-    assert _forced(text, rows) == {"forced": [5, 6, 7], "forced_prompt_digest": "a"}
-    assert _forced(SimpleNamespace(workload="ids", tokens=3), rows) == {}
-    assert _forced(text, rows[:1]) == {}  # no 1-stream row: llama.cpp chooses its own
-    assert _forced(text, [{**rows[1], "ok": False}]) == {}
+    assert _forced(text, _one_stream(rows)) == {"forced": [5, 6, 7], "forced_prompt_digest": "a"}
+    assert _forced(text, {"tokens": [1, 2, 3], "prompt_digest": "c"}) == {"forced": [1, 2, 3],
+                                                                           "forced_prompt_digest": "c"}
+    assert _forced(SimpleNamespace(workload="ids", tokens=3), _one_stream(rows)) == {}
+    assert _forced(text, _one_stream(rows[:1])) == {}  # no 1-stream row: llama.cpp chooses its own
+    assert _forced(text, _one_stream([{**rows[1], "ok": False}])) == {}
+    assert _forced(text, {"tokens": [1, 2], "prompt_digest": "c"}) == {}  # stopped short: not the same work
 
 
 # ---- prompt ----------------------------------------------------------------------------------
