@@ -179,8 +179,10 @@ def show(events: list[tuple], n: int, skip: int = 2) -> None:
             print(f"  {1e3 * (e[1] - r0):7.2f} -> {1e3 * (e[2] - r0):7.2f}  {e[0]:4s} {e[3] if e[3] is not None else ''}")
 
 
-async def _generate(path: str, budget: str, policy: str | None, tokens: int, prompt_tokens: int, rec: Recorder) -> int:
-    async with Model.open(path, expert_cache=budget, **({"policy": policy} if policy else {})) as model:
+async def _generate(path: str, budget: str, policy: str | None, io: str, tokens: int, prompt_tokens: int,
+                    rec: Recorder) -> int:
+    opts = {"io": io} if io == "memory" else {"io": io, "expert_cache": budget, **({"policy": policy} if policy else {})}
+    async with Model.open(path, **opts) as model:
         prompt, warm = workload_prompts(model.tokenizer, "text", 2, prompt_tokens, 0)
         sampling = sampling_options("text", 0)
         async for _ in model.generate(warm, max_tokens=1, ignore_eos=True, **sampling):
@@ -188,7 +190,8 @@ async def _generate(path: str, budget: str, policy: str | None, tokens: int, pro
         with rec:
             async for _ in model.generate(prompt, max_tokens=tokens, ignore_eos=True, **sampling):
                 pass
-        return int(model.io_stats().slot_bytes)  # one expert's read, widened to O_DIRECT alignment
+        stats = model.io_stats()
+        return int(stats.slot_bytes) if stats is not None else 0  # one expert's read, widened to O_DIRECT alignment
 
 
 def main(argv=None) -> int:
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("model")
     p.add_argument("--budget", default="25%")
     p.add_argument("--policy", default=None, help="cache policy (default: the library's)")
+    p.add_argument("--io", default="auto", help="auto | uring | threads | memory (the file mapped: the compute alone)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--show", type=int, default=0, help="print the first N decode tokens' events")
@@ -209,15 +213,16 @@ def main(argv=None) -> int:
 
         bps = disk_bandwidth(a.model, a.fio_seconds).bytes_per_second
     rec = Recorder()
-    expert_bytes = asyncio.run(_generate(a.model, a.budget, a.policy, a.tokens, a.prompt_tokens, rec))
+    expert_bytes = asyncio.run(_generate(a.model, a.budget, a.policy, a.io, a.tokens, a.prompt_tokens, rec))
     if a.show:
         show(rec.events, a.show)
     s = analyse(rec.events, expert_bytes, bps)
     m = s["mean"]
     print(f"{s['tokens']} decode tokens, ms per token: wall {1e3 * m['wall']:.1f} = compute {1e3 * m['compute']:.1f}"
+          f" (experts {1e3 * s['per_expert_compute']:.2f} ms each)"
           f" + read wait {1e3 * m['read_wait']:.1f} + hand-off {1e3 * m['handoff']:.1f}; {m['misses']:.2f} misses/token;"
-          f" demand reads p50 {s['demand_read_ms']['p50']:.1f} ms")
-    if "dependency_bound" in m:
+          + (f" demand reads p50 {s['demand_read_ms']['p50']:.1f} ms" if s["demand_read_ms"]["n"] else ""))
+    if m.get("dependency_bound") and expert_bytes:
         print(f"dependency bound on these misses at {bps / 2**20:.0f} MiB/s: {1e3 * m['dependency_bound']:.1f} ms/token"
               f" ({m['dependency_bound'] / m['wall']:.2f} of the wall time); compute alone {1e3 * m['compute']:.1f}")
     if a.json:
