@@ -10,7 +10,9 @@ compute bound (the same workload with the experts in RAM), the disk bound (fio's
 measured just before and after the row, the faster of the two, over Belady's minimal bytes per token replayed on the row's own routing
 trace at its cache size), the row's tok/s over min(both), and the same with the row's own bytes per token.
 --workload text takes the prompts from the bundled corpus and samples (llama.cpp's default chain), so a
-model trained on real text routes as it does on real requests instead of looping greedily."""
+model trained on real text routes as it does on real requests instead of looping greedily; llama.cpp's
+rows then decode the ids Clutor's run generated (forced decoding), so both engines run the same forward
+passes and routing."""
 from __future__ import annotations
 
 import argparse
