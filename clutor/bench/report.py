@@ -231,7 +231,11 @@ def render_comparison(comparison: dict, disk_bps: float | None, tokens: int) -> 
         if c and l:
             same = _common_prefix(c.get("tokens", []), l.get("tokens", []))
             prompt = "same prompt ids" if c.get("prompt_digest") == l.get("prompt_digest") else "DIFFERENT prompt ids"
-            notes.append(f"{row['setting']}: {prompt}; greedy tokens agree for the first {same} of {tokens}")
+            if l.get("forced"):  # llama.cpp decoded Clutor's ids: equal by construction; its own argmax says how close
+                notes.append(f"{row['setting']}: {prompt}; llama.cpp decoded Clutor's {len(l.get('tokens', []))} ids "
+                             f"(forced), its own argmax agreeing on {l.get('forced_argmax_agree')}")
+            else:
+                notes.append(f"{row['setting']}: {prompt}; greedy tokens agree for the first {same} of {tokens}")
     return "\n".join([text, "", *notes, "", COMPARE_LEGEND]) if notes else "\n".join([text, "", COMPARE_LEGEND])
 
 
