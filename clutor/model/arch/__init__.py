@@ -12,6 +12,7 @@ from .common import Arch
 from .deepseek2 import DeepSeek2
 from .gemma4 import Gemma4
 from .glm4moe import GLM4MoE
+from .glm_dsa import GlmDsa
 from .gptoss import GptOss
 from .llama import Llama
 from .llama4 import Llama4
@@ -26,7 +27,7 @@ from .qwen3next import Qwen3Next
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
 ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss,
-                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4)}
+                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4, GlmDsa)}
 
 
 def read_arch(f) -> Arch:
