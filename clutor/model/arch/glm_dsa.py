@@ -144,7 +144,7 @@ class GlmDsa(DeepSeek2):
         return [LatentKV(C + r + (self.idx_dim if full else 0), C) for full in self.full]
 
     def layer_kind(self, l):
-        return "sparse attention" if self.full[l] else "sparse attention, shared top-k"
+        return "sparse attention" if self.full[l] else "sparse attention (shared top-k)"
 
     def attention(self, lw, l, x, step, rope):
         cfg, R = self.cfg, x.shape[0]
