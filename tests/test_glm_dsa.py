@@ -270,3 +270,45 @@ def test_a_file_carrying_mtp_layers_loads_and_computes_the_same(tmp_path, capsys
     assert n_plain == n_mtp == 4 and np.array_equal(plain, mtp)
     assert main(["info", str(dst)]) == 0
     assert "1 MTP layers skipped" in capsys.readouterr().out
+
+
+def _glm5_header(**over):
+    """GLM-5's config.json (zai-org/GLM-5) as the converter writes it: 78 layers + 1 MTP layer, MLA
+    (q rank 2048, latent 512, heads 192 + 64, values 256), 32 indexer heads of 128, top 2048."""
+    a = ARCH
+    meta = {f"{a}.block_count": 79, f"{a}.nextn_predict_layers": 1, f"{a}.context_length": 202752,
+            f"{a}.embedding_length": 6144, f"{a}.feed_forward_length": 12288, f"{a}.attention.head_count": 64,
+            f"{a}.attention.head_count_kv": 1, f"{a}.rope.freq_base": 1e6, f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
+            f"{a}.expert_count": 256, f"{a}.expert_used_count": 8, f"{a}.expert_group_count": 1,
+            f"{a}.expert_group_used_count": 1, f"{a}.attention.key_length": 576, f"{a}.attention.value_length": 512,
+            f"{a}.leading_dense_block_count": 3, f"{a}.attention.q_lora_rank": 2048, f"{a}.attention.kv_lora_rank": 512,
+            f"{a}.attention.key_length_mla": 256, f"{a}.attention.value_length_mla": 256,
+            f"{a}.expert_feed_forward_length": 2048, f"{a}.expert_shared_count": 1, f"{a}.expert_weights_scale": 2.5,
+            f"{a}.expert_weights_norm": True, f"{a}.rope.dimension_count": 64, f"{a}.attention.indexer.head_count": 32,
+            f"{a}.attention.indexer.key_length": 128, f"{a}.attention.indexer.top_k": 2048}
+    return {k: v for k, v in (meta | over).items() if v is not None}
+
+
+def test_glm5_and_glm5_2_headers_are_read_as_llama_cpp_reads_them():
+    """Without attention.indexer.types, a context below 2^20 (GLM-5, 5.1) means an indexer in every
+    layer; 2^20 or more (GLM-5.2) llama.cpp's built-in pattern (full in layers 0, 1, 2, 6, 10, ...)."""
+    from clutor.model.arch import read_arch
+    from clutor.model.arch.common import TableView
+
+    shapes = {"token_embd.weight": (154880, 6144), "output.weight": (154880, 6144), "blk.3.exp_probs_b.bias": (256,)}
+    glm5 = read_arch(TableView(ARCH, _glm5_header(), shapes, path="glm5.gguf"))
+    assert glm5.cfg.n_layers == 78 and glm5.n_nextn == 1 and all(glm5.full) and glm5.top_k == 2048
+    assert glm5.cfg.head_dim == 256 and glm5.kq_scale == pytest.approx(1 / 16) and glm5.func == "sigmoid"
+    # per position and layer: latent 512 + rope 64 + the indexer's key 128
+    assert {s.row for s in glm5.layer_states()} == {704}
+    assert glm5.describe()["indexer"]["kv_values_per_position"] == 78 * 128
+    glm52 = read_arch(TableView(ARCH, _glm5_header(**{f"{ARCH}.context_length": 1 << 20}), shapes, path="glm52.gguf"))
+    assert [i for i, f in enumerate(glm52.full) if f][:6] == [0, 1, 2, 6, 10, 14] and sum(glm52.full) == 21
+    assert {s.row for s in glm52.layer_states()} == {704, 576}
+    with pytest.raises(clutor.UnsupportedError) as e:  # llama.cpp's Hadamard rotation needs a power of two >= 64
+        read_arch(TableView(ARCH, _glm5_header(**{f"{ARCH}.attention.indexer.key_length": 96}), shapes, path="x.gguf"))
+    assert e.value.field == f"{ARCH}.attention.indexer.key_length"
+    with pytest.raises(clutor.ModelFileError) as e:  # a shared layer needs an earlier full one
+        read_arch(TableView(ARCH, _glm5_header(**{f"{ARCH}.attention.indexer.types": [False] + [True] * 77}), shapes,
+                            path="x.gguf"))
+    assert e.value.field == f"{ARCH}.attention.indexer.types"
