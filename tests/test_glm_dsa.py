@@ -312,3 +312,24 @@ def test_glm5_and_glm5_2_headers_are_read_as_llama_cpp_reads_them():
         read_arch(TableView(ARCH, _glm5_header(**{f"{ARCH}.attention.indexer.types": [False] + [True] * 77}), shapes,
                             path="x.gguf"))
     assert e.value.field == f"{ARCH}.attention.indexer.types"
+
+
+def test_a_reused_prefix_carries_the_indexers_keys():
+    """A prompt extending an earlier one starts from the cached prefix (its latent rows, the indexer's
+    keys in them) and generates what a fresh model does, past the top-k (positions 30 .. 46)."""
+    ids = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()
+    first, longer = ids[:30], ids[:30] + ids[40:50]
+
+    async def gen(model, prompt):
+        outs = [o async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)]
+        return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
+
+    async def go():
+        async with clutor.Model.open(fixture_path(ARCH, "Q4_K_M")) as model:
+            await gen(model, first)
+            again = await gen(model, longer)
+        async with clutor.Model.open(fixture_path(ARCH, "Q4_K_M"), prefix_cache=0) as fresh:
+            return again, await gen(fresh, longer)
+
+    (tokens, cached), (fresh, _) = run(go())
+    assert cached >= 30 and tokens == fresh
