@@ -167,6 +167,15 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
     if arch == "minimax-m2":  # whole-vector q/k norms, partial NEOX RoPE, biased selection, always renormalised
         return {"n_rot": kv(f"{arch}.rope.dimension_count"), "norm_w": True,
                 "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")]}
+    if arch == "ernie4_5-moe":  # NORM RoPE over the whole head, softmax + selection bias, always renormalised
+        return {"n_dense": kv(f"{arch}.leading_dense_block_count", 0), "norm_w": True,
+                "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0)}
+    if arch == "bailingmoe2":  # fused qkv, per-head q/k norms, partial NEOX RoPE, grouped biased routing; MTP layers skipped
+        return {"n_layer": kv(f"{arch}.block_count") - kv(f"{arch}.nextn_predict_layers", 0),
+                "n_rot": kv(f"{arch}.rope.dimension_count"), "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")],
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
+                "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0)}
     if arch == "nemotron_h_moe":
         hkv, ff = kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.feed_forward_length")
         kinds = tuple("ssm" if h == 0 and f == 0 else "attention" if f == 0 else "moe" for h, f in zip(hkv, ff))
@@ -234,7 +243,7 @@ class Reference:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hp.eps) * w
 
     def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, hd], NEOX pairs (i, i + hd/2)
-        if self.hp.arch in ("llama", "deepseek2", "glm-dsa"):
+        if self.hp.arch in ("llama", "deepseek2", "glm-dsa", "ernie4_5-moe"):
             return self._rope_norm(x, pos)
         n = self.hp.n_rot or x.shape[-1]  # glm4moe rotates the first n_rot dims only
         half = n // 2
@@ -296,7 +305,12 @@ class Reference:
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             return np.einsum("ht,thd->hd", p, V).reshape(-1)
-        q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
+        if b + "attn_qkv.weight" in w:  # bailingmoe2: rows q | k | v
+            qkv = w[b + "attn_qkv.weight"] @ h
+            qd, kd = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+            q, k, v = qkv[:qd], qkv[qd : qd + kd], qkv[qd + kd :]
+        else:
+            q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
         if b + "attn_q.bias" in w:
             q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
         if hp.arch in ("olmoe", "minimax-m2"):  # QK-norm over the whole vectors
@@ -304,7 +318,7 @@ class Reference:
         q = q.reshape(hp.n_head, hp.head_dim)
         k = k.reshape(hp.n_head_kv, hp.head_dim)
         v = v.reshape(hp.n_head_kv, -1)
-        if hp.arch in ("qwen3moe", "glm4moe") and b + "attn_q_norm.weight" in w:  # QK-norm per head
+        if hp.arch in ("qwen3moe", "glm4moe", "bailingmoe2") and b + "attn_q_norm.weight" in w:  # QK-norm per head
             q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
         q, k = self._rope(q, pos), self._rope(k, pos)
         self.k[il].append(k)
@@ -617,7 +631,10 @@ class Reference:
             keep[go[: hp.n_group_used]] = True
             score = np.where(np.repeat(keep, g.shape[1]), score, -np.inf)
         order = np.argsort(-score)
-        margins.append((score[order[hp.n_used - 1]] - score[order[hp.n_used]]) / slope)
+        a, b2 = order[hp.n_used - 1], order[hp.n_used]
+        if hp.gating == "softmax":  # a logit error e moves softmax's p by at most ~2 e p: small ones move little
+            slope = min(slope, 2.0 * (prob[a] + prob[b2]))
+        margins.append((score[a] - score[b2]) / slope)
         sel = order[: hp.n_used]
         gate = prob[sel]
         if hp.norm_w:
