@@ -155,6 +155,24 @@ PRESETS = {
                 partial_rotary_factor=0.5, rope_theta=600000.0, rope_scaling=None, rms_norm_eps=1e-6,
                 max_position_embeddings=4096, num_nextn_predict_layers=1, tie_word_embeddings=False,
                 hidden_act="silu", vocab_size=768, bos_token_id=759, eos_token_id=763, pad_token_id=760)),
+    # GLM-5 (GLM-MoE-DSA): MLA (q rank 64, latent 64, heads of 32 + 32 RoPE, values 32) with DeepSeek's
+    # sparse-attention indexer in every layer but one: 4 indexer heads of 64 (RoPE on the first 32),
+    # each query keeping its top 8 keys (prompts of ~70 tokens, so the selection matters); layer 2
+    # "shared" reuses layer 1's selection (GLM-5.2's indexer_types). One dense layer, then 8 experts
+    # top-2 + a shared expert, sigmoid routing with GLM's selection bias, renormalised, scaled x2.5.
+    "glm-dsa": dict(
+        cls="GlmMoeDsaForCausalLM", config="GlmMoeDsaConfig", vocab=768, pre="glm4", init_buffers=True,
+        specials=["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+        eos="<|endoftext|>", pad="<|endoftext|>", bos="[gMASK]",
+        hf=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                index_n_heads=4, index_head_dim=64, index_topk=8, indexer_types=["full", "full", "shared", "full"],
+                first_k_dense_replace=1, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+                num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                routed_scaling_factor=2.5, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+                bos_token_id=756, eos_token_id=754, pad_token_id=754)),
 }
 
 
@@ -254,7 +272,7 @@ def init_weights(model, seed: int, init_buffers: bool = False, embed_std: float 
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
     offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2", "Llama4", "Ernie4_5",
-                                                            "BailingMoeV2"))  # these compute x w
+                                                            "BailingMoeV2", "GlmMoeDsa"))  # these compute x w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
@@ -266,6 +284,8 @@ def init_weights(model, seed: int, init_buffers: bool = False, embed_std: float 
                 v = normal(shape, 0.5)
             elif "conv1d" in name:
                 v = normal(shape, 0.5)
+            elif name.endswith("norm.bias"):  # a LayerNorm's shift (GLM-5's indexer key norm)
+                v = normal(shape, 0.1)
             elif len(shape) == 1 and "norm" in name:
                 gated = "linear_attn.norm" in name or "mixer.norm" in name
                 v = normal(shape, 0.1) + (1.0 if gated or not offset_norms else 0.0)

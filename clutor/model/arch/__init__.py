@@ -14,6 +14,7 @@ from .deepseek2 import DeepSeek2
 from .ernie4_5_moe import Ernie45MoE
 from .gemma4 import Gemma4
 from .glm4moe import GLM4MoE
+from .glm_dsa import GlmDsa
 from .gptoss import GptOss
 from .llama import Llama
 from .llama4 import Llama4
@@ -29,7 +30,7 @@ __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
 ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss,
                                                 Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4,
-                                                Ernie45MoE, BailingMoE2)}
+                                                Ernie45MoE, BailingMoE2, GlmDsa)}
 
 
 def read_arch(f) -> Arch:
