@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -162,6 +163,8 @@ class Engine:
         # module docstring); False: every step is scheduled from the loop (tests compare the two).
         self.solo_decode = True
         self._stop_solo = False  # set on the loop thread: the compute thread's loop hands back at its next step
+        # The pool while a lone sequence's loop changes it on the compute thread: stats() reads it from the loop.
+        self._pool_lock = threading.Lock()
 
     @property
     def page_bytes(self) -> int:
@@ -245,7 +248,8 @@ class Engine:
         return max(1, min(60, math.ceil(waves * self._mean_seconds)))
 
     def stats(self) -> EngineStats:
-        ps = self.pool.stats()
+        with self._pool_lock:
+            ps = self.pool.stats()
         return EngineStats(
             live_sequences=len(self._active), queued=len(self._waiting), kv_bytes=ps.live_bytes,
             prefix_entries=ps.cached_pages, prefix_bytes=ps.cached_bytes,
@@ -533,7 +537,8 @@ class Engine:
                 if self._stop_solo or self._waiting or self._closed or r.released or asked():
                     return None
                 try:
-                    r.copies += self.pool.reserve(r.seq, r.seq.n + 1)
+                    with self._pool_lock:
+                        r.copies += self.pool.reserve(r.seq, r.seq.n + 1)
                 except NoRoom:
                     return None  # the scheduler preempts, or fails it with the numbers
                 except ClutorError as e:
@@ -548,10 +553,12 @@ class Engine:
                 return e
             finally:
                 if plan.copies:
-                    self.pool.done(plan.copies)
+                    with self._pool_lock:
+                        self.pool.done(plan.copies)
             if oc.error is not None:
                 return oc.error
-            self._apply(r, plan.segments[0], oc.value, time.perf_counter(), post, last)
+            with self._pool_lock:
+                self._apply(r, plan.segments[0], oc.value, time.perf_counter(), post, last)
             if r.done:
                 return None
 
