@@ -57,7 +57,7 @@ NEW_FIXTURES = [(a, q) for a in NEW_ARCHS for q in NEW_TYPES] + [("gptoss", "MXF
 HYBRID_ARCHS = ("qwen35moe", "qwen3next", "nemotron_h_moe")
 HYBRID_TYPES = ("F16", "Q4_K_M")
 # The attention-only MoE architectures of 2026 (tests/test_attn_archs.py), made through llama.cpp's converter too.
-ATTN_ARCHS = ("minimax-m2", "llama4")
+ATTN_ARCHS = ("minimax-m2", "llama4", "ernie4_5-moe", "bailingmoe2", "glm-dsa")
 ATTN_TYPES = ("F16", "Q4_K_M")
 
 # The same positions computed two ways (a batched prefill vs one token at a time, a batched step vs

@@ -1,4 +1,4 @@
-"""The attention-only MoE architectures of 2026 (MiniMax-M2 `minimax-m2`) against llama.cpp's
+"""The attention-only MoE architectures of 2026 (MiniMax-M2, Llama 4, ERNIE 4.5, Ling 2.0) against llama.cpp's
 recordings: logits at F16 and Q4_K_M, greedy tokens, the fixture vocabulary's tokenization; then what
 the engine must keep: prefill == one token at a time, streamed == in memory bit for bit; `clutor info`;
 files llama.cpp would refuse are refused, naming what is wrong.
@@ -107,7 +107,13 @@ def test_streamed_equals_memory_bit_for_bit(arch, activations):
     ("minimax-m2", ["layer kinds     3 attention", "heads           4 q / 2 kv, head dim 64",
                     "RoPE neox, 32 of 64 dims", "sigmoid + selection bias, top-k, renormalised",
                     "experts         8, top-2, hidden 64"]),
-    ("llama4", ["layers          4 (2 dense interleaved)", "layer kinds     3 chunked, 1 attention", "chunks of 8192 in 3 of 4 layers, no RoPE in 1, q/k norm",
+    ("ernie4_5-moe", ["layers          4 (1 dense first): MoE in 1-3", "layer kinds     4 attention",
+                      "RoPE norm, 32 of 32 dims", "softmax + selection bias, top-k, renormalised",
+                      "experts         8, top-2, hidden 64, shared expert hidden 64"]),
+    ("bailingmoe2", ["layers          3 (1 dense first): MoE in 1-2", "RoPE neox, 16 of 32 dims",
+                     "sigmoid + selection bias, top 2 of 4 groups, top-k, renormalised, scaled x2.5",
+                     "shared expert hidden 64; 1 MTP layers skipped"]),
+    ("llama4", ["layers          4 (2 dense interleaved): MoE in 1, 3", "3 chunked layers keep at most one chunk of KV", "layer kinds     3 chunked, 1 attention", "chunks of 8192 in 3 of 4 layers, no RoPE in 1, q/k norm",
                 "RoPE norm, 32 of 32 dims, frequencies / rope_freqs", "shared expert hidden 64",
                 "top-k of the logits, sigmoid(logit) x the expert's input"]),
 ])
@@ -118,6 +124,7 @@ def test_info_shows_the_layers(arch, words, capsys):
     out = capsys.readouterr().out
     for w in words:
         assert w in out, (w, out)
+    assert "sliding-window" not in out, out  # none of these has a sliding window (Llama 4's are chunks)
 
 
 # -- files llama.cpp refuses -----------------------------------------------------------------------
@@ -180,3 +187,91 @@ def test_llama4_chunks_and_temperature_tuning_match_an_independent_reference(mon
     np.testing.assert_allclose(stepped, got, rtol=0, atol=STEP_TOL["q8"] * np.abs(got).max())
     plain, _ = record_reference.Reference(fixture_path("llama4", "F16")).run(ids)  # one chunk: all keys
     assert np.abs(plain - want)[40:].max() > 0.1  # the chunks matter at these positions
+
+
+# -- ERNIE 4.5 and Ling 2.0: what llama.cpp requires ------------------------------------------------
+@pytest.mark.parametrize("arch, drop, field", [
+    ("ernie4_5-moe", "ernie4_5-moe.interleave_moe_layer_step", "ernie4_5-moe.interleave_moe_layer_step"),
+    ("ernie4_5-moe", "ernie4_5-moe.expert_feed_forward_length", "ernie4_5-moe.expert_feed_forward_length"),
+    ("ernie4_5-moe", "blk.1.ffn_gate_exps.weight", "tensor blk.1.ffn_gate_exps.weight"),
+    ("ernie4_5-moe", "blk.0.ffn_up.weight", "tensor blk.0.ffn_up.weight"),  # the leading dense layer's
+    ("bailingmoe2", "bailingmoe2.expert_gating_func", "bailingmoe2.expert_gating_func"),
+    ("bailingmoe2", "bailingmoe2.expert_shared_count", "bailingmoe2.expert_shared_count"),
+    ("bailingmoe2", "output.weight", "tensor output.weight"),  # never tied
+    ("bailingmoe2", "blk.2.attn_k_norm.weight", "tensor blk.2.attn_k_norm.weight"),
+    ("bailingmoe2", "blk.1.ffn_up_shexp.weight", "tensor blk.1.ffn_up_shexp.weight"),
+])
+def test_file_without_what_llama_cpp_requires_is_refused(tmp_path, arch, drop, field):
+    from gguf_util import copy_gguf
+
+    dst = tmp_path / "cut.gguf"
+    copy_gguf(fixture_path(arch, "Q4_K_M"), dst, drop=frozenset({drop}))
+    with pytest.raises(clutor.ModelFileError) as e:
+        run(clutor.Model.open(dst).__aenter__())
+    assert e.value.field == field and str(dst) in str(e.value), str(e.value)
+
+
+def _table(arch, **changes):
+    from clutor.model.arch.common import TableView
+
+    with GGUFFile.open(fixture_path(arch, "Q4_K_M")) as f:
+        meta = {k: v for k, v in f.metadata.items() if k.startswith(arch + ".")}
+        shapes = {n: f.tensors[n].shape for n in ("token_embd.weight", "output.weight") if n in f.tensors}
+    for k, v in changes.items():
+        if v is None:
+            meta.pop(f"{arch}.{k}")
+        else:
+            meta[f"{arch}.{k}"] = v
+    return TableView(arch, meta, shapes, path="t.gguf")
+
+
+def test_ernie_moe_step_that_leaves_dense_layers_among_the_experts_is_refused():
+    """llama.cpp loads expert tensors in every layer from leading_dense_block_count on and runs them
+    only where (i + 1) % step == 0: a step of 2 would leave layer 2 with no FFN it can build."""
+    with pytest.raises(clutor.UnsupportedError) as e:
+        read_arch(_table("ernie4_5-moe", interleave_moe_layer_step=2))
+    assert e.value.field == "ernie4_5-moe.interleave_moe_layer_step"
+    arch = read_arch(_table("ernie4_5-moe", leading_dense_block_count=None))  # absent: 0, every layer MoE
+    assert arch.cfg.moe_layers == (0, 1, 2, 3) and arch.cfg.n_ff == 0
+
+
+def test_ernie_shared_expert_follows_its_own_length_key():
+    """llama.cpp builds the shared expert from expert_shared_feed_forward_length alone (expert_shared_count
+    sizes nothing): absent or 0, no shared expert."""
+    assert read_arch(_table("ernie4_5-moe")).cfg.n_ff_shexp == 64
+    assert read_arch(_table("ernie4_5-moe", expert_shared_count=4)).cfg.n_ff_shexp == 64
+    arch = read_arch(_table("ernie4_5-moe", expert_shared_feed_forward_length=None))
+    assert arch.cfg.n_ff_shexp == 0 and "sh_gate" not in arch.layer_tensors(1)
+
+
+def test_bailing_shared_expert_size_rule():
+    """llama.cpp: (expert_shared_feed_forward_length, or the expert size where it is 0) x expert_shared_count."""
+    assert read_arch(_table("bailingmoe2")).cfg.n_ff_shexp == 64
+    assert read_arch(_table("bailingmoe2", expert_shared_count=2)).cfg.n_ff_shexp == 128
+    assert read_arch(_table("bailingmoe2", expert_shared_feed_forward_length=None, expert_shared_count=3)).cfg.n_ff_shexp == 192
+    assert read_arch(_table("bailingmoe2", expert_shared_feed_forward_length=48, expert_shared_count=2)).cfg.n_ff_shexp == 96
+
+
+def test_bailing_mtp_layers_are_in_the_table_but_not_computed():
+    """The fixture carries one MTP layer (block_count 4, nextn_predict_layers 1), as the converter writes
+    Ling 2.0's: 3 layers run; the MTP layer's tensors are listed as unread, and each one is in the file."""
+    with GGUFFile.open(fixture_path("bailingmoe2", "F16")) as f:
+        arch = read_arch(f)
+        assert f.metadata["bailingmoe2.block_count"] == 4 and arch.cfg.n_layers == 3 and arch.n_nextn == 1
+        unread = arch.unread_tensors()
+        assert {t.name for t in unread if t.required} <= set(f.tensors)
+        assert {n for n in f.tensors if n.startswith("blk.3.")} == {t.name for t in unread}
+        table = {t.name for t in arch.file_tensors()}
+        assert set(f.tensors) == table  # the converter's tensors, no more, no fewer
+
+
+def test_bailing_gating_other_than_softmax_or_sigmoid_is_refused():
+    with pytest.raises(clutor.UnsupportedError) as e:
+        read_arch(_table("bailingmoe2", expert_gating_func=4))
+    assert e.value.field == "bailingmoe2.expert_gating_func"
+
+
+def test_bailing_heads_must_fill_the_fused_qkv_q_part():
+    with pytest.raises(clutor.ModelFileError) as e:
+        read_arch(_table("bailingmoe2", **{"attention.key_length": 64, "attention.value_length": 64}))
+    assert e.value.field == "bailingmoe2.attention.key_length"

@@ -136,6 +136,54 @@ def test_llama_worker_same_prompt_positive_speeds(tiny):
     assert d["prompt_digest"] == prompt_digest(bench_prompt(Tokenizer.from_gguf(tiny), 8, 0))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_llama_worker_forced_decodes_clutors_tokens(tiny):
+    """--vs-llama-cpp's row decodes the ids Clutor's sampled stream generated: llama.cpp's tokens are
+    those ids (not its own draws), and on equal logits its argmax agrees where Clutor's pick was the argmax."""
+    args = {"prompt_tokens": 8, "tokens": 6, "workload": "text", "seed": 3}
+    rc, c = _worker("clutor.bench.worker", tiny, {**args, "io": "memory", "concurrency": 1})
+    assert rc == 0, c
+    forced = c["tokens"]
+    assert len(forced) == 6
+    rc, own = _worker("clutor.bench.llama_worker", tiny, args)
+    rc2, d = _worker("clutor.bench.llama_worker", tiny, {**args, "forced": forced,
+                                                         "forced_prompt_digest": c["prompt_digests"][0]})
+    assert rc == rc2 == 0, d
+    assert d["tokens"] == forced and d["forced"] and own["forced"] is False
+    assert d["stats"]["generated_tokens"] == 6 and 0 <= d["forced_argmax_agree"] <= 6
+
+
+@pytest.mark.parametrize("forced, digest, why", [
+    ([1, 2], None, "expected a list of 3 token ids"),
+    ([1, 2, 10**9], None, "not in the vocabulary"),
+    ([1, 2, 3], "0" * 16, "followed another prompt"),
+])
+def test_llama_worker_refuses_bad_forced_ids(tiny, forced, digest, why):
+    """Bad forced ids are one clear error naming the option, before llama.cpp is even imported."""
+    rc, d = _worker("clutor.bench.llama_worker", tiny, {"prompt_tokens": 8, "tokens": 3, "forced": forced,
+                                                        "forced_prompt_digest": digest})
+    assert rc != 0 and "forced" in d["error"] and why in d["error"], d
+
+
+def test_bench_forces_llama_cpp_onto_clutors_tokens():
+    """llama.cpp's rows get the ids and prompt of the Clutor run they are compared with: the concurrency
+    table's 1-stream row, a single run's result (text workload only)."""
+    from types import SimpleNamespace
+
+    from clutor.cli.bench import _forced, _one_stream
+
+    rows = [{"streams": 4, "ok": True, "result": {"tokens": [9, 9, 9], "prompt_digests": ["b"] * 4}},
+            {"streams": 1, "ok": True, "result": {"tokens": [5, 6, 7], "prompt_digests": ["a"]}}]
+    text = SimpleNamespace(workload="text", tokens=3)
+    assert _forced(text, _one_stream(rows)) == {"forced": [5, 6, 7], "forced_prompt_digest": "a"}
+    assert _forced(text, {"tokens": [1, 2, 3], "prompt_digest": "c"}) == {"forced": [1, 2, 3],
+                                                                           "forced_prompt_digest": "c"}
+    assert _forced(SimpleNamespace(workload="ids", tokens=3), _one_stream(rows)) == {}
+    assert _forced(text, _one_stream(rows[:1])) == {}  # no 1-stream row: llama.cpp chooses its own
+    assert _forced(text, _one_stream([{**rows[1], "ok": False}])) == {}
+    assert _forced(text, {"tokens": [1, 2], "prompt_digest": "c"}) == {}  # stopped short: not the same work
+
+
 # ---- prompt ----------------------------------------------------------------------------------
 
 def test_bench_prompt_is_deterministic_and_avoids_stop_tokens(tiny):

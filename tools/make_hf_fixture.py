@@ -8,7 +8,8 @@ quantiser (llama-cpp-python's llama_model_quantize).
 
 writes OUT_DIR/tiny-<preset>-<type>.gguf for each type. LLAMA_CPP_DIR is a llama.cpp checkout (its
 convert_hf_to_gguf.py, conversion/ and gguf-py/ are used from there; nothing of it is copied).
-Needs torch, transformers and safetensors (the converter's own requirements) and llama-cpp-python.
+Needs torch, transformers and safetensors (the converter's own requirements; sentencepiece for ERNIE 4.5,
+whose converter reads a SentencePiece tokenizer.model) and llama-cpp-python.
 
 The vocabulary is a cut of a real one: the first tokens of ggml-vocab-qwen35.gguf (shared/data/vocab)
 with the merges among them, plus the family's special tokens, so the file is small. The converter
@@ -122,6 +123,56 @@ PRESETS = {
                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
                 tie_word_embeddings=False, bos_token_id=761, eos_token_id=765, pad_token_id=762)),
+    # ERNIE-4.5-21B-A3B's form: a leading dense layer, then MoE in every layer (moe_layer_interval 1) with one
+    # shared expert; adjacent-pair RoPE over the whole head; the output tied to the embeddings (as in 21B),
+    # embeddings at 3 / sqrt(n_embd) so that tied logits sit near N(0, 3^2). Its converter reads a
+    # SentencePiece tokenizer.model, and sizes the shared expert as intermediate_size / num_key_value_heads
+    # (what 21B's numbers give): intermediate_size 128 / 2 kv heads = moe_intermediate_size x 1 shared.
+    "ernie4_5-moe": dict(
+        cls="Ernie4_5_MoeForCausalLM", config="Ernie4_5_MoeConfig", vocab=1024, sp_model=True, no_mtp=False,
+        specials=["<|begin_of_sentence|>", "<|end_of_sentence|>", "<|im_start|>", "<|im_end|>", "<think>",
+                  "</think>", "<tool_call>", "</tool_call>"], embed_std=3.0,
+        hf=dict(hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, moe_intermediate_size=64, moe_k=2, moe_num_experts=8, moe_num_shared_experts=1,
+                moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=1, use_bias=False,
+                rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Ling-mini-2.0's form (transformers has no class for it: the checkpoint is written with the names of its
+    # own modeling code, see write_bailingmoe2): fused query_key_value, per-head q/k norms, NEOX RoPE on half
+    # of each head, one leading dense layer, sigmoid routing limited to the 2 best of 4 groups with a
+    # selection bias, weights renormalised x 2.5, one shared expert; plus one MTP layer, which llama.cpp
+    # loads and skips.
+    "bailingmoe2": dict(
+        cls="BailingMoeV2ForCausalLM", config=None, vocab=768, pre="bailingmoe2", no_mtp=False,
+        specials=["<|startoftext|>", "<|endoftext|>", "<role>", "</role>", "<|role_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>"], eos="<|role_end|>", pad="<|endoftext|>", bos="<|startoftext|>",
+        hf=dict(model_type="bailing_moe_v2", hidden_size=128, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                n_group=4, topk_group=2, num_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, norm_topk_prob=True, score_function="sigmoid",
+                moe_router_enable_expert_bias=True, use_qk_norm=True, use_qkv_bias=False, use_bias=False,
+                partial_rotary_factor=0.5, rope_theta=600000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                max_position_embeddings=4096, num_nextn_predict_layers=1, tie_word_embeddings=False,
+                hidden_act="silu", vocab_size=768, bos_token_id=759, eos_token_id=763, pad_token_id=760)),
+    # GLM-5 (GLM-MoE-DSA): MLA (q rank 64, latent 64, heads of 32 + 32 RoPE, values 32) with DeepSeek's
+    # sparse-attention indexer in every layer but one: 4 indexer heads of 64 (RoPE on the first 32),
+    # each query keeping its top 8 keys (prompts of ~70 tokens, so the selection matters); layer 2
+    # "shared" reuses layer 1's selection (GLM-5.2's indexer_types). One dense layer, then 8 experts
+    # top-2 + a shared expert, sigmoid routing with GLM's selection bias, renormalised, scaled x2.5.
+    "glm-dsa": dict(
+        cls="GlmMoeDsaForCausalLM", config="GlmMoeDsaConfig", vocab=768, pre="glm4", init_buffers=True,
+        specials=["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+        eos="<|endoftext|>", pad="<|endoftext|>", bos="[gMASK]",
+        hf=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                index_n_heads=4, index_head_dim=64, index_topk=8, indexer_types=["full", "full", "shared", "full"],
+                first_k_dense_replace=1, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+                num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                routed_scaling_factor=2.5, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+                bos_token_id=756, eos_token_id=754, pad_token_id=754)),
 }
 
 
@@ -187,14 +238,32 @@ def write_spm_tokenizer(out: Path, n_vocab: int, specials: list[str], eos: str, 
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
+def write_sp_model(out: Path, n_vocab: int, specials: list[str]) -> None:
+    """A SentencePiece tokenizer.model as ERNIE 4.5's: BPE with byte fallback, <unk> <s> </s> at ids
+    0-2, the family's control tokens after them; trained on Clutor's corpus (clutor/data/corpus.txt) by
+    sentencepiece's own trainer, the file its converter reads."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        input=str(ROOT / "clutor" / "data" / "corpus.txt"), model_prefix=str(out / "tokenizer"), model_type="bpe",
+        vocab_size=n_vocab, byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        user_defined_symbols=specials, split_digits=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", minloglevel=2, num_threads=1)
+    (out / "tokenizer.vocab").unlink()
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 4096}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
 # ---- weights ----------------------------------------------------------------------------------
-def init_weights(model, seed: int, init_buffers: bool = False) -> None:
+def init_weights(model, seed: int, init_buffers: bool = False, embed_std: float | None = None) -> None:
     """Random weights at scales that keep a tiny model's activations and logits well spread: linear
     maps N(0, 1/fan_in), norms 1 + N(0, 0.1) (stored as offsets from 1 where the family's RMSNorm
     computes x (1 + w)), a decay of exp(-(0.05..1) softplus(...)) per token in the recurrent layers,
     routers and the output sharper than the rest so that routing and argmax have clear winners.
     init_buffers: also draw the expert selection bias where the model keeps it as a buffer (after
-    every parameter, so the parameters' draws do not move)."""
+    every parameter, so the parameters' draws do not move). embed_std: the embeddings drawn at
+    embed_std / sqrt(n_embd) (a tied head's logits then sit near N(0, embed_std^2))."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -202,7 +271,8 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
     def normal(shape, std):
         return torch.randn(shape, generator=g, dtype=torch.float32) * std
 
-    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2", "Llama4"))  # these compute x w
+    offset_norms = not type(model).__name__.startswith(("NemotronH", "Gemma4", "MiniMaxM2", "Llama4", "Ernie4_5",
+                                                            "BailingMoeV2", "GlmMoeDsa"))  # these compute x w
     with torch.no_grad():
         for name, p in model.named_parameters():
             shape = tuple(p.shape)
@@ -214,13 +284,17 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
                 v = normal(shape, 0.5)
             elif "conv1d" in name:
                 v = normal(shape, 0.5)
+            elif name.endswith("norm.bias"):  # a LayerNorm's shift (GLM-5's indexer key norm)
+                v = normal(shape, 0.1)
             elif len(shape) == 1 and "norm" in name:
                 gated = "linear_attn.norm" in name or "mixer.norm" in name
                 v = normal(shape, 0.1) + (1.0 if gated or not offset_norms else 0.0)
             elif name.endswith(".bias") or name.endswith(".D"):
                 v = normal(shape, 0.3) + (1.0 if name.endswith(".D") else 0.0)
-            elif name.endswith("e_score_correction_bias"):  # Nemotron's expert selection bias
+            elif name.endswith(("e_score_correction_bias", "expert_bias")):  # an expert selection bias
                 v = normal(shape, 0.1)
+            elif ("embed_tokens" in name or "embeddings" in name) and embed_std is not None:
+                v = normal(shape, embed_std / np.sqrt(shape[-1]))
             elif ("embed_tokens" in name or "embeddings" in name) and not offset_norms and "Gemma4" in type(model).__name__:
                 # Gemma multiplies its embeddings by sqrt(n_embd) and ties the head to them: rows of
                 # N(0, 9 / n_embd) give a residual of N(0, 9) and logits of about N(0, 3^2) before the
@@ -245,6 +319,57 @@ def init_weights(model, seed: int, init_buffers: bool = False) -> None:
         for name, b in model.named_buffers() if init_buffers else ():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(normal(tuple(b.shape), 0.1))
+
+
+def bailingmoe2_tensors(hf: dict, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of a BailingMoeV2 checkpoint (Ling 2.0's modeling code: names and [out, in] shapes),
+    the MTP layers (num_nextn_predict_layers, after the others) included."""
+    D, H, Hkv, hd = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    E, F, S = hf["num_experts"], hf["moe_intermediate_size"], hf["moe_intermediate_size"] * hf["num_shared_experts"]
+    n, n_mtp = hf["num_hidden_layers"], hf["num_nextn_predict_layers"]
+    t = {"model.word_embeddings.weight": (n_vocab, D)}
+    for l in range(n + n_mtp):
+        b = f"model.layers.{l}."
+        t |= {b + "input_layernorm.weight": (D,), b + "attention.query_key_value.weight": ((H + 2 * Hkv) * hd, D),
+              b + "attention.query_layernorm.weight": (hd,), b + "attention.key_layernorm.weight": (hd,),
+              b + "attention.dense.weight": (D, H * hd), b + "post_attention_layernorm.weight": (D,)}
+        if l < hf["first_k_dense_replace"]:
+            Fd = hf["intermediate_size"]
+            t |= {b + "mlp.gate_proj.weight": (Fd, D), b + "mlp.up_proj.weight": (Fd, D), b + "mlp.down_proj.weight": (D, Fd)}
+        else:
+            t |= {b + "mlp.gate.weight": (E, D), b + "mlp.gate.expert_bias": (E,)}
+            for e in range(E):
+                t |= {b + f"mlp.experts.{e}.gate_proj.weight": (F, D), b + f"mlp.experts.{e}.up_proj.weight": (F, D),
+                      b + f"mlp.experts.{e}.down_proj.weight": (D, F)}
+            t |= {b + "mlp.shared_experts.gate_proj.weight": (S, D), b + "mlp.shared_experts.up_proj.weight": (S, D),
+                  b + "mlp.shared_experts.down_proj.weight": (D, S)}
+        if l >= n:  # an MTP layer: the embedding and the hidden state, normed, projected; its own final norm
+            t |= {b + "enorm.weight": (D,), b + "hnorm.weight": (D,), b + "eh_proj.weight": (D, 2 * D),
+                  b + "final_layernorm.weight": (D,)}
+    return t | {"model.norm.weight": (D,), "lm_head.weight": (n_vocab, D)}
+
+
+def write_bailingmoe2(out: Path, spec: dict, seed: int) -> None:
+    """A BailingMoeV2 checkpoint without a transformers class: config.json with the keys of Ling 2.0's,
+    model.safetensors drawn by init_weights (through a module tree of the same names)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tree = type(spec["cls"], (torch.nn.Module,), {})()
+    for name, shape in bailingmoe2_tensors(spec["hf"], spec["vocab"]).items():
+        *path, leaf = name.split(".")
+        m = tree
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+    init_weights(tree, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tree.state_dict().items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    conf = {"architectures": [spec["cls"]], **spec["hf"], "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
 
 
 # ---- conversion -------------------------------------------------------------------------------
@@ -283,17 +408,22 @@ def make_checkpoint(preset: str, out: Path, seed: int) -> None:
     import transformers
 
     spec = PRESETS[preset]
-    cfg = getattr(transformers, spec["config"])(vocab_size=spec["vocab"], **spec["hf"])
-    cfg.architectures = [spec["cls"]]
-    if "specials" not in spec:
-        cfg.eos_token_id = cfg.pad_token_id = None
-    model = getattr(transformers, spec["cls"])(cfg)
-    init_weights(model, seed, spec.get("init_buffers", False))
-    model.save_pretrained(out, safe_serialization=True)
+    if spec["config"] is None:  # no transformers class: written with the checkpoint's own names
+        write_bailingmoe2(out, spec, seed)
+    else:
+        cfg = getattr(transformers, spec["config"])(vocab_size=spec["vocab"], **spec["hf"])
+        cfg.architectures = [spec["cls"]]
+        if "specials" not in spec:
+            cfg.eos_token_id = cfg.pad_token_id = None
+        model = getattr(transformers, spec["cls"])(cfg)
+        init_weights(model, seed, spec.get("init_buffers", False), spec.get("embed_std"))
+        model.save_pretrained(out, safe_serialization=True)
     if "config_extra" in spec:
         conf = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps(conf | spec["config_extra"], indent=2))
-    if spec.get("spm"):
+    if spec.get("sp_model"):
+        write_sp_model(out, spec["vocab"], spec["specials"])
+    elif spec.get("spm"):
         write_spm_tokenizer(out, spec["vocab"], spec["specials"], eos=spec["eos"], pad=spec["pad"], bos=spec["bos"])
     elif "specials" in spec:
         write_tokenizer(out, spec["vocab"], spec["specials"], None, eos=spec["eos"], pad=spec["pad"], bos=spec["bos"],

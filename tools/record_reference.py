@@ -109,6 +109,7 @@ class _Hparams:
     mamba: tuple = ()           # (conv kernel, d_inner, d_state, groups, heads)
     kq_norm: bool = False       # llama4: unweighted RMS norm of q and k after RoPE
     gemma: dict | None = None   # gemma4: per-layer window flags, KV heads, head sizes; RoPEs; soft-cap
+    dsa: tuple = ()             # glm-dsa: (indexer heads, key length, top-k, per-layer "own indexer" flags)
 
 
 def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
@@ -119,7 +120,7 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
         return {"n_rot": kv(f"{arch}.rope.dimension_count", 0), "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
                 "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func", 2) or 2],
                 "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0)}
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "glm-dsa"):
         mla = kv(f"{arch}.attention.key_length_mla") is not None
         hk = kv(f"{arch}.attention.key_length_mla" if mla else f"{arch}.attention.key_length")
         yarn, m = None, 1.0
@@ -129,10 +130,15 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
             m = 1 + kv(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) * np.log(factor)
         return {"head_dim": hk, "n_head_kv": n_head, "n_rot": kv(f"{arch}.rope.dimension_count"),
                 "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
-                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func", 1) or 1],
+                # glm-dsa: an absent gating function is sigmoid
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func", 0) or (2 if arch == "glm-dsa" else 1)],
                 "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
                 "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0),
                 "kv_lora": kv(f"{arch}.attention.kv_lora_rank"),
+                # glm-dsa's indexer: (heads, key length, top-k, which layers run their own)
+                "dsa": (kv(f"{arch}.attention.indexer.head_count"), kv(f"{arch}.attention.indexer.key_length"),
+                        kv(f"{arch}.attention.indexer.top_k"), tuple(kv(f"{arch}.attention.indexer.types", [])))
+                if arch == "glm-dsa" else (),
                 "v_head": kv(f"{arch}.attention.value_length_mla" if mla else f"{arch}.attention.value_length"),
                 "yarn": yarn, "kq_scale": m * m / np.sqrt(hk)}
     if arch == "gpt-oss":
@@ -161,6 +167,15 @@ def _arch_hparams(arch: str, kv, n_embd: int, n_head: int) -> dict:
     if arch == "minimax-m2":  # whole-vector q/k norms, partial NEOX RoPE, biased selection, always renormalised
         return {"n_rot": kv(f"{arch}.rope.dimension_count"), "norm_w": True,
                 "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")]}
+    if arch == "ernie4_5-moe":  # NORM RoPE over the whole head, softmax + selection bias, always renormalised
+        return {"n_dense": kv(f"{arch}.leading_dense_block_count", 0), "norm_w": True,
+                "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0)}
+    if arch == "bailingmoe2":  # fused qkv, per-head q/k norms, partial NEOX RoPE, grouped biased routing; MTP layers skipped
+        return {"n_layer": kv(f"{arch}.block_count") - kv(f"{arch}.nextn_predict_layers", 0),
+                "n_rot": kv(f"{arch}.rope.dimension_count"), "n_dense": kv(f"{arch}.leading_dense_block_count", 0),
+                "gating": {1: "softmax", 2: "sigmoid"}[kv(f"{arch}.expert_gating_func")],
+                "norm_w": bool(kv(f"{arch}.expert_weights_norm", False)), "w_scale": kv(f"{arch}.expert_weights_scale", 0.0),
+                "n_group": kv(f"{arch}.expert_group_count", 0), "n_group_used": kv(f"{arch}.expert_group_used_count", 0)}
     if arch == "nemotron_h_moe":
         hkv, ff = kv(f"{arch}.attention.head_count_kv"), kv(f"{arch}.feed_forward_length")
         kinds = tuple("ssm" if h == 0 and f == 0 else "attention" if f == 0 else "moe" for h, f in zip(hkv, ff))
@@ -212,7 +227,7 @@ class Reference:
             eps=kv(f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_base=kv(f"{arch}.rope.freq_base", 10000.0),
         ) | _arch_hparams(arch, kv, n_embd, n_head)))
-        if self.hp.arch in ("glm4moe", "deepseek2"):  # MTP layers are not part of the forward pass
+        if self.hp.arch in ("glm4moe", "deepseek2", "glm-dsa"):  # MTP layers are not part of the forward pass
             self.hp = dataclasses.replace(self.hp, n_layer=self.hp.n_layer - kv(f"{arch}.nextn_predict_layers", 0))
         self.w = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64) for t in r.tensors}
         self.w = {k: v.reshape(v.shape[1:]) if v.ndim == 2 and v.shape[0] == 1 else v for k, v in self.w.items()}
@@ -220,12 +235,15 @@ class Reference:
         self.k: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]  # [L][t] -> [Hkv, hd]
         self.v: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]
         self.states: list[dict] = [{}]  # Gated DeltaNet layers: after each token, {layer: (conv, S)}
+        self.ik: list[list[np.ndarray]] = [[] for _ in range(self.hp.n_layer)]  # glm-dsa: indexer keys [L][t] -> [Di]
+        self.dsa_margin = np.inf  # glm-dsa: this token's smallest indexer selection margin
+        self.full_attention = False  # glm-dsa: attend every key (the check that the selection matters)
 
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.hp.eps) * w
 
     def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:  # x [H, hd], NEOX pairs (i, i + hd/2)
-        if self.hp.arch in ("llama", "deepseek2"):
+        if self.hp.arch in ("llama", "deepseek2", "glm-dsa", "ernie4_5-moe"):
             return self._rope_norm(x, pos)
         n = self.hp.n_rot or x.shape[-1]  # glm4moe rotates the first n_rot dims only
         half = n // 2
@@ -264,7 +282,7 @@ class Reference:
     def _attention(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
         """Self-attention output (before attn_output) for the normed input h [D]; appends to the cache."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
-        if hp.arch == "deepseek2":  # MLA written out as plain multi-head attention over expanded keys
+        if hp.arch in ("deepseek2", "glm-dsa"):  # MLA written out as plain multi-head attention over expanded keys
             q = (w[b + "attn_q_b.weight"] @ self._rms(w[b + "attn_q_a.weight"] @ h, w[b + "attn_q_a_norm.weight"])
                  if b + "attn_q_a.weight" in w else w[b + "attn_q.weight"] @ h).reshape(hp.n_head, hp.head_dim)
             kva = w[b + "attn_kv_a_mqa.weight"] @ h
@@ -282,10 +300,17 @@ class Reference:
             self.v[il].append(v)
             K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [T, H, hk], [T, H, hv]
             s = np.einsum("hd,thd->ht", q, K) * hp.kq_scale
+            if hp.dsa:
+                s[:, ~self._dsa_keys(il, h, pos)] = -np.inf
             p = np.exp(s - s.max(axis=-1, keepdims=True))
             p /= p.sum(axis=-1, keepdims=True)
             return np.einsum("ht,thd->hd", p, V).reshape(-1)
-        q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
+        if b + "attn_qkv.weight" in w:  # bailingmoe2: rows q | k | v
+            qkv = w[b + "attn_qkv.weight"] @ h
+            qd, kd = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+            q, k, v = qkv[:qd], qkv[qd : qd + kd], qkv[qd + kd :]
+        else:
+            q, k, v = w[b + "attn_q.weight"] @ h, w[b + "attn_k.weight"] @ h, w[b + "attn_v.weight"] @ h
         if b + "attn_q.bias" in w:
             q, k, v = q + w[b + "attn_q.bias"], k + w[b + "attn_k.bias"], v + w[b + "attn_v.bias"]
         if hp.arch in ("olmoe", "minimax-m2"):  # QK-norm over the whole vectors
@@ -293,7 +318,7 @@ class Reference:
         q = q.reshape(hp.n_head, hp.head_dim)
         k = k.reshape(hp.n_head_kv, hp.head_dim)
         v = v.reshape(hp.n_head_kv, -1)
-        if hp.arch in ("qwen3moe", "glm4moe") and b + "attn_q_norm.weight" in w:  # QK-norm per head
+        if hp.arch in ("qwen3moe", "glm4moe", "bailingmoe2") and b + "attn_q_norm.weight" in w:  # QK-norm per head
             q, k = self._rms(q, w[b + "attn_q_norm.weight"]), self._rms(k, w[b + "attn_k_norm.weight"])
         q, k = self._rope(q, pos), self._rope(k, pos)
         self.k[il].append(k)
@@ -310,6 +335,47 @@ class Reference:
         den = p.sum(axis=-1, keepdims=True) + (0.0 if sink is None else np.exp(sink[:, None] - m))
         out = np.einsum("ht,thd->hd", p / den, V).reshape(-1)
         return out
+
+    def _dsa_keys(self, il: int, h: np.ndarray, pos: int) -> np.ndarray:
+        """glm-dsa: which of the keys 0 .. pos the query at pos attends (bool [pos + 1]), from layer il's
+        lightning indexer (a shared layer: the last full layer's choice for this token), as llama.cpp's
+        graph computes it (src/models/glm-dsa.cpp): q = W_iqb rmsnorm(W_qa h), k = LayerNorm(W_ik h) (eps 0),
+        both NORM-RoPE'd on their first n_rot dims (the Hadamard rotation llama.cpp adds leaves every dot
+        product as it is), score_j = sum_h relu(q_h . k_j) (W_iproj h)_h / sqrt(Di Hi), the top-k scores
+        (ties: GCC's std::partial_sort, as ggml_top_k). Also lowers self.dsa_margin to how near the k-th
+        choice is to the next one (relative to the row's largest |score|)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        n_head, Di, top_k, types = hp.dsa
+        if types and not types[il]:
+            self.ik[il].append(None)
+            return self._dsa_sel
+        qr = self._rms(w[b + "attn_q_a.weight"] @ h, w[b + "attn_q_a_norm.weight"])
+        q = (w[b + "indexer.attn_q_b.weight"] @ qr).reshape(n_head, Di)
+        k = w[b + "indexer.attn_k.weight"] @ h
+        k = (k - k.mean()) / np.sqrt(np.mean((k - k.mean()) ** 2))
+        k = k * w.get(b + "indexer.k_norm.weight", 1.0) + w.get(b + "indexer.k_norm.bias", 0.0)
+        r = hp.n_rot
+        q = np.concatenate([self._rope(q[:, :r], pos), q[:, r:]], axis=-1)
+        k = np.concatenate([self._rope(k[None, :r], pos)[0], k[r:]])
+        self.ik[il].append(k)
+        wts = (w[b + "indexer.proj.weight"] @ h) / np.sqrt(Di * n_head)
+        qk = q @ np.stack(self.ik[il]).T  # [Hi, pos + 1]
+        score = (np.maximum(qk, 0.0) * wts[:, None]).sum(0)
+        sel = np.ones(pos + 1, bool)
+        if pos + 1 > top_k and not self.full_attention:
+            chosen = _partial_sort_first(score, top_k)
+            sel[:] = False
+            sel[chosen] = True
+            kth, nxt = score[sel].min(), score[~sel].max()
+            scale = max(np.abs(score).max(), 1e-30)
+            if kth == nxt == 0.0:  # a tie at exactly 0 (every head's dot <= 0): how far from a positive score
+                zero = (score == 0.0) & np.all(qk <= 0, axis=0)
+                gap = np.min(-qk[:, zero] * np.abs(wts)[:, None]) if zero.any() else 0.0
+            else:
+                gap = kth - nxt
+            self.dsa_margin = min(self.dsa_margin, 40.0 * gap / scale)
+        self._dsa_sel = sel
+        return sel
 
     def _gated_delta_net(self, il: int, h: np.ndarray, state: dict) -> np.ndarray:
         """One token through Gated DeltaNet layer il (shared/notes/archs.md), one step of the plain
@@ -565,7 +631,10 @@ class Reference:
             keep[go[: hp.n_group_used]] = True
             score = np.where(np.repeat(keep, g.shape[1]), score, -np.inf)
         order = np.argsort(-score)
-        margins.append((score[order[hp.n_used - 1]] - score[order[hp.n_used]]) / slope)
+        a, b2 = order[hp.n_used - 1], order[hp.n_used]
+        if hp.gating == "softmax":  # a logit error e moves softmax's p by at most ~2 e p: small ones move little
+            slope = min(slope, 2.0 * (prob[a] + prob[b2]))
+        margins.append((score[a] - score[b2]) / slope)
         sel = order[: hp.n_used]
         gate = prob[sel]
         if hp.norm_w:
@@ -582,6 +651,7 @@ class Reference:
         if hp.gemma:
             x = x * np.sqrt(len(x))
         margin = np.inf
+        self.dsa_margin = np.inf
         state = {l: (c.copy(), s.copy()) for l, (c, s) in self.states[-1].items()}
         for il in range(hp.n_layer):
             b = f"blk.{il}."
@@ -640,6 +710,7 @@ class Reference:
                 y += shared
             x = x + y
         self.states.append(state)
+        margin = min(margin, self.dsa_margin)
         logits = w["output.weight"] @ self._rms(x, w["output_norm.weight"])
         if hp.gemma and hp.gemma["softcap"]:
             c = hp.gemma["softcap"]
@@ -650,12 +721,15 @@ class Reference:
         for il in range(self.hp.n_layer):
             self.k[il].pop()
             self.v[il].pop()
+            if self.ik[il]:
+                self.ik[il].pop()
         self.states.pop()
 
     def reset(self) -> None:
         for il in range(self.hp.n_layer):
             self.k[il].clear()
             self.v[il].clear()
+            self.ik[il].clear()
         self.states = [{}]
 
     def run(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -663,6 +737,44 @@ class Reference:
         self.reset()
         out = [self.step(t) for t in ids]
         return np.stack([o[0] for o in out]), np.array([o[1] for o in out])
+
+
+def _partial_sort_first(score: np.ndarray, k: int) -> list[int]:
+    """The indices std::partial_sort(idx, idx + k, idx + n, score greater) leaves in idx[:k], as GCC's
+    libstdc++ computes it (std::__heap_select: a heap of the first k indices, then every later index
+    whose score is strictly greater than the heap's top replaces it); written from libstdc++'s
+    bits/stl_heap.h, independently of clutor/model/kernels/dsa.py."""
+    idx = list(range(len(score)))
+    less = lambda a, b: score[a] > score[b]  # noqa: E731  (the comparator ggml_top_k passes)
+
+    def adjust(first_hole: int, n: int, value: int) -> None:
+        hole = top = first_hole
+        child = hole
+        while child < (n - 1) // 2:
+            child = 2 * (child + 1)
+            if less(idx[child], idx[child - 1]):
+                child -= 1
+            idx[hole] = idx[child]
+            hole = child
+        if n % 2 == 0 and child == (n - 2) // 2:
+            child = 2 * (child + 1)
+            idx[hole] = idx[child - 1]
+            hole = child - 1
+        parent = (hole - 1) // 2
+        while hole > top and less(idx[parent], value):
+            idx[hole] = idx[parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        idx[hole] = value
+
+    if k > 1:
+        for parent in range((k - 2) // 2, -1, -1):
+            adjust(parent, k, idx[parent])
+    for i in range(k, len(score)):
+        if less(idx[i], idx[0]):
+            value, idx[i] = idx[i], idx[0]
+            adjust(0, k, value)
+    return idx[:k]
 
 
 def pick_mixed_ids(

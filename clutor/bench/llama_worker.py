@@ -7,7 +7,12 @@ warm-up, the same decoding measured the same way: prefill = one ``eval`` of the 
 token from the prefill's logits, then ``tokens - 1`` steps of ``eval([token])`` + the next token, so
 decode tok/s counts ``tokens - 1`` forward passes like Clutor's GenerationStats.decode_tps. Tokens are
 the argmax (workload "ids") or drawn by Clutor's own sampler with the same options and seed as Clutor's
-first stream (workload "text"): on equal logits both engines then generate the same tokens.
+first stream (workload "text"): on equal logits both engines then generate the same tokens. With
+``forced`` (a list of ``tokens`` ids, the tokens Clutor generated), every step evaluates the given
+token instead of one of its own (forced decoding): both engines then run the same forward passes over
+the same positions and, on a model whose experts stream, the same routing, which a sampled stream of
+llama.cpp's own need not follow (on wide.gguf one fell into runs of whitespace and read a tenth of the
+bytes). ``agree`` then counts the steps whose forced token is also llama.cpp's argmax.
 llama.cpp reads the model through mmap (its default), so capped runs show its page-cache behaviour.
 """
 from __future__ import annotations
@@ -32,6 +37,10 @@ DEFAULTS: dict = {
     # llama.cpp's CPU "extra buffers": repacked copies of Q4_K etc. in anonymous memory, its default on
     # AVX2. Off, the weights stay file pages of the mmap, the only way it runs in a cap below the file.
     "extra_buffers": True,
+    # Clutor's generated ids to decode instead of choosing (forced decoding); None: choose (greedy or
+    # sampled as the workload says).
+    "forced": None,
+    "forced_prompt_digest": None,  # the prompt the forced ids followed (prompt_digest): must be this run's
 }
 
 
@@ -95,20 +104,47 @@ def _chooser(workload: str, seed: int, prompt: list[int]):
     return pick
 
 
+def _forcer(forced: list[int]):
+    """next(llm, llama_cpp, n_vocab) -> the next of the forced tokens; counts in .agree the steps whose
+    forced token is also llama.cpp's own argmax (how close its logits lead to the same stream)."""
+    it = iter(forced)
+
+    def pick(llm, llama_cpp, n_vocab: int) -> int:
+        token = next(it)
+        pick.agree += int(_greedy(llm, llama_cpp, n_vocab) == token)
+        return token
+
+    pick.agree = 0
+    return pick
+
+
 def run(path: str, options: dict) -> dict:
     opts = worker_options(DEFAULTS, options)
     P, N, n_ctx = int(opts["prompt_tokens"]), int(opts["tokens"]), int(opts["n_ctx"])
     threads = opts["n_threads"] or os.cpu_count() or 1
     if not os.path.isfile(path):
         raise ClutorError(f"{path}: no such model file")
-    llama_cpp = _import_llama()
 
     from ..model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(path)
     ids, warm = workload_prompts(tok, opts["workload"], 2, P, opts["seed"])  # the same as Clutor's worker
-    choose = _chooser(opts["workload"], opts["seed"], ids)
-
+    forced = opts["forced"]
+    if forced is not None:
+        if not isinstance(forced, list) or len(forced) != N or not all(isinstance(t, int) for t in forced):
+            raise ClutorError(f"forced: expected a list of {N} token ids (the run's tokens), got "
+                              f"{type(forced).__name__} of {len(forced) if isinstance(forced, list) else '?'}")
+        bad = [t for t in forced if not 0 <= t < tok.n_vocab]
+        if bad:
+            raise ClutorError(f"forced: token id {bad[0]} is not in the vocabulary (0..{tok.n_vocab - 1})")
+        want = opts["forced_prompt_digest"]
+        if want is not None and want != prompt_digest(ids):
+            raise ClutorError(f"forced: the ids followed another prompt (digest {want}) than this run's "
+                              f"({prompt_digest(ids)}): the same workload, prompt length and seed are needed")
+        choose = _forcer(forced)
+    else:
+        choose = _chooser(opts["workload"], opts["seed"], ids)
+    llama_cpp = _import_llama()
     if not opts["extra_buffers"]:
         without_extra_buffers(llama_cpp)
     t0 = time.perf_counter()
@@ -174,6 +210,8 @@ def run(path: str, options: dict) -> dict:
         },
         "io": None,
         "tokens": tokens,
+        "forced": forced is not None,
+        "forced_argmax_agree": choose.agree if forced is not None else None,
         "peak_rss": peak_memory()["ru_maxrss"],
         "memory": peak_memory(),
         "storage_read_bytes": None if reads is None else reads["prefill"] + reads["decode"],

@@ -231,7 +231,11 @@ def render_comparison(comparison: dict, disk_bps: float | None, tokens: int) -> 
         if c and l:
             same = _common_prefix(c.get("tokens", []), l.get("tokens", []))
             prompt = "same prompt ids" if c.get("prompt_digest") == l.get("prompt_digest") else "DIFFERENT prompt ids"
-            notes.append(f"{row['setting']}: {prompt}; greedy tokens agree for the first {same} of {tokens}")
+            if l.get("forced"):  # llama.cpp decoded Clutor's ids: equal by construction; its own argmax says how close
+                notes.append(f"{row['setting']}: {prompt}; llama.cpp decoded Clutor's {len(l.get('tokens', []))} ids "
+                             f"(forced), its own argmax agreeing on {l.get('forced_argmax_agree')}")
+            else:
+                notes.append(f"{row['setting']}: {prompt}; greedy tokens agree for the first {same} of {tokens}")
     return "\n".join([text, "", *notes, "", COMPARE_LEGEND]) if notes else "\n".join([text, "", COMPARE_LEGEND])
 
 
@@ -400,7 +404,12 @@ def _render_llama(llama: list[dict], rows: list[dict]) -> str:
         s = l["result"]["stats"]
         per_tok = decode_read_per_token(l["result"], prefer_engine=False)
         peak = l.get("cgroup_peak") or l["result"].get("peak_rss")
-        out.append(["llama.cpp", l["setting"], _rate(s["decode_tps"]), _mib(per_tok),
+        forced = l["result"].get("forced")
+        out.append(["llama.cpp", l["setting"] + (", forced" if forced else ""), _rate(s["decode_tps"]), _mib(per_tok),
                     _ratio(one["aggregate_decode_tps"], s["decode_tps"]) if one else "-", _bytes(peak)])
     return format_table(("engine", "1 stream", "decode tok/s", "MiB/token read (OS)", "Clutor 1 stream / this", "peak"),
-                        out, left=2)
+                        out, left=2) + (
+        "\nforced: llama.cpp decoded the ids Clutor's 1-stream row generated (the same forward passes and routing); "
+        "its own argmax agreed on " + ", ".join(f"{l['result']['forced_argmax_agree']}/{l['result']['stats']['generated_tokens']}"
+                                                for l in llama if l.get("ok") and l["result"].get("forced"))
+        if any(l.get("ok") and l["result"].get("forced") for l in llama) else "")

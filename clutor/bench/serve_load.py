@@ -3,7 +3,10 @@
 Each client sends its own prompt (a slice of the bundled corpus, the same text for every server) to
 /v1/completions with ``stream: true`` and times every server-sent event that carries text: time to
 first token (from sending the request) and the gaps between tokens (inter-token latency). A level's
-aggregate speed is all completion tokens over the level's wall time.
+aggregate speed is all completion tokens over the level's wall time. A request counts as decoded only by
+what the server says it decoded (``usage.completion_tokens``); one that stopped before ``max_tokens``
+(an end-of-generation token despite ``ignore_eos``, a stop string) is counted as ``short``, so a
+comparison can tell a server that decodes every token from one that stops early.
 """
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ class LevelResult:
     seconds: float
     completion_tokens: int
     ttft: list[float] = field(default_factory=list)  # seconds, one per request that got a token
-    itl: list[float] = field(default_factory=list)   # seconds between consecutive tokens of a stream
+    itl: list[float] = field(default_factory=list)   # seconds between consecutive text events of a stream
     error_samples: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0   # as the server counted them (usage), summed
+    events: int = 0          # stream events that carried text (fewer than tokens: a server joined some)
+    short: int = 0           # requests that ended before max_tokens, or without usage
 
     @property
     def tok_s(self) -> float:
@@ -67,11 +73,18 @@ async def served_model(client: httpx.AsyncClient) -> str:
     return data[0]["id"]
 
 
-async def _one(client: httpx.AsyncClient, body: dict, res: LevelResult) -> None:
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _text(choice: dict) -> str | None:
+    return choice.get("text") or (choice.get("delta") or {}).get("content")
+
+
+async def _one(client: httpx.AsyncClient, route: str, body: dict, res: LevelResult) -> None:
     t0 = time.perf_counter()
     last, n_events, usage = None, 0, None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", ROUTES[route], json=body) as r:
             if r.status_code != 200:
                 await r.aread()
                 raise ClutorError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -82,7 +95,7 @@ async def _one(client: httpx.AsyncClient, body: dict, res: LevelResult) -> None:
                 if "error" in ev:
                     raise ClutorError(f"stream error: {ev['error']}")
                 usage = ev.get("usage") or usage
-                if any(ch.get("text") for ch in ev.get("choices") or ()):
+                if any(_text(ch) for ch in ev.get("choices") or ()):
                     now = time.perf_counter()
                     if last is None:
                         res.ttft.append(now - t0)
@@ -95,24 +108,49 @@ async def _one(client: httpx.AsyncClient, body: dict, res: LevelResult) -> None:
         if len(res.error_samples) < 3:
             res.error_samples.append(f"{type(e).__name__}: {e}")
         return
-    res.completion_tokens += usage["completion_tokens"] if usage else n_events
+    res.events += n_events
+    if usage is None:
+        res.short += 1
+        res.completion_tokens += n_events
+        return
+    res.completion_tokens += usage["completion_tokens"]
+    res.prompt_tokens += usage.get("prompt_tokens", 0)
+    if usage["completion_tokens"] < body["max_tokens"]:
+        res.short += 1
 
 
-async def run_level(url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-                    *, api_key: str | None = None, ignore_eos: bool = True, timeout: float = 600) -> LevelResult:
-    """`clients` concurrent clients, each sending `requests` streaming requests one after another."""
+async def run_level(url: str, model: str, prompts: list, clients: int, requests: int, max_tokens: int,
+                    *, api_key: str | None = None, ignore_eos: bool = True, timeout: float = 600,
+                    route: str = "completions", first: int = 0, seed: int | None = None,
+                    transport: httpx.AsyncBaseTransport | None = None) -> LevelResult:
+    """`clients` concurrent clients, each sending `requests` streaming requests one after another.
+
+    Client i's j-th request sends prompts[first + i * requests + j] (cycled), so a caller that runs
+    several levels or rounds can give each request its own text (no prefix cache between them).
+    prompts: strings, or (completions) lists of token ids.
+    route: "completions" (the prompt as text or ids) or "chat" (the prompt as one user message)."""
+    if route not in ROUTES:
+        raise ClutorError(f"route: expected one of {sorted(ROUTES)}, got {route!r}")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     res = LevelResult(clients, clients * requests, 0, 0.0, 0)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits,
+                                 transport=transport) as client:
 
         async def worker(i: int) -> None:
             for j in range(requests):
-                body = {"model": model, "prompt": prompts[(i * requests + j) % len(prompts)], "max_tokens": max_tokens,
-                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                text = prompts[(first + i * requests + j) % len(prompts)]
+                body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                if route == "chat":
+                    body["messages"] = [{"role": "user", "content": text}]
+                else:
+                    body["prompt"] = text
+                if seed is not None:
+                    body["seed"] = seed
                 if ignore_eos:
                     body["ignore_eos"] = True
-                await _one(client, body, res)
+                await _one(client, route, body, res)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(clients)))

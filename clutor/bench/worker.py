@@ -279,11 +279,14 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
         loop_cpu: dict[int, float] = {}  # engine step -> the event-loop thread's CPU time when a reader saw it
         io_at: dict[int, object] = {}  # engine step -> the store's counters just after it
         lags: list[float] = []
+        first_tokens: list[int] = []  # stream 0's ids (llama.cpp's row decodes them: --vs-llama-cpp)
         running = True
 
         async def stream(i: int):
             async for chunk in model.generate(prompts[i], max_tokens=opts["tokens"], ignore_eos=True, **samplings[i]):
                 if chunk.token is not None:
+                    if i == 0:
+                        first_tokens.append(chunk.token)
                     step = model.engine_stats().steps
                     stamps[i].append((step, time.perf_counter()))
                     io_at.setdefault(step, model.io_stats())
@@ -334,6 +337,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
         # what the event loop (expert I/O submission and completion, scheduling, the readers) cost per token
         "loop_cpu_per_token": (loop_cpu[sb] - loop_cpu[sa]) / tokens if tokens else None,
         "prompt_digests": [prompt_digest(p) for p in prompts],
+        "tokens": first_tokens,
         "loop_lag_p99": float(np.percentile(lag, 99)),
         "loop_lag_max": float(lag.max()),
         "peak_rss": peak_memory()["ru_maxrss"],

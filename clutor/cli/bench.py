@@ -10,7 +10,9 @@ compute bound (the same workload with the experts in RAM), the disk bound (fio's
 measured just before and after the row, the faster of the two, over Belady's minimal bytes per token replayed on the row's own routing
 trace at its cache size), the row's tok/s over min(both), and the same with the row's own bytes per token.
 --workload text takes the prompts from the bundled corpus and samples (llama.cpp's default chain), so a
-model trained on real text routes as it does on real requests instead of looping greedily."""
+model trained on real text routes as it does on real requests instead of looping greedily; llama.cpp's
+rows then decode the ids Clutor's run generated (forced decoding), so both engines run the same forward
+passes and routing."""
 from __future__ import annotations
 
 import argparse
@@ -378,7 +380,7 @@ def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) ->
         rows.append(row)
     llama = []
     if args.vs_llama_cpp:
-        lcommon = _llama_args(args, common)
+        lcommon = {**_llama_args(args, common), **_forced(args, _one_stream(rows))}
         if cap:
             progress.start(f"llama.cpp 1 stream, mmap, capped at {cap}")
             ol = run_worker(args.model, "llama.cpp", lcommon, cap=cap, drop_caches=True, timeout=args.timeout)
@@ -406,6 +408,27 @@ def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tp
     io = result.get("decode_io") or {}
     return bounds(achieved, compute_tps, (disk or {}).get("bytes_per_second"), replay.get("belady_bytes_per_token"),
                   io.get("bytes_per_token")).to_json()
+
+
+def _forced(args, result: dict | None) -> dict:
+    """llama.cpp's options to decode the ids a Clutor run generated (forced decoding), so both rows run
+    the same forward passes and routing: a sampled stream of llama.cpp's own need not follow Clutor's.
+    Only for the text workload, where a single run's (and a 1-stream row's) prompt is llama.cpp's
+    (greedy rows choose the argmax: the same ids where the logits agree)."""
+    if args.workload != "text" or not result or len(result.get("tokens") or ()) != args.tokens:
+        return {}
+    digest = result.get("prompt_digest") or (result.get("prompt_digests") or [None])[0]
+    return {"forced": result["tokens"], "forced_prompt_digest": digest}
+
+
+def _forced_note(o) -> str:
+    r = o.result or {}
+    return f", forced on Clutor's ids (argmax agreed {r['forced_argmax_agree']}/{len(r['tokens'])})" if r.get("forced") else ""
+
+
+def _one_stream(rows: list[dict]) -> dict | None:
+    """The 1-stream row's result, if it ran."""
+    return next((r["result"] for r in rows if r["streams"] == 1 and r["ok"]), None)
 
 
 def _llama_args(args, common: dict) -> dict:
@@ -477,12 +500,13 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
                      f"so llama.cpp reads part of it from disk")
     progress.start("llama.cpp unconstrained (model preloaded into the page cache)")
     preload(args.model)
-    o = run_worker(args.model, "llama.cpp", _llama_args(args, common), timeout=args.timeout)
+    o = run_worker(args.model, "llama.cpp", {**_llama_args(args, common), **_forced(args, (best or {}).get("result"))},
+                   timeout=args.timeout)
     progress.done(o)
     rows.append({"setting": "unconstrained", "cap": None,
                  "clutor_config": _config_text(best) + " (the sweep's highest median decode)" if best
                  else "no successful run",
-                 "clutor": best, "llama_config": _llama_config(args, "mmap, page cache warm"), "llama": o.to_json()})
+                 "clutor": best, "llama_config": _llama_config(args, "mmap, page cache warm") + _forced_note(o), "llama": o.to_json()})
     if plan is None:
         notes.append(skip_note)
         return {"rows": rows, "notes": notes}
@@ -497,12 +521,12 @@ def _compare(args, common: dict, file_bytes: int, sweep: list[dict], plan, skip_
                     drop_caches=True, timeout=args.timeout)
     progress.done(oc)
     progress.start(f"llama.cpp capped at {format_bytes(cap)}")
-    ol = run_worker(args.model, "llama.cpp", _llama_args(args, common), cap=cap, drop_caches=True,
-                    timeout=args.timeout)
+    ol = run_worker(args.model, "llama.cpp", {**_llama_args(args, common), **_forced(args, oc.result)}, cap=cap,
+                    drop_caches=True, timeout=args.timeout)
     progress.done(ol)
     shown = "none (io memory)" if args.io == "memory" else budget.text
     rows.append({"setting": "capped", "cap": cap, "clutor_config": f"{shown}, prefetch {_onoff(prefetch)}, {policy}",
-                 "clutor": oc.to_json(), "llama_config": _llama_config(args, "mmap"), "llama": ol.to_json()})
+                 "clutor": oc.to_json(), "llama_config": _llama_config(args, "mmap") + _forced_note(ol), "llama": ol.to_json()})
     how = "--cap" if args.cap != "auto" else (
         f"Clutor's footprint: dense + {budget.text} expert cache + KV + {format_bytes(args.allowance)} allowance")
     notes.append(f"capped: cgroup memory limit {format_bytes(cap)} ({100 * cap / file_bytes:.0f}% of the "

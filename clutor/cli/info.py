@@ -93,6 +93,26 @@ def suggestions(layout, top_k: int, dense: int) -> dict[str, int]:
     return out
 
 
+def _spans(layers) -> str:
+    """Layer numbers as runs: [1, 2, 3, 5] -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for l in layers:
+        if runs and l == runs[-1][1] + 1:
+            runs[-1][1] = l
+        else:
+            runs.append([l, l])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _window_note(states, kinds) -> str:
+    """What the bounded-KV layers keep: a sliding window, or (Llama 4's chunked layers) their chunk."""
+    windowed = [k for s, k in zip(states, kinds) if s.startswith("window")]
+    chunked = windowed.count("chunked")
+    parts = ([f"{len(windowed) - chunked} sliding-window layers keep only their window"] if len(windowed) > chunked else []) \
+        + ([f"{chunked} chunked layers keep at most one chunk of KV"] if chunked else [])
+    return "".join("; " + p for p in parts)
+
+
 def _kinds(kinds: list[str]) -> str:
     """Layer kinds in order, runs collapsed: "3 linear attention, 1 attention, ... (4 attention, 12 linear
     attention in all)"."""
@@ -138,7 +158,8 @@ def run(args) -> int:
         f"file            {d['path']}" + (f" (+{len(d['files']) - 1} parts)" if len(d["files"]) > 1 else ""),
         f"architecture    {c['arch']}",
         f"layers          {c['n_layers']}" + (f" ({a['dense_layers']} dense " + ("interleaved" if a.get("dense_interleaved")
-                                                                          else "first") + ")" if a["dense_layers"] else ""),
+                                                                          else "first") + f"): MoE in {_spans(c['moe_layers'])}"
+                                              if a["dense_layers"] and c["moe_layers"] else ""),
         f"embedding       {c['n_embd']}",
         f"heads           {c['n_head']} q / {c['n_head_kv']} kv, head dim {c['head_dim']}",
         f"attention       {a['attention']}, RoPE {a['rope']}"
@@ -147,8 +168,7 @@ def run(args) -> int:
         "KV cache        " + ", ".join(f"{_fmt(n)} per token as {t}" + (" (default)" if t == "f16" else "")
                                    for t, n in d["kv_bytes_per_token"].items())
         + (f" in {len(c['kv_layers'])} of {c['n_layers']} layers" if c.get("kv_layers") is not None else "")
-        + (f"; {sum(1 for k in d['layer_states'] if k.startswith('window'))} sliding-window layers keep only their "
-           "window" if any(k.startswith("window") for k in d["layer_states"]) else ""),
+        + _window_note(d["layer_states"], a["layer_kinds"]),
         (f"recurrent state {_fmt(a['recurrent_bytes'])} per sequence (float32, fixed: conv + "
          f"{'SSM' if 'SSM' in a['layer_kinds'] else 'delta-rule'} states, whatever the context)")
         if a.get("recurrent_bytes") else "",

@@ -147,6 +147,9 @@ async def run(args) -> int:
                      cors_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host), limits=limits,
                      pooling=args.pooling, web_ui=not args.no_webui)
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
+    from ..server.run import SWITCH_INTERVAL
+
+    sys.setswitchinterval(SWITCH_INTERVAL)  # the loop and the compute thread take shorter turns on the GIL
     host, port = sock.getsockname()[:2]
     logging.getLogger("clutor.server").info(
         "listening on http://%s:%d (loading %s%s)", host if ":" not in host else f"[{host}]", port, args.model,

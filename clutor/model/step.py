@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .kernels import paged
+from .kernels.dsa import attend_selected
 from .kernels.kvpages import gather_f16
 from .kernels.rowwise import attend, threads_for
 from .kv import PAGE
@@ -47,6 +48,7 @@ class Step:
         self._angles: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []  # per page group: each row's (page, offset)
         self._tables: dict[int, np.ndarray] = {}  # page group -> int64 [S, pages]: each segment's first pages
+        self.carry: dict = {}  # what a layer hands a later layer of this step (GLM-5's shared key selection)
 
     def prepare(self) -> None:
         """Before the first layer: the plan's page copies, and where each row's KV goes."""
@@ -113,13 +115,17 @@ class Step:
         return tab
 
     def attend(self, l: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, scale: float, *,
-               window: int = 0, sinks: np.ndarray | None = None, kernel=None, chunk: int = 0) -> np.ndarray:
+               window: int = 0, sinks: np.ndarray | None = None, kernel=None, chunk: int = 0,
+               select=None) -> np.ndarray:
         """Write k [R, Hkv, dk] and v [R, Hkv, dv] (None: the values are k's first columns, MLA's
         latent) at every row's position, then causal attention of q [R, H, dk] for each segment
         over its own sequence -> [R, H * dv]. kernel: an attend() of rowwise.attend's signature
         summing in another order (Gemma 4's: kernels.ggmlmath.attend); None: rowwise.attend.
         chunk > 0 (a multiple of PAGE): a query at i sees only the keys of its own chunk, positions
-        from (i // chunk) * chunk (Llama 4's chunked layers)."""
+        from (i // chunk) * chunk (Llama 4's chunked layers).
+        select: sparse attention over a latent cache (DSA: GLM-5, DeepSeek-V3.2): select(seg, K) -> bool
+        [seg.n, N], the keys each of the segment's rows attends (of its causal ones), from the
+        segment's stored rows K [1, N, width] (positions 0 .. N - 1); q then reads K's first dk columns."""
         gi, li = self.pool.group_of(l)
         g = self.pool.groups[gi]
         pages, offs = self._slots[gi]
@@ -137,6 +143,9 @@ class Step:
             end = s.p0 + s.n
             lo = max(0, s.p0 - window + 1) // PAGE if window else 0  # keys no query of this step sees are not read
             K, V = _gather(g, li, s.seq.tables[gi][lo : -(-end // PAGE)], end - lo * PAGE)
+            if select is not None:
+                outs.append(attend_selected(q[s.rows], K, V, s.p0, scale, select(s, K)))
+                continue
             # each (row, head) alone, in a fixed order: a row's result is the same in any batch
             outs.append((kernel or attend)(q[s.rows], K, V, s.p0, lo * PAGE, scale, window=window, sinks=sinks))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)

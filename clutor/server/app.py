@@ -553,6 +553,7 @@ class _Generation(Response):
     async def _stream(self, chunks: asyncio.Queue, send) -> None:
         shaper = self.shaper = self._shaper()
         parser = self.req.plan.parser() if self.req.plan is not None else None
+        fast = getattr(shaper, "content_event", None)  # OpenAI's shaper; the other APIs' go through delta()
         async for c in self._records(chunks):
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
@@ -562,6 +563,13 @@ class _Generation(Response):
             d = None
             if c.token is not None and (c.text or c.logprob is not None):
                 d = parser.feed(c.text) if parser is not None else Delta(content=c.text)
+                if fast is not None and c.logprob is None and not d.reasoning and not d.calls:
+                    # the common event, text and nothing else: its bytes without a chunk dict built
+                    if d.content:
+                        await send({"type": "http.response.body", "body": fast(d.content), "more_body": True})
+                    if self._handed():
+                        self.sent += 1
+                    continue
                 events = shaper.delta(d, [c])
             elif c.stats is not None:
                 self.stats = c.stats

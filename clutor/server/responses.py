@@ -81,6 +81,7 @@ class Shaper:
         self.include_usage = include_usage
         self._offset = 0  # completions' text_offset: characters of completion text so far
         self.grammar = None  # the reply's MaskStats, set by the generation before whole() / close()
+        self._content_frame: tuple[bytes, bytes] | None = None  # content_event's bytes around the text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -183,6 +184,21 @@ class Shaper:
             events.append((None, self._chunk({"index": 0, "delta": delta, "logprobs": lp if k == 0 else None,
                                               "finish_reason": None})))
         return events
+
+    def content_event(self, text: str) -> bytes:
+        """The server-sent event of a delta that is only content and carries no logprobs, as bytes:
+        exactly what ``delta(Delta(content=text), [])`` framed as ``data: JSON\n\n`` is. The chunk's
+        constant parts (id, model, the choice's other fields) are rendered once per stream; each token
+        then costs one string's JSON escape instead of a dict of dicts encoded."""
+        if self._content_frame is None:
+            mark = "\ue000clutor-content\ue001"
+            body = json_bytes(self.delta(Delta(content=mark), [])[0][1])
+            pre, sep, post = body.partition(json_bytes(mark))
+            if not sep or sep in post:  # (cannot happen: the ids and names are escaped JSON)
+                raise AssertionError("content_event: the placeholder was not found once")
+            self._content_frame = (b"data: " + pre, post + b"\n\n")
+        pre, post = self._content_frame
+        return b"".join((pre, json_bytes(text), post))
 
     def close(self, message: Message | None, stats: GenerationStats) -> list[tuple[str | None, dict]]:
         """The chunk carrying finish_reason (and the reply's timings), then (when asked) the usage chunk."""

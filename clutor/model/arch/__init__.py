@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from ...errors import UnsupportedError
 from ..config import ModelConfig
+from .bailingmoe2 import BailingMoE2
 from .common import Arch
 from .deepseek2 import DeepSeek2
+from .ernie4_5_moe import Ernie45MoE
 from .gemma4 import Gemma4
 from .glm4moe import GLM4MoE
+from .glm_dsa import GlmDsa
 from .gptoss import GptOss
 from .llama import Llama
 from .llama4 import Llama4
@@ -26,7 +29,8 @@ from .qwen3next import Qwen3Next
 __all__ = ["ARCHS", "Arch", "read_arch", "read_config"]
 
 ARCHS: dict[str, type[Arch]] = {a.name: a for a in (OLMoE, Qwen2MoE, Qwen3MoE, Llama, GLM4MoE, DeepSeek2, GptOss,
-                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4)}
+                                                Qwen3Next, Qwen35MoE, NemotronHMoE, Gemma4, MiniMaxM2, Llama4,
+                                                Ernie45MoE, BailingMoE2, GlmDsa)}
 
 
 def read_arch(f) -> Arch:

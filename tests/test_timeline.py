@@ -1,0 +1,44 @@
+"""tools/timeline.py's split of a decode token's time and its dependency bound, on hand-made events."""
+import pytest
+
+import timeline  # tools/timeline.py (conftest puts tools/ on the path)
+
+MS = 1e-3
+
+
+def _token():
+    """One decode step of 20 ms: layer 0 all cached, layer 1 one miss of 6 ms beside 2 cached experts."""
+    return [
+        ("run", 0.0, 20 * MS, True),
+        ("ls", 0.0, 2 * MS, 0),
+        ("get", 2.5 * MS, 3 * MS, (0, [1, 2, 3], [])),
+        ("eo", 3 * MS, 6 * MS, (0, [1, 2, 3])),          # 1 ms per expert
+        ("ls", 6.5 * MS, 8 * MS, 1),
+        ("get", 8.5 * MS, 9 * MS, (1, [4, 5, 6], [6])),
+        ("sub", 9 * MS, 9 * MS, (True, [[1, 6]])),
+        ("eo", 9.5 * MS, 11.5 * MS, (1, [4, 5])),
+        ("done", 9 * MS, 15 * MS, ([1, 6], True)),       # demand: 6 ms
+        ("done", 9 * MS, 18 * MS, ([2, 7], False)),      # a prefetch: not a wait
+        ("fin", 15.5 * MS, 20 * MS, None),
+    ]
+
+
+def test_split_and_dependency_bound():
+    events = [("run", -1.0, -0.9, True), ("run", -0.8, -0.7, True)] + _token()  # the first two are skipped
+    s = timeline.analyse(events, expert_bytes=6 << 20, disk_bps=(6 << 20) / (4 * MS))
+    m = s["mean"]
+    assert s["tokens"] == 1 and s["per_expert_compute"] == pytest.approx(1 * MS)
+    assert m["wall"] == pytest.approx(20 * MS)
+    busy = 2 + 3 + 1.5 + 2 + 4.5  # ls, eo, ls, eo, fin
+    assert m["compute"] == pytest.approx(busy * MS)
+    # idle while the demand read was in flight: before the cached group started, and after it
+    assert m["read_wait"] == pytest.approx((9.5 - 9 + 15 - 11.5) * MS)
+    assert m["handoff"] == pytest.approx((20 - busy - 4) * MS)
+    assert m["misses"] == 1
+    # the miss reads 4 ms at the given bandwidth, its layer's 2 cached experts cover 2 of them
+    assert m["dependency_bound"] == pytest.approx((busy + 2) * MS)
+
+
+def test_no_bound_without_a_bandwidth():
+    s = timeline.analyse([("run", 0, 0, True)] * 2 + _token(), expert_bytes=1, disk_bps=None)
+    assert "dependency_bound" not in s["mean"] and s["mean"]["misses"] == 1
