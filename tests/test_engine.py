@@ -269,6 +269,97 @@ def test_prefix_cache_is_bounded_and_least_recently_used_goes_first():
     assert sizes[-1] >= (1 << 20) - entry  # full, oldest dropped
 
 
+# -- 3b. a lone sequence decodes on the compute thread ---------------------------------------------
+def _counting_trips(monkeypatch):
+    """Count the trips to the compute thread (every step, and a lone sequence's loop, goes through
+    clutor.model.runner's compute)."""
+    import clutor.model.runner as runner_mod
+
+    trips = [0]
+    inner = runner_mod.compute
+
+    async def counting(fn, *args, **kw):
+        trips[0] += 1
+        return await inner(fn, *args, **kw)
+
+    monkeypatch.setattr(runner_mod, "compute", counting)
+    return trips
+
+
+def test_a_lone_sequence_decodes_without_a_trip_per_token_and_as_the_scheduled_steps_do(monkeypatch):
+    """One generation alone (experts in memory) goes to the compute thread about once, not once per
+    token, and yields exactly the tokens (and logprobs) of the same generation scheduled step by step
+    from the loop (engine.solo_decode False): greedy, seeded sampling with penalties, and a logits
+    processor."""
+    trips = _counting_trips(monkeypatch)
+    banned = 50
+
+    def no_banned(ids, logits):
+        logits[banned] = -np.inf
+        return logits
+
+    cases = [({"temperature": 0}, None),
+             ({"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7, "repeat_penalty": 1.1,
+               "logprobs": 3}, None),
+             ({"temperature": 0.7, "seed": 3}, no_banned)]
+
+    async def one(model, opts, proc):
+        out = []
+        async for o in model.generate("Hello there", max_tokens=40, ignore_eos=True, logits_processor=proc, **opts):
+            if o.token is not None:
+                out.append((o.token, o.logprob, o.top_logprobs))
+        return out
+
+    async def go(solo):
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory", prefix_cache=0) as model:
+            model.engine.solo_decode = solo
+            got = []
+            for opts, proc in cases:
+                trips[0] = 0
+                toks = await one(model, opts, proc)
+                got.append((toks, trips[0]))
+            return got, model.engine_stats()
+
+    solo, st = run(go(True))
+    plain, _ = run(go(False))
+    for (a, ta), (b, tb) in zip(solo, plain):
+        assert len(a) == 40 and a == b
+        assert tb >= 40  # step by step: a trip per token (the prefill's, then each decode step's)
+        assert ta <= 3, ta  # the prefill, then the lone loop (once more if it handed back)
+    assert banned not in [t for t, _, _ in solo[2][0]]
+    assert st.live_sequences == 0 and st.queued == 0
+
+
+def test_a_lone_sequence_hands_back_when_another_arrives_or_its_reader_leaves(monkeypatch):
+    """While one sequence decodes alone, a second request joins the batch at the next step, and both
+    produce their solo tokens; a reader that stops early stops the compute thread's loop within a step."""
+    prompts = ("Hello there", "Good morning")
+
+    async def go():
+        async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="memory", prefix_cache=0) as model:
+            alone = [await _tokens(model, p, 24, {"temperature": 0}) for p in prompts]
+            steps0 = model.runner.steps
+            started = asyncio.Event()
+            both = await asyncio.gather(_tokens(model, prompts[0], 24, {"temperature": 0}, started=started),
+                                        _tokens(model, prompts[1], 24, {"temperature": 0}, gate=started))
+            batched_steps = model.runner.steps - steps0
+            # a reader that leaves after 3 of 200 tokens
+            steps1 = model.runner.steps
+            n = 0
+            async for o in model.generate(prompts[0], max_tokens=200, temperature=0, ignore_eos=True):
+                n += 1
+                if n == 3:
+                    break
+            await asyncio.sleep(0.2)
+            return alone, both, batched_steps, model.runner.steps - steps1, model.engine_stats()
+
+    alone, both, batched_steps, early_steps, st = run(go())
+    assert both == alone
+    assert batched_steps < 2 * 24  # some steps ran the two together
+    assert early_steps <= 3 + 2, early_steps  # the prompt, two decode steps, at most two more in flight
+    assert st.live_sequences == 0 and st.queued == 0
+
+
 # -- 4. the event loop stays free --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lag_model(tmp_path_factory):

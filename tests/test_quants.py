@@ -86,3 +86,18 @@ def test_matmul_jobs_with_types_without_kernels(monkeypatch):
     for j in jobs:
         np.testing.assert_array_equal(out[j.t0 : j.t0 + j.n_tok, j.col : j.col + j.n_rows],
                                       matmul(j.w, j.qtype, j.n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok]))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=type_name)
+def test_embedding_rows_equal_gguf_pys_rows(qtype):
+    """Weight.rows (an embedding lookup: the compiled dequantiser where the type has a kernel) gives
+    exactly gguf-py's dequantisation of those rows, in the order asked, repeats included."""
+    rng = np.random.default_rng(int(qtype))
+    n_rows, n_cols = 9, 256
+    raw = random_weight(qtype, n_rows, n_cols, rng)
+    w = Weight("tok_embd", raw, qtype, (n_rows, n_cols))
+    idx = np.array([4, 0, 8, 4], np.int64)
+    want = ref.dequantize(raw.reshape(n_rows, -1), QT(qtype)).astype(np.float32)[idx]
+    got = w.rows(idx)
+    assert got.dtype == np.float32 and got.shape == (4, n_cols)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

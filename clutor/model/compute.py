@@ -46,16 +46,19 @@ def _yield_to_the_loop() -> None:
         pass
 
 
-async def compute(fn: Callable[..., R], *args) -> R:
+async def compute(fn: Callable[..., R], *args, on_cancel: Callable[[], None] | None = None) -> R:
     """Run fn(*args) on the compute thread and return its result.
 
     Cancelling the caller does not abandon the work half-done: fn may be reading pinned expert
     slots or writing a KV cache, so the caller's cleanup (which releases those) must wait until fn
-    has returned. The cancellation is re-raised once it has."""
+    has returned. The cancellation is re-raised once it has. on_cancel() (on the loop) is called
+    first, for an fn that runs until told to stop (a lone sequence's decode loop)."""
     fut = asyncio.get_running_loop().run_in_executor(_pool(), fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         while not fut.done():
             try:
                 await asyncio.shield(fut)

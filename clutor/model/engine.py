@@ -18,6 +18,14 @@ task per model runs the steps. Each round the engine
 4. applies the outcomes: sampled tokens to their requests, computed pages published for reuse,
    finished requests out of the batch.
 
+A lone sequence decoding from experts in memory (nothing waiting, nothing else in the batch) does not
+come back to the event loop between its tokens: the compute thread runs its steps one after another
+(``_solo_steps``: the same plan, run and outcome as a batched step, sampling included) and posts each
+token to its reader with call_soon_threadsafe, so a token costs no thread hand-off and the loop's own
+work (detokenising, the reader) overlaps the next token's compute. It hands back to the loop at the
+first step boundary after a request arrives, the runner is asked for a forward, its reader releases it
+(a stop string, cancellation), it ends, or its next page does not fit; the loop then schedules as usual.
+
 Failure isolation: a request is checked (token ids, lengths, whether it can ever fit the KV budget)
 before it joins a step, so a bad one is refused to its own caller; a segment that fails inside a step
 (a failed expert read it needed, its head raising) fails that request only; an error of the whole
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -150,6 +159,12 @@ class Engine:
         self._admissions = 0
         self.preemptions = 0
         self._mean_seconds = 5.0  # running mean of a request's time in the engine, for retry_after
+        # A lone decoding sequence runs its steps on the compute thread without a trip per token (see the
+        # module docstring); False: every step is scheduled from the loop (tests compare the two).
+        self.solo_decode = True
+        self._stop_solo = False  # set on the loop thread: the compute thread's loop hands back at its next step
+        # The pool while a lone sequence's loop changes it on the compute thread: stats() reads it from the loop.
+        self._pool_lock = threading.Lock()
 
     @property
     def page_bytes(self) -> int:
@@ -206,6 +221,7 @@ class Engine:
         req.prompt_keys = self.pool.chain_keys(req.prompt, len(req.prompt) // PAGE)
         req.t_submitted = time.perf_counter()
         self._waiting.append(req)
+        self._stop_solo = True  # a lone sequence's loop hands back at its next step: this one joins the batch
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="clutor-engine")
@@ -218,6 +234,7 @@ class Engine:
         if not req.released and req.t_submitted:
             self._mean_seconds += 0.2 * (time.perf_counter() - req.t_submitted - self._mean_seconds)
         req.released = True
+        self._stop_solo = True
         if req in self._waiting:
             self._waiting.remove(req)
         elif id(req) not in self._in_step:
@@ -231,7 +248,8 @@ class Engine:
         return max(1, min(60, math.ceil(waves * self._mean_seconds)))
 
     def stats(self) -> EngineStats:
-        ps = self.pool.stats()
+        with self._pool_lock:
+            ps = self.pool.stats()
         return EngineStats(
             live_sequences=len(self._active), queued=len(self._waiting), kv_bytes=ps.live_bytes,
             prefix_entries=ps.cached_pages, prefix_bytes=ps.cached_bytes,
@@ -241,6 +259,7 @@ class Engine:
     async def aclose(self) -> None:
         """Fail every request not finished, after the step under way (it may hold pinned experts)."""
         self._closed = True
+        self._stop_solo = True
         for req in list(self._waiting) + list(self._active):
             req._events.put_nowait(ClosedError(f"{self.name}: model closed during generation"))
         self._waiting.clear()
@@ -278,7 +297,10 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._step(batch)
+            if self._solo_ready(batch):
+                await self._solo(batch[0][0])
+            else:
+                await self._step(batch)
 
     def _admit(self) -> None:
         """Waiting requests into the batch, oldest first, while there is a place and KV room; one that
@@ -430,38 +452,115 @@ class Engine:
             if oc.error is not None:
                 self._fail(r, oc.error)
                 continue
-            fed = seg.ids.tolist()
-            r.held.extend(fed)
-            del r.todo[: len(fed)]
-            n_keys = len(r.keys)
-            self.pool.publish(r.seq, r.held, r.keys)
-            self.pool.trim_window(r.seq)
-            for key in r.keys[n_keys:]:  # pages now published: whoever waited for them takes them
-                if self._promised.get(key) is r:
-                    del self._promised[key]
-            if r.n_gen == 0 and (len(r.held) == len(r.prompt) or len(r.held) in r.checkpoints):
-                self.pool.save_checkpoint(r.seq, r.held, r.keys)  # recurrent states at the prompt's end, or asked
-            if r.kind != "generate":
-                r._pieces.append(oc.value)
-                if not r.todo and not r.released:
-                    r._events.put_nowait(_result(r))
-                    r.done = True
-            elif oc.value is not None and not r.released:
-                token, extra = oc.value
-                r.n_gen += 1
-                r.history.append(token)
-                if r.n_gen == 1:
-                    r.t_first = now
-                reason = "eos" if token in r.stop_ids else "length" if r.n_gen >= r.max_new else None
-                r._events.put_nowait((token, extra, reason))
-                if reason is None:
-                    r.todo.append(token)
-                else:
-                    r.done = True
+            self._apply(r, seg, oc.value, now, _put)
             if r.released or r.done:
                 self._retire(r)
         if self._waiting:
             self._wake.set()
+
+    def _apply(self, r: Request, seg, value, now: float, post: Callable, last: Callable | None = None) -> None:
+        """One segment's outcome to its request: the ids it fed are held (their pages published for
+        reuse), and a generated token goes to the reader through post(fn, event). Runs on the loop, or
+        on the compute thread in a lone sequence's loop (then post is call_soon_threadsafe, and the
+        request's last event goes to last(fn, event) instead: the loop posts it once it has retired the
+        request, so a reader that has its last token sees the request's pages back in the pool)."""
+        fed = seg.ids.tolist()
+        r.held.extend(fed)
+        del r.todo[: len(fed)]
+        n_keys = len(r.keys)
+        self.pool.publish(r.seq, r.held, r.keys)
+        self.pool.trim_window(r.seq)
+        for key in r.keys[n_keys:]:  # pages now published: whoever waited for them takes them
+            if self._promised.get(key) is r:
+                del self._promised[key]
+        if r.n_gen == 0 and (len(r.held) == len(r.prompt) or len(r.held) in r.checkpoints):
+            self.pool.save_checkpoint(r.seq, r.held, r.keys)  # recurrent states at the prompt's end, or asked
+        if r.kind != "generate":
+            r._pieces.append(value)
+            if not r.todo and not r.released:
+                post(r._events.put_nowait, _result(r))
+                r.done = True
+        elif value is not None and not r.released:
+            token, extra = value
+            r.n_gen += 1
+            r.history.append(token)
+            if r.n_gen == 1:
+                r.t_first = now
+            reason = "eos" if token in r.stop_ids else "length" if r.n_gen >= r.max_new else None
+            (post if reason is None or last is None else last)(r._events.put_nowait, (token, extra, reason))
+            if reason is None:
+                r.todo.append(token)
+            else:
+                r.done = True
+
+    # -- a lone sequence's decode loop, on the compute thread ---------------------------------------
+    def _solo_ready(self, batch: list[tuple[Request, int]]) -> bool:
+        """The step is one sequence's decode token, nothing waits for admission, and the experts never
+        wait for a read (each layer of a streamed source needs the loop for its I/O)."""
+        if not self.solo_decode or len(batch) != 1 or self._waiting or not self.runner.immediate:
+            return False
+        r, n = batch[0]
+        return r.kind == "generate" and n == 1 and r.n_gen > 0 and len(r.todo) == 1
+
+    async def _solo(self, r: Request) -> None:
+        """Run r's decode steps on the compute thread until it hands back (see _solo_steps), then
+        what the loop owns: retiring it when it ended, failing it when a step failed."""
+        loop = asyncio.get_running_loop()
+        self._stop_solo = False
+        self._in_step = {id(r)}
+
+        def stop() -> None:  # the loop's side of a hand-back: a submit, a release, a close, cancellation
+            self._stop_solo = True
+
+        final: list = []  # the request's last event, held back until it is retired
+        try:
+            failure = await self.runner.run_solo(self._solo_steps, r, loop.call_soon_threadsafe,
+                                                 lambda fn, ev: final.append((fn, ev)), on_cancel=stop)
+        finally:
+            self._in_step = set()
+        if failure is not None:
+            self._fail(r, failure)
+        elif r.released or r.done:
+            self._retire(r)
+        for fn, ev in final:
+            fn(ev)
+
+    def _solo_steps(self, r: Request, post: Callable, last: Callable, run_now: Callable, asked: Callable[[], bool]):
+        """Compute thread: r's decode steps one after another, each planned, run (run_now, the runner's
+        synchronous step) and applied as a batched step of one would be, each token posted to the
+        loop (its last one to last(), posted by the loop after retiring r). Returns None when it hands
+        back (the loop retires r if it ended), or the error that failed r. Its first step's pages were
+        reserved by the scheduler."""
+        first = True
+        while True:
+            if not first:
+                if self._stop_solo or self._waiting or self._closed or r.released or asked():
+                    return None
+                try:
+                    with self._pool_lock:
+                        r.copies += self.pool.reserve(r.seq, r.seq.n + 1)
+                except NoRoom:
+                    return None  # the scheduler preempts, or fails it with the numbers
+                except ClutorError as e:
+                    return e
+            first = False
+            plan = self._plan([(r, 1)])
+            r.copies = []
+            r.started = True
+            try:
+                oc = run_now(plan)[0]
+            except Exception as e:  # noqa: BLE001 - the step failed: r's error, handed to the loop
+                return e
+            finally:
+                if plan.copies:
+                    with self._pool_lock:
+                        self.pool.done(plan.copies)
+            if oc.error is not None:
+                return oc.error
+            with self._pool_lock:
+                self._apply(r, plan.segments[0], oc.value, time.perf_counter(), post, last)
+            if r.done:
+                return None
 
     def _fail(self, req: Request, e: BaseException) -> None:
         err = e if isinstance(e, ClutorError) else ClutorError(f"generation failed: {type(e).__name__}: {e}")
@@ -496,6 +595,10 @@ class Engine:
         for key in req.prompt_keys:
             if self._promised.get(key) is req:
                 del self._promised[key]
+
+
+def _put(fn: Callable, event) -> None:
+    fn(event)
 
 
 def _sampler(req: Request) -> Callable[[np.ndarray], tuple[int, object]]:

@@ -6,6 +6,7 @@ gguf-py's reference code and uses BLAS. Nothing converts the whole model up fron
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -117,7 +118,26 @@ class Weight:
         """float32 [len(idx), n_cols]: embedding lookup without dequantising the whole table."""
         if self._f32 is not None:
             return self._f32[idx]
+        from . import kernels
+
+        if self.qtype != QT.F32 and kernels.has_kernel(self.qtype):
+            # The compiled dequantiser (bit-identical to gguf-py's, which costs ~0.2 ms of Python per
+            # call), on this thread alone: a decode step's one row is not worth waking the workers.
+            rb = row_bytes(self.qtype, self.shape[1])
+            picked = self.raw.reshape(-1, rb)[np.asarray(idx, dtype=np.int64)]  # [R, rb]
+            return kernels.dequantize(picked.reshape(-1), self.qtype, len(picked), self.shape[1],
+                                      settings=_one_thread(self.kernels))
         return dequantize_rows(self.raw, self.qtype, self.shape[1], idx)
+
+
+def _one_thread(settings: KernelSettings) -> KernelSettings:
+    one = _ONE_THREAD.get(settings)
+    if one is None:
+        one = _ONE_THREAD[settings] = dataclasses.replace(settings, threads=1)
+    return one
+
+
+_ONE_THREAD: dict[KernelSettings, KernelSettings] = {}
 
 
 def apply_all(weights: Sequence[Weight], x: np.ndarray) -> list[np.ndarray]:

@@ -102,25 +102,55 @@ class Runner:
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
         self._roomy = not room or room >= PREFETCH_MIN_TOKENS * len(cfg.moe_layers) * cfg.n_expert_used
         self._lock = asyncio.Lock()
+        self._asking = 0  # run() calls waiting for (or holding) the runner
         self.steps = 0  # steps run
         self.rows = 0   # rows computed over those steps
 
     # -- the step ----------------------------------------------------------------------------------
+    @property
+    def immediate(self) -> bool:
+        """The experts never wait for a read (io="memory"): a step needs nothing of the event loop."""
+        return self.experts.immediate
+
     async def run(self, plan: StepPlan) -> list[Outcome]:
         """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
+        self._asking += 1
+        try:
+            async with self._lock:
+                if self.experts.immediate:
+                    # Experts mapped from the file never wait for a read: the whole step is one
+                    # trip to the compute thread instead of two per layer.
+                    return await compute(self.run_now, plan)
+                step = Step(plan, self.kv)
+                try:
+                    with self.profile.step("decode" if plan.decode else "prefill", plan.rows):
+                        return await self._run_streamed(step)
+                finally:
+                    self.steps += 1
+                    self.rows += plan.rows
+        finally:
+            self._asking -= 1
+
+    def run_now(self, plan: StepPlan) -> list[Outcome]:
+        """Compute thread, an immediate source only: the whole step in one call. Call it from run, or
+        from fn in run_solo (which holds the runner for it)."""
+        step = Step(plan, self.kv)
+        try:
+            with self.profile.step("decode" if plan.decode else "prefill", plan.rows):
+                return self._run_now(step)
+        finally:
+            self.steps += 1
+            self.rows += plan.rows
+
+    async def run_solo(self, fn, *args, on_cancel=None):
+        """Hold the runner and call fn(*args, run_now, asked) on the compute thread: fn runs steps with
+        run_now (an immediate source only) until it returns, and should return soon after asked() is
+        True (a forward is waiting for the runner). on_cancel() is called at once when the caller is
+        cancelled, to make fn return (fn's steps are never abandoned half-done)."""
+        if not self.experts.immediate:
+            raise ClutorError("run_solo needs experts that never wait for a read (io='memory')")
         async with self._lock:
-            step = Step(plan, self.kv)
-            phase = "decode" if plan.decode else "prefill"
-            try:
-                with self.profile.step(phase, plan.rows):
-                    if self.experts.immediate:
-                        # Experts mapped from the file never wait for a read: the whole step is one
-                        # trip to the compute thread instead of two per layer.
-                        return await compute(self._run_now, step)
-                    return await self._run_streamed(step)
-            finally:
-                self.steps += 1
-                self.rows += plan.rows
+            return await compute(fn, *args, self.run_now, lambda: self._asking > 0, on_cancel=on_cancel)
 
     def _run_now(self, step: Step) -> list[Outcome]:
         """The layer loop in one call on the compute thread, for an immediate source."""

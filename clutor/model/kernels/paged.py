@@ -10,7 +10,8 @@ and a full copy of every key and value read; on a small model that is most of a 
                       widened as they are read), causal up to the row's position
 
     data   [n_pages, L, Hkv, PAGE, W]   the pool group's storage (W = dk + dv): float32, or the bits
-                                        of float16 (uint16), or int8 with scales [.., W / 32] (f16 bits)
+                                        of float16 (uint16), or int8 with scales [.., W / 32] (f16 bits);
+                                        C-contiguous
     tab    int64 [S, max pages]          each segment's page table (a step's first pages)
     seg    int64 [R]                     each row's segment;  pos int64 [R]: its position
     cos, sin float32 [R, n_rot / 2]      the rows' rotary angles
@@ -78,10 +79,6 @@ def _f2h(x):
     return np.uint16(o | (sign >> np.uint32(16)))
 
 
-@njit(nogil=True, cache=True)
-def _half_to_float(bits, out):
-    for i in range(bits.shape[0]):
-        out[i] = _h2f(bits[i])
 
 
 @njit(nogil=True, cache=True)
@@ -188,7 +185,7 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
             if kind == 0:
                 _keys(qv, d32[p, li, hk], k, dk, scale, s, pi * P)
             else:
-                _widen(kind, d16, d8, sc, p, li, hk, k, dk, wide)
+                _widen_cols(kind, d16, d8, sc, p, li, hk, k, 0, dk, wide)
                 _keys(qv, wide, k, dk, scale, s, pi * P)
         m = -np.inf
         for j in range(n):
@@ -210,7 +207,7 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
                     for d in range(dv):
                         acc[d] += e * blk[o, dk + d]
             else:
-                _widen_v(kind, d16, d8, sc, p, li, hk, k, dk, W, wide)
+                _widen_cols(kind, d16, d8, sc, p, li, hk, k, dk, W, wide)
                 for o in range(k):
                     e = s[pi * P + o]
                     for d in range(dv):
@@ -221,34 +218,59 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
             out[r, base + d] = acc[d] * inv
 
 
-@njit(inline="always")
-def _widen(kind, d16, d8, sc, p, li, hk, k, dk, wide):
-    """The keys (columns :dk) of the k filled rows of one f16 or q8_0 page into wide as float32."""
-    if kind == 1:
-        blk = d16[p, li, hk]
-        for o in range(k):
-            for d in range(dk):
-                wide[o, d] = _h2f(blk[o, d])
-    else:
-        blk, bs = d8[p, li, hk], sc[p, li, hk]
-        for o in range(k):
-            for d in range(dk):
-                wide[o, d] = np.float32(blk[o, d]) * _h2f(bs[o, d // _Q8])
+@intrinsic
+def _h2f_8(typingctx, src, at, dst, to):
+    """Eight float16 (the bits in src, a C-contiguous uint16 array, from flat index at) widened into
+    dst (a C-contiguous float32 array, from flat index to) in one conversion (F16C's vcvtph2ps where
+    the CPU has it): exact, as _h2f."""
+    def codegen(context, builder, sig, args):
+        sa = context.make_array(sig.args[0])(context, builder, args[0])
+        da = context.make_array(sig.args[2])(context, builder, args[2])
+        sp = builder.gep(builder.bitcast(sa.data, ir.IntType(16).as_pointer()), [args[1]])
+        v = builder.load(builder.bitcast(sp, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=2)
+        dp = builder.gep(builder.bitcast(da.data, ir.FloatType().as_pointer()), [args[3]])
+        builder.store(builder.fpext(v, ir.VectorType(ir.FloatType(), 8)),
+                      builder.bitcast(dp, ir.VectorType(ir.FloatType(), 8).as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(src, at, dst, to), codegen
+
+
+@njit(nogil=True, cache=True)
+def _half_to_float(bits, out):
+    n8 = bits.shape[0] // 8 * 8
+    for i in range(0, n8, 8):  # as the attention widens f16 pages: eight at a time, the rest one by one
+        _h2f_8(bits, i, out, i)
+    for i in range(n8, bits.shape[0]):
+        out[i] = _h2f(bits[i])
 
 
 @njit(inline="always")
-def _widen_v(kind, d16, d8, sc, p, li, hk, k, dk, W, wide):
-    """The values (columns dk:) of the k filled rows of one f16 or q8_0 page into wide as float32."""
+def _widen_cols(kind, d16, d8, sc, p, li, hk, k, c0, c1, wide):
+    """Columns c0 .. c1 of the k filled rows of one f16 or q8_0 page into wide [PAGE, W] as float32:
+    f16 eight at a time (whole rows of the page are contiguous in d16 [n_pages, L, Hkv, PAGE, W]),
+    q8_0 a 32-value block at a time (its scale widened once)."""
+    W = wide.shape[1]
     if kind == 1:
+        L, Hkv, P = d16.shape[1], d16.shape[2], d16.shape[3]
+        base = ((p * L + li) * Hkv + hk) * P * W
         blk = d16[p, li, hk]
         for o in range(k):
-            for d in range(dk, W):
-                wide[o, d] = _h2f(blk[o, d])
+            d = c0
+            while d + 8 <= c1:
+                _h2f_8(d16, base + o * W + d, wide, o * W + d)
+                d += 8
+            for e in range(d, c1):
+                wide[o, e] = _h2f(blk[o, e])
     else:
         blk, bs = d8[p, li, hk], sc[p, li, hk]
         for o in range(k):
-            for d in range(dk, W):
-                wide[o, d] = np.float32(blk[o, d]) * _h2f(bs[o, d // _Q8])
+            b = c0
+            while b < c1:  # the part of each 32-value block (aligned to the row) within c0 .. c1
+                e = min((b // _Q8 + 1) * _Q8, c1)
+                f = _h2f(bs[o, b // _Q8])
+                for d in range(b, e):
+                    wide[o, d] = np.float32(blk[o, d]) * f
+                b = e
 
 
 _NONE = {np.dtype(np.float32): np.zeros((1, 1, 1, 1, 1), np.float32),
@@ -258,6 +280,8 @@ _NONE = {np.dtype(np.float32): np.zeros((1, 1, 1, 1, 1), np.float32),
 
 def storage(data: np.ndarray, scales: np.ndarray | None) -> tuple:
     """(kind, d32, d16, d8, sc): a pool group's arrays as the kernels take them (unused ones empty)."""
+    if not data.flags.c_contiguous:  # (the pool's storage always is: the f16 widening reads rows by address)
+        raise ValueError("the KV pages must be C-contiguous")
     if scales is not None:
         return Q8_0, _NONE[np.dtype(np.float32)], _NONE[np.dtype(np.uint16)], data, scales.view(np.uint16)
     if data.dtype == np.float16:
