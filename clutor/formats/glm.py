@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
+from .base import CallBody, MarkerParser, Opener, Tool
 from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
-from .xml_args import kv_arguments
+from .xml_args import kv_arguments, kv_pairs
 
 __all__ = ["GLM"]
 
@@ -31,18 +31,7 @@ def make_body(tools: dict[str, Tool]):
         name = (text[:min(cut)] if cut else text).strip()
         if not name:
             return CallBody()
-        pairs: list[tuple[str, str, bool]] = []
-        pos = 0
-        while (m := _PAIR.search(text, pos)) is not None:
-            key = m.group(1).strip()
-            vend = text.find(VAL_END, m.end())
-            if vend >= 0:
-                pairs.append((key, text[m.end():vend], True))
-                pos = vend + len(VAL_END)
-                continue
-            v = text[m.end():]
-            pairs.append((key, v if final else v[:len(v) - held_suffix(v, [VAL_END])], final))
-            break
+        pairs = kv_pairs(text, _PAIR, VAL_END, final)
         return CallBody(name, kv_arguments(pairs, tools.get(name), final))
 
     return body

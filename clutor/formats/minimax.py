@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
+from .base import CallBody, MarkerParser, Opener, Tool
 from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
-from .xml_args import kv_arguments
+from .xml_args import kv_arguments, kv_pairs
 
 __all__ = ["MINIMAX_M2"]
 
@@ -36,18 +36,7 @@ def make_body(tools: dict[str, Tool]):
         if not name:
             return CallBody()
         region = text[m.end():]
-        pairs: list[tuple[str, str, bool]] = []
-        pos = 0
-        while (pm := _PARAM.search(region, pos)) is not None:
-            key = pm.group(1).strip()
-            vend = region.find(_PCLOSE, pm.end())
-            if vend >= 0:
-                pairs.append((key, region[pm.end():vend], True))
-                pos = vend + len(_PCLOSE)
-                continue
-            v = region[pm.end():]
-            pairs.append((key, v if final else v[:len(v) - held_suffix(v, [_PCLOSE])], final))
-            break
+        pairs = kv_pairs(region, _PARAM, _PCLOSE, final)
         return CallBody(name, kv_arguments(pairs, tools.get(name), final))
 
     return body
