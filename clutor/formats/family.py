@@ -42,6 +42,20 @@ def text_until(stop: str) -> str:
     return f"/(?s:.*)/ & ~/(?s:.*{esc}.*)/"
 
 
+def param_rules(tool: Tool, stop: str, defs: list[str], element: Callable[[str, str], str]) -> str:
+    """The grammar of one call's arguments in an XML form: each parameter in the schema's order, written by
+    ``element(key, value_rule)``, optional unless required; a string value is raw text up to ``stop``, any
+    other value JSON."""
+    props = (tool.parameters or {}).get("properties") or {}
+    required = set((tool.parameters or {}).get("required") or ())
+    parts = []
+    for key, spec in props.items():
+        value = raw_text(spec, stop, defs) if tool.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+        one = element(key, value)
+        parts.append(one if key in required else f"({one})?")
+    return " ".join(parts)
+
+
 def raw_text(spec, stop: str, defs: list[str]) -> str:
     """A string argument written as raw text up to ``stop`` (the XML forms' delimiter): one of its
     enum's values when it has one; else any text without ``stop``, of the schema's minLength..maxLength

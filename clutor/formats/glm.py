@@ -13,7 +13,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
+from .family import Family, Lit, alternatives, param_rules, repeat_calls
 from .xml_args import kv_arguments, kv_pairs
 
 __all__ = ["GLM"]
@@ -51,14 +51,8 @@ class _GLM(Family):
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
         rules, defs = {}, []
         for k, t in enumerate(tools):
-            props = (t.parameters or {}).get("properties") or {}
-            required = set((t.parameters or {}).get("required") or ())
-            parts = []
-            for key, spec in props.items():
-                value = raw_text(spec, VAL_END, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
-                one = f'{lit(KEY)} "{key}" {lit(KEY_END)} "\\n" {lit(VAL)} {value} {lit(VAL_END)} "\\n"'
-                parts.append(one if key in required else f"({one})?")
-            rules[f"call{k}"] = f'{lit(OPEN)} "{t.name}\\n" {" ".join(parts)} {lit(CLOSE)}'
+            parts = param_rules(t, VAL_END, defs, lambda key, value: f'{lit(KEY)} "{key}" {lit(KEY_END)} "\\n" {lit(VAL)} {value} {lit(VAL_END)} "\\n"')
+            rules[f"call{k}"] = f'{lit(OPEN)} "{t.name}\\n" {parts} {lit(CLOSE)}'
         return "\n".join([alternatives(rules), repeat_calls(parallel)] + defs)
 
     def render_calls(self, calls) -> str:

@@ -15,7 +15,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
+from .family import Family, Lit, alternatives, param_rules, repeat_calls
 from .xml_args import kv_arguments, kv_pairs
 
 __all__ = ["MINIMAX_M2"]
@@ -59,14 +59,8 @@ class _MiniMaxM2(Family):
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
         rules, defs = {}, []
         for k, t in enumerate(tools):
-            props = (t.parameters or {}).get("properties") or {}
-            required = set((t.parameters or {}).get("required") or ())
-            parts = []
-            for key, spec in props.items():
-                value = raw_text(spec, _PCLOSE, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
-                one = f'"<parameter name=\\"{key}\\">" {value} "{_PCLOSE}\\n"'
-                parts.append(one if key in required else f"({one})?")
-            rules[f"call{k}"] = f'"{INVOKE.replace(chr(34), chr(92) + chr(34))}{t.name}\\">\\n" {" ".join(parts)} "{INVOKE_END}\\n"'
+            parts = param_rules(t, _PCLOSE, defs, lambda key, value: f'"<parameter name=\\"{key}\\">" {value} "{_PCLOSE}\\n"')
+            rules[f"call{k}"] = f'"{INVOKE.replace(chr(34), chr(92) + chr(34))}{t.name}\\">\\n" {parts} "{INVOKE_END}\\n"'
         inner = repeat_calls(parallel).replace("calls:", "inner:")
         return "\n".join([alternatives(rules), inner, f'calls: {lit(BLOCK)} "\\n" inner {lit(BLOCK_END)}'] + defs)
 

@@ -17,7 +17,7 @@ import re
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
+from .family import Family, Lit, alternatives, param_rules, repeat_calls
 from .xml_args import kv_arguments
 
 __all__ = ["QWEN_XML"]
@@ -79,14 +79,7 @@ class _QwenXML(Family):
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
         rules, defs = {}, []
         for k, t in enumerate(tools):
-            props = (t.parameters or {}).get("properties") or {}
-            required = set((t.parameters or {}).get("required") or ())
-            parts = []
-            for key, spec in props.items():
-                value = raw_text(spec, "\n" + _PCLOSE, defs) if t.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
-                one = f'"<parameter={key}>\\n" {value} "\\n{_PCLOSE}\\n"'
-                parts.append(one if key in required else f"({one})?")
-            inner = " ".join(parts)
+            inner = param_rules(t, "\n" + _PCLOSE, defs, lambda key, value: f'"<parameter={key}>\\n" {value} "\\n{_PCLOSE}\\n"')
             rules[f"call{k}"] = f'{lit(OPEN)} "\\n<function={t.name}>\\n" {inner} "</function>\\n" {lit(CLOSE)}'
         return "\n".join([alternatives(rules), repeat_calls(parallel, '"\\n"')] + defs)
 
