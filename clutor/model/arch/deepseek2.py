@@ -33,6 +33,21 @@ from .common import mtp_layer_tensors, _MISSING, Arch, T, read_bool, read_common
 GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 
+
+def routing_groups(f, a: str, func: int) -> tuple[int, int] | None:
+    """Checks the gating function and reads group-limited routing: (groups, groups used), or None when the
+    experts are not grouped. Shared by the MLA architectures that route as DeepSeek-V3 does."""
+    if func not in GATING:
+        raise UnsupportedError(f.path, f"{a}.expert_gating_func", "1 (softmax), 2 (sigmoid) or 3 (softmax over "
+                               "the chosen)", func)
+    n_group = read_int(f, "expert_group_count", 0, 4096, default=0)
+    if n_group <= 1:
+        return None
+    n_expert = read_int(f, "expert_count", 1, 4096)
+    if n_expert % n_group:
+        raise ModelFileError(f.path, f"{a}.expert_group_count", f"a divisor of expert_count {n_expert}", n_group)
+    return (n_group, read_int(f, "expert_group_used_count", 1, n_group))
+
 class DeepSeek2(Arch):
     name = "deepseek2"
     attention_kind = "MLA"
@@ -83,16 +98,7 @@ class DeepSeek2(Arch):
         n_shared = read_int(f, "expert_shared_count", 0, 64)
         # absent / none -> softmax, but sigmoid in GLM-4.7-Lite's files (47 or 48 layers, 154880 tokens), as llama.cpp decides
         func = read_int(f, "expert_gating_func", 0, 4, default=0) or (2 if n_layers in (47, 48) and n_vocab == 154880 else 1)
-        if func not in GATING:
-            raise UnsupportedError(f.path, f"{a}.expert_gating_func", "1 (softmax), 2 (sigmoid) or 3 (softmax over "
-                                   "the chosen)", func)
-        n_group = read_int(f, "expert_group_count", 0, 4096, default=0)
-        groups = None
-        if n_group > 1:
-            n_expert = read_int(f, "expert_count", 1, 4096)
-            if n_expert % n_group:
-                raise ModelFileError(f.path, f"{a}.expert_group_count", f"a divisor of expert_count {n_expert}", n_group)
-            groups = (n_group, read_int(f, "expert_group_used_count", 1, n_group))
+        groups = routing_groups(f, a, func)
         cfg = read_common(f, ff_key="expert_feed_forward_length", n_layers=n_layers, n_dense_lead=n_dense,
                           n_ff_shexp=n_ff_exp * n_shared, n_ff=read_layer_int(f, "feed_forward_length", 1, MAX_DIM) if n_dense else 0,
                           head_dim=hk, head_dim_v=hv, n_head_kv=1, kv_floats=kv_lora + n_rot)

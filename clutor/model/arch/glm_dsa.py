@@ -33,7 +33,7 @@ from ..layers import rmsnorm
 from ..quants import apply_all, matmul_heads
 from ..state import LatentKV
 from .common import _MISSING, T, read_bool, read_common, read_float, read_int, read_layer_int
-from .deepseek2 import GATING, DeepSeek2
+from .deepseek2 import GATING, DeepSeek2, routing_groups
 
 # llama.cpp's indexer pattern for files of context_length >= 2^20 without attention.indexer.types
 # (GLM-5.2's config.json): full in layers 0, 1 and every 4th from 2, shared in between
@@ -98,16 +98,7 @@ class GlmDsa(DeepSeek2):
         n_ff_exp = read_int(f, "expert_feed_forward_length", 1, MAX_DIM)
         n_shared = read_int(f, "expert_shared_count", 0, 64)
         func = read_int(f, "expert_gating_func", 0, 4, default=0) or 2  # absent / none -> sigmoid, as llama.cpp
-        if func not in GATING:
-            raise UnsupportedError(f.path, f"{a}.expert_gating_func", "1 (softmax), 2 (sigmoid) or 3 (softmax over "
-                                   "the chosen)", func)
-        n_group = read_int(f, "expert_group_count", 0, 4096, default=0)
-        groups = None
-        if n_group > 1:
-            n_expert = read_int(f, "expert_count", 1, 4096)
-            if n_expert % n_group:
-                raise ModelFileError(f.path, f"{a}.expert_group_count", f"a divisor of expert_count {n_expert}", n_group)
-            groups = (n_group, read_int(f, "expert_group_used_count", 1, n_group))
+        groups = routing_groups(f, a, func)
         n_full = sum(full)
         cfg = read_common(f, ff_key="expert_feed_forward_length", n_layers=n_layers, n_dense_lead=n_dense,
                           n_ff_shexp=n_ff_exp * n_shared,
