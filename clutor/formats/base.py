@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 __all__ = ["CallDelta", "Delta", "Message", "ToolCall", "StreamParser", "MarkerParser", "CallBody", "Tool",
-           "ValueScanner", "new_call_id", "held_suffix"]
+           "ValueScanner", "new_call_id", "held_suffix", "json_string_end"]
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -388,6 +388,20 @@ class MarkerParser(StreamParser):
 _WS = " \t\r\n"
 
 
+def json_string_end(s: str, i: int) -> int | None:
+    """End index of the JSON string whose opening quote is s[i], or None while it is unfinished."""
+    esc = False
+    for j in range(i + 1, len(s)):
+        ch = s[j]
+        if esc:
+            esc = False
+        elif ch == "\\":
+            esc = True
+        elif ch == '"':
+            return j + 1
+    return None
+
+
 def scan_json_value(s: str, i: int) -> int | None:
     """End index of the JSON value starting at s[i] (after whitespace), or None while it is unfinished.
 
@@ -401,16 +415,7 @@ def scan_json_value(s: str, i: int) -> int | None:
     if c in "{[":
         return ValueScanner(i).feed(s)
     if c == '"':
-        esc = False
-        for j in range(i + 1, n):
-            ch = s[j]
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                return j + 1
-        return None
+        return json_string_end(s, i)
     j = i
     while j < n and s[j] not in _WS + ",}]":
         j += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from .base import CallBody, MarkerParser, Opener, Tool, held_suffix
+from .base import CallBody, MarkerParser, Opener, Tool, held_suffix, json_string_end
 from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
 
 __all__ = ["GEMMA4", "Gemma4Args"]
@@ -79,7 +79,7 @@ class Gemma4Args:
                     i += 1
                     continue
                 if c == '"':
-                    j = _json_string_end(s, i)
+                    j = json_string_end(s, i)
                     if j is None:
                         break
                     k = s.find(":", j)
@@ -186,19 +186,6 @@ class Gemma4Args:
             return n - 1
         self.out.append(s[i:n])
         return n
-
-
-def _json_string_end(s: str, i: int) -> int | None:
-    esc = False
-    for j in range(i + 1, len(s)):
-        ch = s[j]
-        if esc:
-            esc = False
-        elif ch == "\\":
-            esc = True
-        elif ch == '"':
-            return j + 1
-    return None
 
 
 def _find_any(s: str, i: int, chars: str) -> int | None:
