@@ -11,40 +11,15 @@ from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
 from clutor.model.weights import _squeezed, expert_layout
 from clutor.model.options import slot_bytes
-from conftest import ACTIVATIONS, FIXTURES, NEW_ARCHS, STEP_TOL, fixture_path, golden, run
+from conftest import (ACTIVATIONS, assert_streamed_equals_memory, FIXTURES, NEW_ARCHS, assert_prefill_equals_incremental, fixture_path,
+                      golden, greedy_and_cached, run)
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_prefill_equals_incremental_decode(arch, activations):
-    async def both():
-        async with clutor.Model.open(fixture_path(arch, "Q8_0"), activations=activations) as model:
-            ids = golden(arch, "Q8_0")["prompt_ids"].tolist()[:16]
-            full = await model.logits(ids)
-            seq = model.new_sequence()
-            half = await model.forward(seq, ids[:8], all_logits=True)
-            rest = [(await model.forward(seq, [i]))[0] for i in ids[8:]]
-            return full, np.concatenate([half, np.stack(rest)])
-
-    full, mixed = run(both())
-    np.testing.assert_allclose(mixed, full, rtol=0, atol=STEP_TOL[activations] * np.abs(full).max())
-    assert (mixed.argmax(-1) == full.argmax(-1)).all()
-
-
-def _slot(path) -> tuple[int, int]:
-    with GGUFFile.open(path) as f:
-        cfg = read_arch(f).cfg
-        return cfg.n_expert_used, slot_bytes(expert_layout(f, read_arch(f)))
-
-
-async def _streamed(path, prompt, **opts):
-    async with clutor.Model.open(path, **opts) as model:
-        full = await model.logits(prompt)
-        seq = model.new_sequence()
-        steps = [(await model.forward(seq, prompt[:5]))[-1]]
-        for _ in range(8):
-            steps.append((await model.forward(seq, [int(np.argmax(steps[-1]))]))[-1])
-        return full, np.stack(steps), model.io_stats()
+    ids = golden(arch, "Q8_0")["prompt_ids"].tolist()[:16]
+    assert_prefill_equals_incremental(fixture_path(arch, "Q8_0"), ids, 8, activations)
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
@@ -53,22 +28,7 @@ async def _streamed(path, prompt, **opts):
 def test_streamed_equals_memory_bit_for_bit(arch, io, activations):
     """Bit for bit in every activation mode: io="memory" runs a step in one compute call, the read
     backends layer by layer as experts arrive, and the products must not care."""
-    path = fixture_path(arch, "Q4_K_M")
-    prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    k, slot = _slot(path)
-    full, steps, _ = run(_streamed(path, prompt, io="memory", activations=activations))
-    for cache, prefetch in ((k * slot, False), ((k + 2) * slot, True)):
-        try:
-            got, got_steps, st = run(_streamed(path, prompt, io=io, expert_cache=cache, prefetch=prefetch,
-                                               activations=activations))
-        except clutor.ClutorError as e:
-            if io == "uring":
-                pytest.skip(f"io_uring unavailable here: {e}")
-            raise
-        what = f"{arch} io={io} cache={cache // slot} slots prefetch={prefetch}"
-        assert np.array_equal(got, full), f"{what}: prefill logits differ from io=memory"
-        assert np.array_equal(got_steps, steps), f"{what}: decode logits differ from io=memory"
-        assert st.backend == io and st.misses > 0 and st.evictions > 0, f"{what}: {st}"
+    assert_streamed_equals_memory(arch, activations, io=io, caches=((0, False), (2, True)))
 
 
 def test_kv_cache_follows_the_architecture():
@@ -337,16 +297,12 @@ def test_prefix_reuse_with_the_arch_kv_layout(arch):
     ids = golden(arch, "Q8_0")["prompt_ids"].tolist()
     first, second = ids[:30], ids[:30] + ids[40:50]
 
-    async def gen(model, prompt):
-        outs = [o async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)]
-        return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
-
     async def go():
         async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
-            await gen(model, first)
-            reused = await gen(model, second)
+            await greedy_and_cached(model, first)
+            reused = await greedy_and_cached(model, second)
         async with clutor.Model.open(fixture_path(arch, "Q8_0")) as model:
-            fresh = await gen(model, second)
+            fresh = await greedy_and_cached(model, second)
         return reused, fresh
 
     (tokens, cached), (want, cached_fresh) = run(go())

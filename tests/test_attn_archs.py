@@ -13,8 +13,9 @@ import pytest
 import clutor
 from clutor.model.arch import read_arch
 from clutor.model.gguf import GGUFFile
-from conftest import (ACTIVATIONS, ATTN_ARCHS, ATTN_TYPES, STEP_TOL, expert_slots, fixture_path, golden,
-                      logits_and_steps, run)
+from conftest import (ACTIVATIONS, assert_streamed_equals_memory, ATTN_ARCHS, ATTN_TYPES, NEWER_BARS, STEP_TOL, assert_greedy_matches_llama_cpp,
+                      assert_logits_match_llama_cpp, assert_prefill_equals_incremental, fixture_path,
+                      golden, run)
 
 
 # -- against llama.cpp -----------------------------------------------------------------------------
@@ -23,35 +24,13 @@ from conftest import (ACTIVATIONS, ATTN_ARCHS, ATTN_TYPES, STEP_TOL, expert_slot
 def test_logits_match_llama_cpp(arch, qtype):
     """The issue's bars: F16 within 0.02 with every argmax equal; quantised argmax >= 95% and mean
     |diff| <= 0.5% of the largest logit."""
-    g = golden(arch, qtype)
-    ref = g["logits"].astype(np.float32)
-
-    async def go():
-        # llama.cpp's logits were recorded with an f32 KV cache (tools/record_reference.py)
-        async with clutor.Model.open(fixture_path(arch, qtype), kv_type="f32") as model:
-            return await model.logits(g["prompt_ids"].tolist())
-
-    got = run(go())
-    diff, agree = np.abs(got - ref), np.mean(got.argmax(-1) == ref.argmax(-1))
-    if qtype == "F16":
-        assert diff.max() <= 0.02, diff.max()
-        assert agree == 1.0, agree
-    else:
-        assert agree >= 0.95, agree
-        assert diff.mean() <= 0.005 * np.abs(ref).max(), (diff.mean(), np.abs(ref).max())
+    assert_logits_match_llama_cpp(arch, qtype, **NEWER_BARS)
 
 
 @pytest.mark.parametrize("arch", ATTN_ARCHS)
 @pytest.mark.parametrize("qtype", ATTN_TYPES)
 def test_greedy_matches_llama_cpp(arch, qtype):
-    g = golden(arch, qtype)
-
-    async def gen():
-        async with clutor.Model.open(fixture_path(arch, qtype), kv_type="f32") as model:
-            return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=24,
-                                                         temperature=0, ignore_eos=True) if o.token is not None]
-
-    assert run(gen()) == g["greedy_ids"].tolist()[:24]
+    assert_greedy_matches_llama_cpp(arch, qtype)
 
 
 @pytest.mark.parametrize("arch", ATTN_ARCHS)
@@ -69,18 +48,8 @@ def test_tokenizer_matches_llama_cpp_on_the_fixture_vocab(arch):
 @pytest.mark.parametrize("arch", ATTN_ARCHS)
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_prefill_equals_incremental_decode(arch, activations):
-    async def both():
-        async with clutor.Model.open(fixture_path(arch, "Q4_K_M"), activations=activations) as model:
-            ids = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:16]
-            full = await model.logits(ids)
-            seq = model.new_sequence()
-            half = await model.forward(seq, ids[:8], all_logits=True)
-            rest = [(await model.forward(seq, [i]))[0] for i in ids[8:]]
-            return full, np.concatenate([half, np.stack(rest)])
-
-    full, mixed = run(both())
-    np.testing.assert_allclose(mixed, full, rtol=0, atol=STEP_TOL[activations] * np.abs(full).max())
-    assert (mixed.argmax(-1) == full.argmax(-1)).all()
+    ids = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:16]
+    assert_prefill_equals_incremental(fixture_path(arch, "Q4_K_M"), ids, 8, activations)
 
 
 @pytest.mark.parametrize("arch", ATTN_ARCHS)
@@ -88,19 +57,7 @@ def test_prefill_equals_incremental_decode(arch, activations):
 def test_streamed_equals_memory_bit_for_bit(arch, activations):
     """Routed experts stream from disk (threads backend, a cache of one layer's top-k slots, with
     and without prefetch): the same bits as io=memory."""
-    path = fixture_path(arch, "Q4_K_M")
-    prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    k, slot = expert_slots(path)
-
-
-    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
-    for cache, prefetch in ((k * slot, False), ((k + 2) * slot, True)):
-        got, got_steps, st = logits_and_steps(
-            path, prompt, activations=activations, io="threads", expert_cache=cache, prefetch=prefetch)
-        what = f"{arch} cache={cache // slot} slots prefetch={prefetch}"
-        assert np.array_equal(got, full), f"{what}: prefill logits differ from io=memory"
-        assert np.array_equal(got_steps, steps), f"{what}: decode logits differ from io=memory"
-        assert st.backend == "threads" and st.misses > 0 and st.evictions > 0, f"{what}: {st}"
+    assert_streamed_equals_memory(arch, activations, caches=((0, False), (2, True)))
 
 
 @pytest.mark.parametrize("arch, words", [

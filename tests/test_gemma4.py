@@ -12,48 +12,22 @@ import pytest
 
 import clutor
 from clutor.model.kv import PAGE
-from conftest import ACTIVATIONS, STEP_TOL, expert_slots, fixture_path, golden, logits_and_steps, run
+from conftest import (ACTIVATIONS, assert_streamed_equals_memory, NEWER_BARS, STEP_TOL, assert_greedy_matches_llama_cpp, assert_logits_match_llama_cpp,
+                      assert_prefill_equals_incremental, fixture_path, golden, run)
 
 ARCH = "gemma4"
 TYPES = ("F16", "Q4_K_M")
 
 
-def _logits(qtype: str, ids: list[int], **opts) -> np.ndarray:
-    async def go():
-        # llama.cpp's logits were recorded with an f32 KV cache (tools/record_reference.py)
-        async with clutor.Model.open(fixture_path(ARCH, qtype), kv_type="f32", **opts) as model:
-            return await model.logits(ids)
-
-    return run(go())
-
-
-def _check_bars(got: np.ndarray, ref: np.ndarray, qtype: str) -> None:
-    """The issue's bars: F16 within 0.02 with every argmax equal; quantised argmax >= 95% and mean
-    |diff| <= 0.5% of the largest logit."""
-    diff, agree = np.abs(got - ref), np.mean(got.argmax(-1) == ref.argmax(-1))
-    if qtype == "F16":
-        assert diff.max() <= 0.02, diff.max()
-        assert agree == 1.0, agree
-    else:
-        assert agree >= 0.95, agree
-        assert diff.mean() <= 0.005 * np.abs(ref).max(), (diff.mean(), np.abs(ref).max())
-
-
 @pytest.mark.parametrize("qtype", TYPES)
 def test_logits_match_llama_cpp(qtype):
-    g = golden(ARCH, qtype)
-    _check_bars(_logits(qtype, g["prompt_ids"].tolist()), g["logits"].astype(np.float32), qtype)
+    """The issue's bars: F16 within 0.02 with every argmax equal; quantised argmax >= 95% and mean
+    |diff| <= 0.5% of the largest logit."""
+    assert_logits_match_llama_cpp(ARCH, qtype, **NEWER_BARS)
 
 
 def test_greedy_matches_llama_cpp():
-    g = golden(ARCH, "F16")
-
-    async def gen():
-        async with clutor.Model.open(fixture_path(ARCH, "F16"), kv_type="f32") as model:
-            return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=24,
-                                                         temperature=0, ignore_eos=True) if o.token is not None]
-
-    assert run(gen()) == g["greedy_ids"].tolist()[:24]
+    assert_greedy_matches_llama_cpp(ARCH, "F16")
 
 
 def test_tokenizer_matches_llama_cpp_on_the_fixture_vocab():
@@ -76,32 +50,13 @@ def test_prefill_equals_incremental_decode(activations):
     cache: with f16 pages, a key that a prefill's BLAS product and a decode's kernel compute 1e-7
     apart can round to neighbouring halves, 5e-4 apart, which the f32 mode's bound does not allow.)"""
 
-    async def both():
-        async with clutor.Model.open(fixture_path(ARCH, "Q4_K_M"), activations=activations, kv_type="f32") as model:
-            ids = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()[:48]
-            full = await model.logits(ids)
-            seq = model.new_sequence()
-            half = await model.forward(seq, ids[:20], all_logits=True)
-            rest = [(await model.forward(seq, [i]))[0] for i in ids[20:]]
-            return full, np.concatenate([half, np.stack(rest)])
-
-    full, mixed = run(both())
-    np.testing.assert_allclose(mixed, full, rtol=0, atol=STEP_TOL[activations] * np.abs(full).max())
-    assert (mixed.argmax(-1) == full.argmax(-1)).all()
+    ids = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()[:48]
+    assert_prefill_equals_incremental(fixture_path(ARCH, "Q4_K_M"), ids, 20, activations, kv_type="f32")
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_streamed_equals_memory_bit_for_bit(activations):
-    path = fixture_path(ARCH, "Q4_K_M")
-    prompt = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    k, slot = expert_slots(path)
-
-
-    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
-    got, got_steps, st = logits_and_steps(
-        path, prompt, activations=activations, io="threads", expert_cache=k * slot, prefetch=False)
-    assert np.array_equal(got, full) and np.array_equal(got_steps, steps)
-    assert st.misses > 0 and st.evictions > 0
+    assert_streamed_equals_memory(ARCH, activations)
 
 
 def test_window_layers_keep_only_their_window():

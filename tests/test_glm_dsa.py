@@ -16,7 +16,7 @@ import pytest
 import clutor
 from clutor.model.arch import glm_dsa
 from clutor.model.kernels import dsa
-from conftest import GOLDEN, STEP_TOL, fixture_path, golden, run
+from conftest import GOLDEN, STEP_TOL, fixture_path, golden, greedy_and_cached, run
 
 ARCH = "glm-dsa"
 
@@ -320,16 +320,12 @@ def test_a_reused_prefix_carries_the_indexers_keys():
     ids = golden(ARCH, "Q4_K_M")["prompt_ids"].tolist()
     first, longer = ids[:30], ids[:30] + ids[40:50]
 
-    async def gen(model, prompt):
-        outs = [o async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)]
-        return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
-
     async def go():
         async with clutor.Model.open(fixture_path(ARCH, "Q4_K_M")) as model:
-            await gen(model, first)
-            again = await gen(model, longer)
+            await greedy_and_cached(model, first)
+            again = await greedy_and_cached(model, longer)
         async with clutor.Model.open(fixture_path(ARCH, "Q4_K_M"), prefix_cache=0) as fresh:
-            return again, await gen(fresh, longer)
+            return again, await greedy_and_cached(fresh, longer)
 
     (tokens, cached), (fresh, _) = run(go())
     assert cached >= 30 and tokens == fresh

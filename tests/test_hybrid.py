@@ -18,7 +18,8 @@ from clutor.model.gguf import GGUFFile
 from clutor.model.weights import expert_layout
 from clutor.model.options import slot_bytes
 from clutor.model.recurrent import RecurrentState
-from conftest import ACTIVATIONS, HYBRID_ARCHS, HYBRID_TYPES, STEP_TOL, expert_slots, fixture_path, golden, logits_and_steps, run
+from conftest import (ACTIVATIONS, assert_streamed_equals_memory, HYBRID_ARCHS, HYBRID_TYPES, NEWER_BARS, STEP_TOL, assert_greedy_matches_llama_cpp,
+                      assert_logits_match_llama_cpp, greedy_and_cached, fixture_path, golden, run)
 
 
 def _max_err(a, b) -> float:
@@ -38,34 +39,12 @@ def test_logits_match_llama_cpp(arch, qtype):
     """The issue's bars: F16 within 0.02 with every argmax equal; quantised argmax >= 95% and mean
     |diff| <= 0.5% of the largest logit (llama.cpp rounds activations to 8 bits; a router near-tie
     on the text prompt flips an expert, and the recurrent state carries that for a few tokens)."""
-    g = golden(arch, qtype)
-    ref = g["logits"].astype(np.float32)
-
-    async def go():
-        # llama.cpp's logits were recorded with an f32 KV cache (tools/record_reference.py)
-        async with clutor.Model.open(fixture_path(arch, qtype), kv_type="f32") as model:
-            return await model.logits(g["prompt_ids"].tolist())
-
-    got = run(go())
-    diff, agree = np.abs(got - ref), np.mean(got.argmax(-1) == ref.argmax(-1))
-    if qtype == "F16":
-        assert diff.max() <= 0.02, diff.max()
-        assert agree == 1.0, agree
-    else:
-        assert agree >= 0.95, agree
-        assert diff.mean() <= 0.005 * np.abs(ref).max(), (diff.mean(), np.abs(ref).max())
+    assert_logits_match_llama_cpp(arch, qtype, **NEWER_BARS)
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_greedy_matches_llama_cpp(arch):
-    g = golden(arch, "F16")
-
-    async def gen():
-        async with clutor.Model.open(fixture_path(arch, "F16"), kv_type="f32") as model:
-            return [o.token async for o in model.generate(g["greedy_prompt_ids"].tolist(), max_tokens=24,
-                                                         temperature=0, ignore_eos=True) if o.token is not None]
-
-    assert run(gen()) == g["greedy_ids"].tolist()[:24]
+    assert_greedy_matches_llama_cpp(arch, "F16")
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -159,16 +138,7 @@ def test_concurrent_generations_produce_their_solo_tokens(arch):
 def test_streamed_equals_memory_bit_for_bit(arch, activations):
     """Routed experts stream from disk (threads backend, a cache of top-k slots) as in the
     attention-only models; the recurrent and dense parts are resident. Same bits as io=memory."""
-    path = fixture_path(arch, "Q4_K_M")
-    prompt = golden(arch, "Q4_K_M")["prompt_ids"].tolist()[:40]
-    k, slot = expert_slots(path)
-
-
-    full, steps, _ = logits_and_steps(path, prompt, activations=activations, io="memory")
-    got, got_steps, st = logits_and_steps(
-        path, prompt, activations=activations, io="threads", expert_cache=k * slot, prefetch=False)
-    assert np.array_equal(got, full) and np.array_equal(got_steps, steps)
-    assert st.misses > 0 and st.evictions > 0
+    assert_streamed_equals_memory(arch, activations)
 
 
 # -- prefix reuse ----------------------------------------------------------------------------------
@@ -191,11 +161,6 @@ def test_recurrent_state_rewinds_only_to_checkpoints():
     assert rs.n == 0 and not rs.ssm[0].any() and not rs.conv[0].any() and rs.checkpoints == []
 
 
-async def _gen(model, prompt, n=6):
-    outs = [o async for o in model.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True)]
-    return [o.token for o in outs if o.token is not None], outs[-1].stats.cached_tokens
-
-
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_prefix_reuse_starts_from_a_checkpoint_and_equals_a_fresh_run(arch):
     """After a generation the state has moved past its prompt: a prompt extending the first one
@@ -206,12 +171,12 @@ def test_prefix_reuse_starts_from_a_checkpoint_and_equals_a_fresh_run(arch):
 
     async def go():
         async with clutor.Model.open(fixture_path(arch, "Q4_K_M")) as model:
-            await _gen(model, first)
-            a = await _gen(model, longer)
-            b = await _gen(model, partial)
+            await greedy_and_cached(model, first)
+            a = await greedy_and_cached(model, longer)
+            b = await greedy_and_cached(model, partial)
             held = model.engine_stats()
         async with clutor.Model.open(fixture_path(arch, "Q4_K_M"), prefix_cache=0) as fresh:
-            return a, b, await _gen(fresh, longer), await _gen(fresh, partial), held
+            return a, b, await greedy_and_cached(fresh, longer), await greedy_and_cached(fresh, partial), held
 
     (ta, ca), (tb, cb), (fa, _), (fb, _), held = run(go())
     assert ca == 30 and ta == fa
@@ -227,9 +192,6 @@ def test_second_chat_turn_on_a_reused_prefix_equals_a_fresh_run(arch):
     The conversation has a tool call and its result, rendered by the template's tool sections (a
     turn whose last message is a tool call is rendered differently once a user message follows it,
     which leaves nothing to reuse: Qwen3.5's template drops the think block before the last query)."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
     turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
@@ -353,7 +315,6 @@ def test_latent_moe_is_refused(tmp_path):
     """Nemotron-3 Super's latent MoE (moe_latent_size) is refused by name, not misread."""
     import gguf
 
-    src = gguf.GGUFReader(str(fixture_path("nemotron_h_moe", "F16")))
     w = gguf.GGUFWriter(str(tmp_path / "super.gguf"), "nemotron_h_moe")
     w.add_uint32("nemotron_h_moe.block_count", 6)
     w.add_uint32("nemotron_h_moe.moe_latent_size", 64)
