@@ -1,6 +1,6 @@
 """ExpertStore: routed experts streamed from disk into a byte-bounded cache.
 
-Composes an Arena (one page-aligned mapping of ``n_slots`` expert slots + a few spare buffers), a
+Composes an Arena (one page-aligned mapping of ``n_slots`` expert slots + one spare buffer), a
 read Backend (io_uring or a thread pool), and an ExpertCache with a replacement policy::
 
     store = await ExpertStore.open(layout, budget=3 << 30, policy="lrfu")
