@@ -223,9 +223,10 @@ def test_everything_fits_only_cold_misses():
 
 
 def test_slots_for_budget():
-    # The store keeps 1 spare per 8 buffers (1..4) for bypass reads; the simulator models the rest.
-    assert slots_for_budget(3 << 30, 6_684_672) == (3 << 30) // 6_684_672 - 4
-    assert [slots_for_budget(n * 100, 100) for n in (0, 1, 2, 8, 16, 24, 100)] == [0, 1, 1, 7, 14, 21, 96]
+    # The store keeps 1 spare buffer for bypass reads (none when the budget holds one expert); the
+    # simulator models the rest as cache slots.
+    assert slots_for_budget(3 << 30, 6_684_672) == (3 << 30) // 6_684_672 - 1
+    assert [slots_for_budget(n * 100, 100) for n in (0, 1, 2, 8, 16, 24, 100)] == [0, 1, 1, 7, 15, 23, 99]
     with pytest.raises(ValueError):
         slots_for_budget(100, 0)
 
@@ -237,12 +238,12 @@ def test_cli_table_and_json(tmp_path, capsys):
     write_trace(path, tr.records, tr.header)
     assert cli.main([str(path), "--budget", "32000"]) == 0
     out = capsys.readouterr().out
-    assert "belady" in out and "lru" in out and " 28 " in out
+    assert "belady" in out and "lru" in out and " 31 " in out  # 32 buffers: 31 slots + 1 spare
     assert cli.main([str(path), "--budget", "16kB,32000", "--json", "--policies", "lru"]) == 0
     data = json.loads(capsys.readouterr().out)
     got = [(r["policy"], r["n_slots"], r["budget_bytes"]) for r in data["results"]]
-    assert got == [("lru", 14, 16000), ("belady", 14, 16000), ("lru", 28, 32000), ("belady", 28, 32000)]
-    direct = simulate(tr, 28, "lru")
+    assert got == [("lru", 15, 16000), ("belady", 15, 16000), ("lru", 31, 32000), ("belady", 31, 32000)]
+    direct = simulate(tr, 31, "lru")
     assert data["results"][2]["hits"] == direct.hits
 
 

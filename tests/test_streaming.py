@@ -650,3 +650,30 @@ def test_default_prefetch_only_with_a_cache_of_more_than_a_tokens_experts(six_la
     forced, issued_forced = run(go(12, True))
     assert small < PREFETCH_MIN_TOKENS <= large, (small, large)
     assert issued_small == 0 and issued_large > 0 and issued_forced > 0, (issued_small, issued_large, issued_forced)
+
+
+def test_every_buffer_but_one_spare_caches_and_decode_never_reads_past_the_cache(six_layers):
+    """A quarter of the six-layer model's 96 experts is 24 buffers: 23 cache slots and the one spare
+    for bypass reads (store._SPARES). A step pins one layer's experts at a time and may steal what
+    prefetch staged, so neither a prefetching one-sequence decode nor four sequences batched ever
+    needs the spare: every miss is read into a cache slot."""
+    minimum, slot = _minimum(six_layers)
+
+    async def go(n_seq: int):
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=24 * slot, prefetch=True,
+                                     max_sequences=n_seq) as model:
+            async def one(i):
+                async for _ in model.generate(f"Story {i}: once upon a time", max_tokens=12, temperature=0,
+                                              ignore_eos=True):
+                    pass
+
+            await asyncio.gather(*(one(i) for i in range(n_seq)))
+            return model.io_stats()
+
+    for n_seq in (1, 4):
+        st = run(go(n_seq))
+        assert (st.n_slots, st.arena_bytes // st.slot_bytes) == (23, 24), st
+        assert st.misses > st.n_slots and st.evictions > 0, st  # the cache was full and turned over
+        assert st.bypass_reads == 0, st
+        if n_seq == 1:
+            assert st.prefetch_issued > 0, st

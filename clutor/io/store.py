@@ -1,6 +1,6 @@
 """ExpertStore: routed experts streamed from disk into a byte-bounded cache.
 
-Composes an Arena (one page-aligned mapping of ``n_slots`` expert slots + a few spare buffers), a
+Composes an Arena (one page-aligned mapping of ``n_slots`` expert slots + one spare buffer), a
 read Backend (io_uring or a thread pool), and an ExpertCache with a replacement policy::
 
     store = await ExpertStore.open(layout, budget=3 << 30, policy="lrfu")
@@ -55,7 +55,12 @@ __all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "spl
 BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
 
 PREFETCH_DEPTH = 4  # prefetched experts handed to the backend at once (3 or 6 reads each)
-_MAX_SPARES = 4     # spare buffers for bypass reads, carved out of the budget
+# Spare buffers for bypass reads, carved out of the budget. One: a step's get() holds one layer's
+# chunk of experts pinned (the runner's _max_batch: half the buffers, or top-k if that is more) and a
+# get may steal the slots prefetch staged, so a miss nearly always finds an evictable slot; the spare is
+# for the get() that does not (a budget of about top-k experts, concurrent gets of the store's own API).
+# Every buffer beyond it caches: at 25% of wide.gguf's experts, 31 slots instead of 28 (4 spares).
+_SPARES = 1
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,10 @@ class StoreStats:
 def split_slots(n_total: int, spare_slots: int | None = None) -> tuple[int, int]:
     """How the store divides ``n_total`` expert-sized buffers: (cache slots, spare buffers for bypass).
 
-    Spares default to one per 8 buffers, at least 1 and at most 4, and never the last buffer."""
+    Spares default to one (_SPARES), and never the last buffer."""
     if n_total <= 1:
         return max(n_total, 0), 0
-    n_spare = min(_MAX_SPARES, max(1, n_total // 8)) if spare_slots is None else max(0, min(spare_slots, n_total - 1))
+    n_spare = min(_SPARES if spare_slots is None else max(0, spare_slots), n_total - 1)
     return n_total - n_spare, n_spare
 
 
@@ -212,7 +217,7 @@ class ExpertStore:
         are passed to open_backend; ``backend`` replaces it by a factory ``(files, buffers) -> Backend``
         (tests wrap a real backend this way). ``prefetch_slots``: most slots prefetches may hold at
         once (default a quarter of the slots; 0 turns prefetch off). ``spare_slots``: buffers for
-        bypass reads, taken from the budget (default n/8, at most 4).
+        bypass reads, taken from the budget (default 1).
         Raises BudgetError when the budget does not hold one expert.
         """
         return AwaitableContext(lambda: cls._open(layout, budget, policy, io, direct, prefetch_slots, spare_slots, backend))
