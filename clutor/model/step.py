@@ -47,7 +47,7 @@ class Step:
         self.accounting = False  # the runner charges the segments' ledgers with this step's expert I/O
         self._angles: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []  # per page group: each row's (page, offset)
-        self._tables: dict[int, np.ndarray] = {}  # page group -> int64 [S, pages]: each segment's first pages
+        self._rotary: dict = {}  # page group -> what attend_rotary reads of it this step (_rotary_group)
         self.carry: dict = {}  # what a layer hands a later layer of this step (GLM-5's shared key selection)
 
     def prepare(self) -> None:
@@ -90,21 +90,30 @@ class Step:
         rotated and k, v [R, Hkv, dv] written in one pass, then each row attends over its sequence's
         pages as they are stored -> [R, H * dv]."""
         gi, li = self.pool.group_of(l)
-        g = self.pool.groups[gi]
-        if g.window or g.latent:
+        at = self._rotary.get(gi)
+        if at is None:
+            at = self._rotary[gi] = self._rotary_group(gi)
+        if at is False:  # a window or latent rows: the general way
             return self.attend(l, self.rope(rope, q), self.rope(rope, k), v, scale)
+        g, store, pages, offs, tab, work = at
         cs = self._angles.get(id(rope))
         if cs is None:
             cs = self._angles[id(rope)] = rope.angles_at(self.plan.pos)
-        pages, offs = self._slots[gi]
-        store = paged.storage(g.data, g.scales)
         qr = paged.rope_write(q, k, v, cs[0], cs[1], rope.style == "neox", pages, offs, li, store)
-        tab = self._tables.get(gi)
-        if tab is None:
-            tab = self._tables[gi] = self._table(gi)
+        threads_for(q.shape[1] * work)
         plan = self.plan
-        threads_for(len(plan.pos) * q.shape[1] * (int(plan.pos.max()) + 1) * (g.k_dim + g.v_dim))
         return paged.attend_pages(qr, tab, plan.seg_of_row, plan.pos, li, store, g.k_dim, g.v_dim, scale)
+
+    def _rotary_group(self, gi: int):
+        """What attend_rotary reads of page group gi, the same in every layer of this step: (group,
+        its storage, the rows' (page, offset), the segments' page table, multiply-adds per query head)
+        or False where the group is a window's or holds latent rows."""
+        g = self.pool.groups[gi]
+        if g.window or g.latent:
+            return False
+        pages, offs = self._slots[gi]
+        work = len(self.plan.pos) * (int(self.plan.pos.max()) + 1) * (g.k_dim + g.v_dim)
+        return g, paged.storage(g.data, g.scales), pages, offs, self._table(gi), work
 
     def _table(self, gi: int) -> np.ndarray:
         """Each segment's pages of group gi through its last position in this step: int64 [S, most pages]."""

@@ -327,15 +327,20 @@ class Arch:
     def qkv(self, lw, h: np.ndarray):
         """Projections of the normed input h [R, D]: q [R, H, hd], k [R, Hkv, hd], v [R, Hkv, hdv]."""
         cfg, R = self.cfg, h.shape[0]
-        q, k, v = apply_all((lw.wq, lw.wk, lw.wv), h)  # [R, H*hd], [R, Hkv*hd], [R, Hkv*hdv]
+        q, k, v = self.qkv_rows(lw, h)
+        return (q.reshape(R, cfg.n_head, cfg.head_dim), k.reshape(R, cfg.n_head_kv, cfg.head_dim),
+                v.reshape(R, cfg.n_head_kv, cfg.head_dim_v))
+
+    def qkv_rows(self, lw, h: np.ndarray):
+        """qkv before the head split: q [R, H*hd], k [R, Hkv*hd], v [R, Hkv*hdv], biases added."""
+        q, k, v = products(lw, "qkv", (lw.wq, lw.wk, lw.wv), h)
         if lw.bq is not None:
             q = q + lw.bq
         if lw.bk is not None:
             k = k + lw.bk
         if lw.bv is not None:
             v = v + lw.bv
-        return (q.reshape(R, cfg.n_head, cfg.head_dim), k.reshape(R, cfg.n_head_kv, cfg.head_dim),
-                v.reshape(R, cfg.n_head_kv, cfg.head_dim_v))
+        return q, k, v
 
     def attention(self, lw, l: int, x: np.ndarray, step, rope: Rope) -> np.ndarray:
         """GQA self-attention of the residual x [R, D]: each sequence of the step over its own KV
@@ -343,7 +348,7 @@ class Arch:
         cfg = self.cfg
         q, k, v = self.qkv(lw, rmsnorm(x, lw.attn_norm, cfg.eps))
         o = step.attend_rotary(l, rope, q, k, v, 1.0 / np.sqrt(cfg.head_dim))  # [R, H*hdv]
-        return lw.wo(o)
+        return products(lw, "wo", (lw.wo,), o)[0]
 
     def embed(self, x: np.ndarray) -> np.ndarray:
         """The token embeddings' rows [R, D] as the first layer reads them (Gemma scales them)."""
@@ -407,6 +412,29 @@ class Arch:
             "layer_kinds": [self.layer_kind(l) for l in range(cfg.n_layers)],
             "recurrent_bytes": cfg.recurrent_bytes,
         }
+
+
+def products(lw, key: str, weights: tuple, x: np.ndarray) -> list[np.ndarray]:
+    """apply_all(weights, x): [w(x) for w in weights], column blocks of one array. A decode step's
+    few rows go through a kernels.prepared.Prepared kept on the layer's weights under key (its job
+    rows built once, not per token), with the same bits; other steps, or weights it does not take,
+    through apply_all."""
+    from ..kernels.prepared import Prepared
+
+    kept = lw.__dict__.setdefault("_prepared", {})  # LayerWeights: key -> (weights, Prepared)
+    hit = kept.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], weights)):
+        hit = kept[key] = (weights, Prepared([w.raw for w in weights], [w.qtype for w in weights],
+                                             [w.shape[0] for w in weights], weights[0].shape[1], weights[0].kernels)
+                           if all(w._f32 is None for w in weights) and len({w.shape[1] for w in weights}) == 1
+                           else None)
+    out = None if hit[1] is None else hit[1](x)
+    if out is None:
+        return [weights[0](x)] if len(weights) == 1 else apply_all(weights, x)
+    if len(weights) == 1:
+        return [out]
+    cols = hit[1].cols
+    return [out[:, a:b] for a, b in zip(cols[:-1], cols[1:])]
 
 
 def mtp_layer_tensors(arch: Arch, l: int) -> list[T]:

@@ -21,10 +21,8 @@ class OLMoE(Arch):
             "q_norm": T(b + "attn_q_norm.weight", (cfg.n_head * cfg.head_dim,), "vector"),
             "k_norm": T(b + "attn_k_norm.weight", (cfg.n_head_kv * cfg.head_dim,), "vector")}
 
-    def qkv(self, lw, h):
-        cfg, R = self.cfg, h.shape[0]
-        q, k, v = super().qkv(lw, h)
+    def qkv_rows(self, lw, h):
+        cfg = self.cfg
+        q, k, v = super().qkv_rows(lw, h)  # [R, H*hd], [R, Hkv*hd], [R, Hkv*hdv]
         # over the whole vectors, before the head split
-        q = rmsnorm(q.reshape(R, -1), lw.q_norm, cfg.eps).reshape(q.shape)
-        k = rmsnorm(k.reshape(R, -1), lw.k_norm, cfg.eps).reshape(k.shape)
-        return q, k, v
+        return rmsnorm(q, lw.q_norm, cfg.eps), rmsnorm(k, lw.k_norm, cfg.eps), v

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import _apply_threads
+
 __all__ = ["attend", "rowdot", "threads_for"]
 
 _FLAGS = {"reassoc", "contract"}  # no nnan / ninf: -inf is a real value here (the running max's start)
@@ -105,8 +107,6 @@ _NO_SINKS = np.zeros(1, np.float32)
 def threads_for(work: int) -> None:
     """One thread for small work (multiply-adds); otherwise the count the caller's last product set (the model's)."""
     if work < _SMALL:
-        from . import _apply_threads
-
         _apply_threads(1)
 
 
