@@ -11,6 +11,7 @@ import numpy as np
 
 from .kernels.norms import rmsnorm_rows
 from .kernels.rowwise import rowdot
+from .kernels.topk import softmax_topk
 from .profile import kernel_done
 
 __all__ = ["rmsnorm", "silu", "sigmoid", "softmax", "Yarn", "Rope", "attention", "route", "gate"]
@@ -230,7 +231,11 @@ def route(h: np.ndarray, router: np.ndarray, k: int, renorm: bool) -> tuple[np.n
     """Router: h [T, D], router [E, D] -> (experts [T, K] int64, weights [T, K] float32).
 
     Softmax over ALL experts, then the k largest probabilities (ties -> lower expert id)."""
-    probs = softmax(router_logits(h, router))  # [T, E]
+    logits = router_logits(h, router)  # [T, E]
+    fast = softmax_topk(logits, k, renorm)  # the bits of the lines below in three calls (kernels.topk)
+    if fast is not None:
+        return fast
+    probs = softmax(logits)  # [T, E]
     sel = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, K]
     w = np.take_along_axis(probs, sel, axis=-1)  # [T, K]
     if renorm:

@@ -57,8 +57,9 @@ def matmul_jobs(jobs, n_cols: int, x: np.ndarray, out: np.ndarray, settings: Ker
     product at a time."""
     from . import kernels
 
-    if all(kernels.has_kernel(j.qtype) for j in jobs) and len({j.qtype == QT.F16 for j in jobs}) == 1:
-        x = _rounded_as_llama(x, (jobs[0].qtype,), settings)
+    types = {j.qtype for j in jobs}
+    if all(kernels.has_kernel(q) for q in types) and (QT.F16 not in types or len(types) == 1):
+        x = _rounded_as_llama(x, types, settings)
         t0 = time.perf_counter()
         kernels.matmul_jobs(jobs, n_cols, x, out, settings, order)
         kernel_done(t0)

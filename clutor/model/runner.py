@@ -249,10 +249,10 @@ class Runner:
             # Each view's (row, top-k slot) pairs, found by one sort of the step's choices rather than
             # a comparison of all of them per expert: flat index i = row * K + slot.
             K = sel.shape[1]
-            if len(sel) == 1:  # one row (a one-sequence decode step): view i's expert is in slot slot_of[...]
-                slot_of = {e: k for k, e in enumerate(sel[0].tolist())}
-                picked = np.array([slot_of[v.expert] for v in views], np.int64)  # [S]
-                counts, starts = [1] * len(views), list(range(len(views)))
+            if len(sel) == 1:  # one row (a one-sequence decode step): view i's expert is in slot picked[i]
+                slots = sel[0].tolist()
+                picked = np.array([slots.index(v.expert) for v in views], np.int64)  # [S]
+                counts, starts = [1] * len(views), range(len(views))
                 xg = np.repeat(h, len(views), axis=0)  # [S, D]
             else:
                 flat = sel.ravel()  # [R*K]
@@ -310,7 +310,12 @@ class Runner:
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
-        if ys:
+        if R == 1 and len(ys) == self.config.n_expert_used:  # one row, every slot's expert computed
+            by_slot = sorted(ys, key=lambda fy: int(fy[0][0]))  # each (slot [1], output [1, D])
+            out = by_slot[0][1].copy()  # [1, D]: the same sums as the scatter below, without it
+            for _, y in by_slot[1:]:
+                out += y
+        elif ys:
             K = self.config.n_expert_used
             slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
             for flat, y in ys:

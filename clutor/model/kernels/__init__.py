@@ -277,16 +277,24 @@ def _row_bytes(qtype: int, n_cols: int) -> int:
 
 
 def _check(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
-    """-> bytes per row, after checking the weight matches (type, shape)."""
-    if qtype not in _SUPPORTED:
-        raise ClutorError(f"kernels: no kernel for {type_name(qtype)}; check has_kernel() first")
-    rb = _row_bytes(qtype, n_cols)
-    if w.dtype != np.uint8 or w.ndim != 1 or not w.flags.c_contiguous:
+    """-> bytes per row, after checking the weight matches (type, shape). On every product's path (a
+    decode step makes ~50 jobs): the row bytes are looked up once per (type, columns), and a uint8
+    array's dtype is numpy's one uint8 instance."""
+    rb = _RB.get((qtype, n_cols))
+    if rb is None:
+        if qtype not in _SUPPORTED:
+            raise ClutorError(f"kernels: no kernel for {type_name(qtype)}; check has_kernel() first")
+        rb = _RB[(int(qtype), int(n_cols))] = _row_bytes(qtype, n_cols)
+    if (w.dtype is not _U8 and w.dtype != _U8) or w.ndim != 1 or not w.flags.c_contiguous:
         raise ClutorError(f"kernels: weight must be C-contiguous 1-D uint8, got {w.dtype} {w.shape}")
     if w.size != n_rows * rb:
         raise ClutorError(f"kernels: {type_name(qtype)} weight ({n_rows}, {n_cols}) needs {n_rows * rb} bytes, "
                           f"got {w.size}")
     return rb
+
+
+_RB: dict[tuple[int, int], int] = {}  # (type, columns) -> bytes per row, of types with a kernel
+_U8 = np.dtype(np.uint8)
 
 
 def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndarray | None = None,
@@ -302,7 +310,11 @@ def dequantize(w: np.ndarray, qtype: int, n_rows: int, n_cols: int, out: np.ndar
     if qtype == F32:
         out[...] = w.view(np.float32).reshape(n_rows, n_cols)
         return out
-    _apply_threads(_n_threads(settings))
+    n = _n_threads(settings)
+    if n == 1:
+        _drv.dequantize_rows_serial(w, qtype, rb, 0, n_rows, n_cols, out)
+        return out
+    _apply_threads(n)
     _launch(_drv.dequantize_rows, w, qtype, rb, 0, n_rows, n_cols, out)
     return out
 
@@ -396,30 +408,38 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
     by_block: dict[int, list[tuple[int, int, int, int, int, int, int]]] = {}  # int8 path: activation block -> jobs
     work = 0
     q8 = mode(settings) == "q8"
-    for j in jobs:
-        qtype, n_rows = int(j.qtype), int(j.n_rows)
-        rb = _check(j.w, qtype, n_rows, n_cols)
-        if j.t0 < 0 or j.n_tok < 0 or j.t0 + j.n_tok > x.shape[0] or j.col < 0 or j.col + n_rows > out.shape[1]:
-            raise ClutorError(f"kernels: job rows {j.t0}+{j.n_tok} / columns {j.col}+{n_rows} outside "
+    f16_ordered = q8 and settings.ggml_f16
+    blas_int8, blas_float = _blas_from(settings, True), _blas_from(settings, False)
+    S, M = x.shape[0], out.shape[1]
+    address = _drv.address
+    for w, qtype, n_rows, t0, n_tok, col in jobs:
+        qtype, n_rows = int(qtype), int(n_rows)
+        rb = _check(w, qtype, n_rows, n_cols)
+        if t0 < 0 or n_tok < 0 or t0 + n_tok > S or col < 0 or col + n_rows > M:
+            raise ClutorError(f"kernels: job rows {t0}+{n_tok} / columns {col}+{n_rows} outside "
                               f"x {x.shape} / out {out.shape}")
-        if j.n_tok == 0:
+        if n_tok == 0:
             continue
-        int8 = q8 and qtype in _Q8_BLOCK
-        if q8 and qtype == F16 and settings.ggml_f16:
-            rows = slice(j.t0, j.t0 + j.n_tok)
-            _f16.matmul(_rounded(x[rows], F16, "xround16"), j.w.view(np.uint16).reshape(n_rows, n_cols),
-                        out[rows, j.col : j.col + n_rows], order)
+        if qtype == F16 and f16_ordered:
+            rows = slice(t0, t0 + n_tok)
+            _f16.matmul(_rounded(x[rows], F16, "xround16"), w.view(np.uint16).reshape(n_rows, n_cols),
+                        out[rows, col : col + n_rows], order)
             continue
-        if qtype == F32 or j.n_tok >= _blas_from(settings, int8):
-            y = matmul(j.w, qtype, n_rows, n_cols, x[j.t0 : j.t0 + j.n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
-            out[j.t0 : j.t0 + j.n_tok, j.col : j.col + n_rows] = y
+        block = _Q8_BLOCK.get(qtype) if q8 else None
+        if qtype == F32 or n_tok >= (blas_float if block is None else blas_int8):
+            y = matmul(w, qtype, n_rows, n_cols, x[t0 : t0 + n_tok], settings=settings)  # [n_tok, n_rows] (BLAS)
+            out[t0 : t0 + n_tok, col : col + n_rows] = y
             continue
-        job = (_drv.address(j.w), qtype, rb, n_rows, j.t0, j.n_tok, j.col)
-        if int8:
-            by_block.setdefault(_Q8_BLOCK[qtype], []).append(job)
+        job = (address(w), qtype, rb, n_rows, t0, n_tok, col)
+        if block is not None:
+            group = by_block.get(block)
+            if group is None:
+                by_block[block] = [job]
+            else:
+                group.append(job)
         else:
             batched.setdefault(qtype if q8 and qtype in _ROUNDED else 0, []).append(job)
-        work += j.w.size * j.n_tok * _BYTE_COST[qtype]
+        work += w.size * n_tok * _BYTE_COST[qtype]
     if batched or by_block:
         _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
     for rounding, group in batched.items():
@@ -514,7 +534,7 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
 
 def _warm_drivers():
     """The compiled drivers warmup() launches (each compiles its helpers with it)."""
-    return [d for d in (_drv.dequantize_rows, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _drv.matmul_jobs_q8_serial,
+    return [d for d in (_drv.dequantize_rows, _drv.dequantize_rows_serial, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _drv.matmul_jobs_q8_serial,
                         _drv.address, _act.quantize_activations) if d is not None]
 
 
@@ -584,6 +604,7 @@ def _warmup(settings: KernelSettings) -> None:
     ro.flags.writeable = False
     for ww in (w, ro):
         _launch(_drv.dequantize_rows, ww, Q8_0, w.size, 0, 1, n_cols, wf)
+        _drv.dequantize_rows_serial(ww, Q8_0, w.size, 0, 1, n_cols, wf)
     for ww in (w, ro):
         _drv.address(ww)
     job = [(_drv.address(w), Q8_0, w.size, 1, 0, 1, 0)]  # addresses: one flavour

@@ -25,7 +25,7 @@ from . import _ir
 from . import floats, iquants, kquants, legacy
 from .activations import quantize_activations
 
-__all__ = ["FORMATS", "ROWS_PER_TASK", "address", "dequantize_rows", "matmul_jobs_f32", "matmul_jobs_q8",
+__all__ = ["FORMATS", "ROWS_PER_TASK", "address", "dequantize_rows", "dequantize_rows_serial", "matmul_jobs_f32", "matmul_jobs_q8",
            "matmul_jobs_q8_serial"]
 
 # GGML type id -> block description, for every type weight_types.TYPES gives a kernel module.
@@ -58,6 +58,16 @@ def dequantize_rows(w, qtype, row_bytes, r0, r1, n_cols, out):
         first = r0 + task * ROWS_PER_TASK
         for r in range(first, min(r1, first + ROWS_PER_TASK)):
             _deq(qtype, w, r * row_bytes, n_cols, flat, (r - r0) * n_cols)
+
+
+@njit(**_one)
+def dequantize_rows_serial(w, qtype, row_bytes, r0, r1, n_cols, out):
+    """dequantize_rows on the calling thread alone (the same bits): an embedding lookup's few rows
+    are not worth a parallel region's entry, which costs more than the rows after the output head's
+    two-thread launch."""
+    flat = out.reshape(-1)  # [(r1 - r0) * n_cols]
+    for r in range(r0, r1):
+        _deq(qtype, w, r * row_bytes, n_cols, flat, (r - r0) * n_cols)
 
 
 @njit(**_one)
