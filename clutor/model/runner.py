@@ -310,12 +310,7 @@ class Runner:
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
-        if R == 1 and len(ys) == self.config.n_expert_used:  # one row, every slot's expert computed
-            by_slot = sorted(ys, key=lambda fy: int(fy[0][0]))  # each (slot [1], output [1, D])
-            out = by_slot[0][1].copy()  # [1, D]: the same sums as the scatter below, without it
-            for _, y in by_slot[1:]:
-                out += y
-        elif ys:
+        if ys:
             K = self.config.n_expert_used
             slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
             for flat, y in ys:

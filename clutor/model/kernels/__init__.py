@@ -432,11 +432,7 @@ def matmul_jobs(jobs: Sequence[Job], n_cols: int, x: np.ndarray, out: np.ndarray
             continue
         job = (address(w), qtype, rb, n_rows, t0, n_tok, col)
         if block is not None:
-            group = by_block.get(block)
-            if group is None:
-                by_block[block] = [job]
-            else:
-                group.append(job)
+            by_block.setdefault(block, []).append(job)
         else:
             batched.setdefault(qtype if q8 and qtype in _ROUNDED else 0, []).append(job)
         work += w.size * n_tok * _BYTE_COST[qtype]
