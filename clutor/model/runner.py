@@ -38,6 +38,7 @@ from .layers import rmsnorm
 from .plan import Outcome, StepPlan, Want
 from .profile import NO_PROFILE, Profile
 from .quants import matmul_jobs
+from .resident import ResidentExperts
 from .step import Step
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class Runner:
         from .arch.common import Arch
         self._pick_by_weight = type(arch).route is Arch.route  # softmax over all experts, top-k kept as is
         self._hints = experts.wants_hints
+        # experts mapped in memory: each layer's addresses as one table, a step's experts in five calls a layer
+        self._resident = ResidentExperts.of(experts, arch, weights.layers, cfg, kernels_)
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
@@ -160,10 +163,20 @@ class Runner:
             if sel is None:
                 ys = []
                 continue
-            wanted = _by_votes(sel)
-            out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
-            ys = [out[e] for e in wanted]
+            ys = self._routed_now(l, h, sel, w)
         return self._finish(x, h, ys, step)
+
+    def _routed_now(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray) -> "np.ndarray | list":
+        """Layer l's routed experts from an immediate source, for _moe_add: their weighted sum [R, D]
+        where the layer's resident table computes it (clutor.model.resident), else each expert's
+        (rows, output) from the general path."""
+        table = self._resident.table(l, self._moe_index[l]) if self._resident is not None else None
+        if table is not None and table.fits(sel, w):
+            with self.profile.span("experts"):
+                return table.sum(h, sel, w)
+        wanted = _by_votes(sel)
+        out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
+        return [out[e] for e in wanted]
 
     async def _run_streamed(self, step: Step) -> list[Outcome]:
         ledgers = [s.ledger for s in step.segments if s.ledger is not None]
@@ -303,14 +316,16 @@ class Runner:
         late.ys.update(self._experts_out(late.l, late.h, late.sel, late.w, late.views))
         return [late.ys[e] for e in late.wanted if e in late.ys]
 
-    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: list) -> np.ndarray:
+    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: "list | np.ndarray") -> np.ndarray:
         """The layer's output from x and the routed experts' outputs (arch.ffn_out: by default x + them
         + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are
         summed in its router's slot order (as llama.cpp adds them), never in the order they were asked for or read: that order depends on the other rows
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
-        if ys:
+        if isinstance(ys, np.ndarray):  # summed already (_routed_now's resident table), in the same order
+            out = ys
+        elif ys:
             K = self.config.n_expert_used
             slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
             for flat, y in ys:

@@ -73,6 +73,7 @@ class InMemoryExperts:
         for tensors in layout.layers:
             for t in tensors:
                 self._need[t.path] = max(self._need.get(t.path, 0), t.offset + layout.n_experts * t.slab_bytes)
+        self._layer_files = [tuple(dict.fromkeys(t.path for t in tensors)) for tensors in layout.layers]  # [layer]
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         try:
             for path in layout.files:
@@ -110,10 +111,7 @@ class InMemoryExperts:
 
     def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]:
         """The experts' views, from any thread (nothing here touches the event loop)."""
-        if not self._fds:
-            raise ClosedError("expert source used after aclose()")
-        for path in {t.path for t in self.layout.layers[layer]}:
-            self._check(path)  # before any page of the mapping is touched (see the class docstring)
+        self.check(layer)
         views = []
         for e in experts:
             v = self._views.get((layer, e))
@@ -123,6 +121,14 @@ class InMemoryExperts:
                     layer, e, [self._slab(s) for s in self.layout.slabs(layer, e)], self.layout.gated)
             views.append(v)
         return views
+
+    def check(self, layer: int) -> None:
+        """Before any page of the layer's views is touched, each time (see the class docstring): the
+        source is open and its files still hold every expert byte; ClosedError / ClutorIOError if not."""
+        if not self._fds:
+            raise ClosedError("expert source used after aclose()")
+        for path in self._layer_files[layer]:
+            self._check(path)
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))

@@ -73,7 +73,7 @@ from ..kernel_settings import DEFAULT, KernelSettings
 from ..weight_types import QT, TYPES, type_name
 
 __all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "compiled", "cache_dir", "dequantize", "mode", "info",
-           "KernelInfo", "ggml_activations"]
+           "KernelInfo", "ggml_activations", "array_block", "array_max_tokens", "work_bytes", "check_weight", "run_job_array"]
 
 # The types are weight_types.TYPES; the ids this module names itself.
 F32, F16, Q8_0 = int(QT.F32), int(QT.F16), int(QT.Q8_0)  # plain ints: numba would type an IntEnum apart
@@ -124,6 +124,7 @@ from . import _ir  # noqa: E402
 from . import activations as _act  # noqa: E402
 from . import f16dots as _f16  # noqa: E402
 from . import drivers as _drv  # noqa: E402
+from . import routing as _routing  # noqa: E402
 
 log = logging.getLogger("clutor.kernels")
 _tls = threading.local()
@@ -457,15 +458,64 @@ def _run_jobs_q8(block: int, jobs: list[tuple[int, int, int, int, int, int, int]
     """The int8 driver on checked jobs whose types all take activation blocks of `block` elements:
     x is rounded once for all of them, in the same launch; on the calling thread alone when the
     caller set one thread."""
+    _run_array_q8(block, np.array(jobs, np.int64), n_cols, x, out)
+
+
+def _run_array_q8(block: int, jobs_a: np.ndarray, n_cols: int, x: np.ndarray, out: np.ndarray) -> None:
+    """_run_jobs_q8 on the jobs as an array [n_jobs, 7] (drivers.py's columns)."""
     xq, xd, xs1, xs16 = _act_buffers(x.shape[0], n_cols, block)
     # quantize_activations and the int8 kernels index these without bounds checks
     assert n_cols % block == 0 and n_cols % 32 == 0 and xq.shape == x.shape, (block, n_cols, xq.shape, x.shape)
     assert xd.shape[1] * block == xs1.shape[1] * 32 == xs16.shape[1] * 16 == n_cols
-    jobs_a = np.array(jobs, np.int64)  # [n_jobs, 7]
     if getattr(_tls, "nthreads", None) == 1:
         _drv.matmul_jobs_q8_serial(jobs_a, n_cols, x, block, xq, xd, xs1, xs16, out)
     else:
         _launch(_drv.matmul_jobs_q8, jobs_a, n_cols, x, block, xq, xd, xs1, xs16, out)
+
+
+def array_block(qtypes, settings: KernelSettings = DEFAULT) -> int | None:
+    """How run_job_array runs products of these weight types (all in one array) in this mode: the
+    int8 activation block they share (q8 mode), 0 for the float tiles (f32 mode), None when
+    matmul_jobs would take another path for some of them (F32: BLAS; F16 / BF16 in q8 mode: rounded
+    activations) or their blocks differ."""
+    qtypes = {int(q) for q in qtypes}
+    if not all(q in _SUPPORTED and q != F32 for q in qtypes):
+        return None
+    if mode(settings) != "q8":
+        return 0
+    blocks = {_Q8_BLOCK.get(q) for q in qtypes}
+    return blocks.pop() if len(blocks) == 1 and None not in blocks else None
+
+
+def array_max_tokens(block: int, settings: KernelSettings = DEFAULT) -> int:
+    """Tokens a job of run_job_array may have at most: matmul_jobs hands longer ones to BLAS."""
+    return _blas_from(settings, block > 0) - 1
+
+
+def work_bytes(qtype: int, nbytes: int) -> float:
+    """A product's weight bytes as the thread rule counts them per token (run_job_array's work)."""
+    return nbytes * float(_BYTE_COST[int(qtype)])
+
+
+def check_weight(w: np.ndarray, qtype: int, n_rows: int, n_cols: int) -> int:
+    """-> bytes per row, after checking w is a C-contiguous uint8 (n_rows, n_cols) weight of a type
+    with a kernel (ClutorError otherwise): what a job of run_job_array relies on."""
+    return _check(w, int(qtype), int(n_rows), int(n_cols))
+
+
+def run_job_array(jobs: np.ndarray, n_cols: int, x: np.ndarray, out: np.ndarray, block: int, work: float,
+                  settings: KernelSettings = DEFAULT) -> None:
+    """matmul_jobs for a caller that built the jobs itself, as the drivers take them (int64 [n_jobs, 7],
+    drivers.py's columns: address, type, row bytes, rows, t0, n_tok, col), from weights it checked
+    (check_weight) and keeps alive, every job inside x f32 [S, n_cols] and out f32 [S, M] (both
+    C-contiguous, writable) and of at most array_max_tokens tokens: nothing here checks them again.
+    block: array_block of the jobs' types; work: their weight bytes x tokens (work_bytes), which
+    decides one thread or settings' threads as matmul_jobs decides."""
+    _apply_threads(1 if work < _PARALLEL_MIN_BYTES else _n_threads(settings))
+    if block:
+        _run_array_q8(block, jobs, n_cols, x, out)
+    else:
+        _launch(_drv.matmul_jobs_f32, jobs, n_cols, x, out)
 
 
 # q8 mode: the float types whose activations ggml rounds to their own type first (vec_dot_type F16 / BF16)
@@ -531,7 +581,8 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
 def _warm_drivers():
     """The compiled drivers warmup() launches (each compiles its helpers with it)."""
     return [d for d in (_drv.dequantize_rows, _drv.dequantize_rows_serial, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _drv.matmul_jobs_q8_serial,
-                        _drv.address, _act.quantize_activations) if d is not None]
+                        _drv.address, _act.quantize_activations, _routing.route_jobs, _routing.slot_sum)
+            if d is not None]
 
 
 def compiled() -> bool | None:
@@ -611,3 +662,14 @@ def _warmup(settings: KernelSettings) -> None:
             _apply_threads(threads)
             _run_jobs_q8(32, job, n_cols, x, out)
         _apply_threads(n)
+    _warm_routing()
+
+
+def _warm_routing() -> None:
+    """routing.py's two functions, for the runner's in-memory experts (one expert of one row)."""
+    sel, w, h = np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), np.zeros((1, 32), np.float32)
+    addr, parts = np.zeros((1, 2), np.int64), np.zeros((2, 4), np.int64)
+    xg, wf, pair = np.empty((1, 32), np.float32), np.empty(1, np.float32), np.empty(1, np.int64)
+    _routing.route_jobs(sel, w, h, False, addr, parts, xg, wf, pair, np.empty(2, np.int64),
+                        np.empty((1, 7), np.int64), np.empty((1, 7), np.int64))
+    _routing.slot_sum(xg, sel, pair, wf, np.empty(0, np.float32), True, np.empty((1, 32), np.float32))
