@@ -449,9 +449,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(monkeypatch):
     assert len(after) == 4 and st.live_sequences == 0
 
 
-def test_default_prefetch_reads_ahead_alone_only_true_always_false_never():
-    """prefetch=None (the default): decode steps of one sequence read the next layer's predicted experts
-    ahead, batched steps read on demand only; prefetch=True reads ahead in both; False in neither."""
+def test_default_prefetch_reads_ahead_alone_and_batched_true_always_false_never():
+    """prefetch=None (the default, in a cache of 1.5 tokens' experts or more): decode steps of one sequence
+    and batched ones read the next layer's predicted experts ahead, as with prefetch=True; False in neither."""
     async def issued(prefetch):
         async with clutor.Model.open(fixture_path("olmoe", "Q8_0"), io="threads", expert_cache="40%",
                                      prefix_cache=0, prefetch=prefetch) as model:
@@ -478,6 +478,6 @@ def test_default_prefetch_reads_ahead_alone_only_true_always_false_never():
         return await issued(None), await issued(True), await issued(False)
 
     (alone, together, _), (alone_on, together_on, _), (alone_off, together_off, n_off) = run(go())
-    assert alone > 0 and together == 0, (alone, together)
+    assert alone > 0 and together > 0, (alone, together)
     assert alone_on > 0 and together_on > 0, (alone_on, together_on)
     assert alone_off == together_off == n_off == 0, (alone_off, together_off, n_off)

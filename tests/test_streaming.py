@@ -652,6 +652,62 @@ def test_default_prefetch_only_with_a_cache_of_more_than_a_tokens_experts(six_la
     assert issued_small == 0 and issued_large > 0 and issued_forced > 0, (issued_small, issued_large, issued_forced)
 
 
+def test_default_prefetch_reads_ahead_in_batched_decode_on_an_idle_disk_only(six_layers):
+    """prefetch=None, four sequences batched in a cache of 2 layers' experts: every decode step queues the
+    next MoE layer's experts its rows' routers vote for, those reads serve demands (staging hits), and
+    the store hands a prefetch read to the backend only while no demand read is in flight, so a demand
+    read shares the disk with at most PREFETCH_DEPTH prefetched experts already started, never with one
+    submitted after it. The tokens are io="memory"'s."""
+    from clutor.io import store as store_mod
+
+    minimum, slot = _minimum(six_layers)
+    prompts = [f"Story {i}: once upon a time" for i in range(4)]
+
+    async def tokens(model):
+        async def one(p):
+            return [o.token async for o in model.generate(p, max_tokens=10, temperature=0, ignore_eos=True)
+                    if o.token is not None]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    async def reference():
+        async with clutor.Model.open(six_layers, io="memory", max_sequences=4) as model:
+            return await tokens(model)
+
+    async def go():
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=2 * 16 * slot, max_sequences=4) as model:
+            runner, store = model.runner, model.runner.experts
+            seqs = [0]
+            issued_in: dict[int, int] = {}  # sequences in a step -> experts prefetch() was asked for
+            submits: list[tuple[bool, int, int]] = []  # (demand, demand loads in flight, prefetches in flight)
+            real_run, real_prefetch, real_submit = runner.run, store.prefetch, store._submit
+
+            async def run_step(plan):
+                seqs[0] = len(plan.segments) if plan.decode else 0
+                return await real_run(plan)
+
+            def prefetch(layer, experts):
+                issued_in[seqs[0]] = issued_in.get(seqs[0], 0) + len(experts)
+                return real_prefetch(layer, experts)
+
+            def submit(loads, demand):
+                in_flight = len(store._pf_submitted)
+                submits.append((demand, store._outstanding - in_flight, in_flight))
+                return real_submit(loads, demand)
+
+            runner.run, store.prefetch, store._submit = run_step, prefetch, submit
+            toks = await tokens(model)
+            return toks, issued_in, submits, model.io_stats()
+
+    want = run(reference())
+    toks, issued_in, submits, st = run(go())
+    assert toks == want
+    assert issued_in.get(4, 0) > 0, issued_in  # batched decode steps read ahead
+    assert st.staging_hits > 0 and st.bytes_prefetch > 0, st
+    prefetch_submits = [s for s in submits if not s[0]]
+    assert prefetch_submits and all(busy == 0 for _, busy, _ in prefetch_submits), prefetch_submits
+    assert all(pf <= store_mod.PREFETCH_DEPTH for demand, _, pf in submits if demand), submits
+
+
 def test_every_buffer_but_one_spare_caches_and_decode_never_reads_past_the_cache(six_layers):
     """A quarter of the six-layer model's 96 experts is 24 buffers: 23 cache slots and the one spare
     for bypass reads (store._SPARES). A step pins one layer's experts at a time and may steal what

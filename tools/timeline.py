@@ -2,9 +2,10 @@
 """Where a streamed decode token's time goes: a timeline of the compute thread's spans and the expert reads.
 
     python tools/timeline.py MODEL.gguf [--budget 25%] [--tokens 48] [--prompt-tokens 32] [--show 2]
-                             [--disk-mibs 1135 | --fio-seconds 3] [--json OUT.json]
+                             [--streams 4] [--disk-mibs 1135 | --fio-seconds 3] [--json OUT.json]
 
-One stream, the bench's text workload (its prompt and sampler, seed 0), the library's defaults otherwise
+One stream (or --streams N at once, their decode steps batched: each stream's prompt and seed as the
+bench's --concurrency gives them), the bench's text workload (its prompts and sampler), the library's defaults otherwise
 (prefetch auto, lrfu unless --policy). A diagnostic, not a benchmark: it wraps the runner's compute-thread functions and
 the store's submit/finish/reserve with timestamps (a few microseconds each), runs the generation, then
 for each decode token (the first two skipped) splits its wall time into:
@@ -180,16 +181,19 @@ def show(events: list[tuple], n: int, skip: int = 2) -> None:
 
 
 async def _generate(path: str, budget: str, policy: str | None, io: str, tokens: int, prompt_tokens: int,
-                    rec: Recorder) -> int:
+                    rec: Recorder, streams: int = 1) -> int:
     opts = {"io": io} if io == "memory" else {"io": io, "expert_cache": budget, **({"policy": policy} if policy else {})}
     async with Model.open(path, **opts) as model:
-        prompt, warm = workload_prompts(model.tokenizer, "text", 2, prompt_tokens, 0)
-        sampling = sampling_options("text", 0)
-        async for _ in model.generate(warm, max_tokens=1, ignore_eos=True, **sampling):
+        *prompts, warm = workload_prompts(model.tokenizer, "text", streams + 1, prompt_tokens, 0)
+        async for _ in model.generate(warm, max_tokens=1, ignore_eos=True, **sampling_options("text", 0)):
             pass
-        with rec:
-            async for _ in model.generate(prompt, max_tokens=tokens, ignore_eos=True, **sampling):
+
+        async def one(i: int, prompt) -> None:  # each stream seeded as the bench seeds it
+            async for _ in model.generate(prompt, max_tokens=tokens, ignore_eos=True, **sampling_options("text", i)):
                 pass
+
+        with rec:
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         stats = model.io_stats()
         return int(stats.slot_bytes) if stats is not None else 0  # one expert's read, widened to O_DIRECT alignment
 
@@ -201,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default=None, help="cache policy (default: the library's)")
     p.add_argument("--io", default="auto", help="auto | uring | threads | memory (the file mapped: the compute alone)")
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--streams", type=int, default=1, help="generations at once (their decode steps batched)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--show", type=int, default=0, help="print the first N decode tokens' events")
     p.add_argument("--disk-mibs", type=float, default=None, help="disk bandwidth for the dependency bound, MiB/s")
@@ -213,7 +218,8 @@ def main(argv=None) -> int:
 
         bps = disk_bandwidth(a.model, a.fio_seconds).bytes_per_second
     rec = Recorder()
-    expert_bytes = asyncio.run(_generate(a.model, a.budget, a.policy, a.io, a.tokens, a.prompt_tokens, rec))
+    expert_bytes = asyncio.run(_generate(a.model, a.budget, a.policy, a.io, a.tokens, a.prompt_tokens, rec,
+                                            a.streams))
     if a.show:
         show(rec.events, a.show)
     s = analyse(rec.events, expert_bytes, bps)

@@ -75,8 +75,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: half the available memory after the dense weights)")
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default=None,
                    help="during decode, read the next layer's predicted experts while this one computes "
-                        "whenever the disk is idle (default: auto = in steps of one sequence, where it won on "
-                        "real routing; never in batched steps, which are disk-bound: docs/benchmarks.md)")
+                        "whenever the disk is idle (default: auto = in every decode step when the cache holds "
+                        "at least 1.5 tokens' experts, where it won on real routing: docs/benchmarks.md)")
     g.add_argument("--policy", default=DEFAULTS.policy, choices=tuple(POLICIES), help="expert cache replacement policy")
     g.add_argument("--io", choices=IO_CHOICES, default=DEFAULTS.io,
                    help="how experts are read: io_uring, a thread pool, or memory (mmap, no cache)")

@@ -67,13 +67,12 @@ class Model:
             self.kernels = dataclasses.replace(self.kernels, ggml_f16=True)
         for w in dense.matrices():
             w.kernels = self.kernels
-        # Prefetch (decode steps only). None, the default: in steps of one sequence, where the disk idles
-        # between a layer's misses and the next layer's router, and prefetch reads only an idle disk (on
-        # real routing, one quiet run: 21.3 vs 16.6 tok/s, 29.5 vs 23.7 MiB/token, docs/benchmarks.md);
-        # never in a batched step, which is disk-bound: there its wrong guesses only add bytes (4 streams:
-        # 13.6 vs 18.5 tok/s in the same run), nor with a cache of fewer than 1.5 tokens' experts, where
-        # each wrong guess evicts what the next token needs (runner.PREFETCH_MIN_TOKENS). True: every
-        # decode step; False: never.
+        # Prefetch (decode steps only). None, the default: in every decode step, one sequence's or a batch's,
+        # where the disk idles while a layer's late experts, the next layer's attention and router and the
+        # output head compute, and prefetch reads only an idle disk (on real routing, quiet: one stream
+        # 21.3 vs 16.6 tok/s; four streams 32.2-33.2 vs 30.1-30.5, docs/benchmarks.md); not with a cache of
+        # fewer than 1.5 tokens' experts, where each wrong guess evicts what the next token needs
+        # (runner.PREFETCH_MIN_TOKENS). True: every decode step; False: never.
         prefetch = False if options.io == "memory" else options.prefetch
         self.runner = Runner(arch, dense, experts, kv, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
                              profile=self.profile, trace=trace)
@@ -97,9 +96,9 @@ class Model:
             half of the memory available after the dense weights (capped at what all experts need).
         prefetch: during decode, read the experts predicted for the next MoE layer (after the last, the
             next token's first) while this one computes, whenever no demand read is in flight. None
-            (default): in decode steps of one sequence, when the cache holds at least 1.5 tokens' experts
-            (every MoE layer's top-k); True: every decode step; False: never (measured on real routing in
-            docs/benchmarks.md).
+            (default): in decode steps (one sequence's or a batch's), when the cache holds at least 1.5
+            tokens' experts (every MoE layer's top-k); True: every decode step; False: never (measured on
+            real routing in docs/benchmarks.md).
         policy: cache replacement policy (see clutor.io.policies.POLICIES).
         io: "auto" (io_uring, else threads), "uring", "threads", or "memory" (mmap the file, no cache).
         direct: O_DIRECT reads that bypass the page cache (falls back to buffered where refused).

@@ -59,11 +59,15 @@ PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, ho
 # < 0.1 56% right, 0.1-0.2 82%, >= 0.2 99%). Renormalised weights are shares of the top-k instead, not
 # comparable across rows or models: there the ranks decide.
 PREFETCH_MIN_WEIGHT = 0.1
-# prefetch=None (the default) prefetches one sequence's decode only where the cache holds at least this
-# many tokens' experts (each MoE layer's top-k): in a smaller one each wrong guess evicts an expert the
-# next token wants again. wide.gguf, one stream, quiet, same sitting: a cache of one token's experts
-# (12.5%, 16) read 57.7 MiB/token with prefetch and 48.3 without (7.8 vs 11.9 tok/s); one of two tokens'
-# (25%, 32) 27.0 against 29.6 prefetching by rank (docs/benchmarks.md, "One stream, phase 4").
+# prefetch=None (the default) prefetches decode steps, of one sequence or batched, only where the cache
+# holds at least this many tokens' experts (each MoE layer's top-k): in a smaller one each wrong guess
+# evicts an expert the next token wants again. wide.gguf, one stream, quiet, same sitting: a cache of one
+# token's experts (12.5%, 16) read 57.7 MiB/token with prefetch and 48.3 without (7.8 vs 11.9 tok/s); one
+# of two tokens' (25%, 32) 27.0 against 29.6 prefetching by rank (docs/benchmarks.md, "One stream, phase 4").
+# A batched step prefetches the union of its rows' picks by the same rule: its reads of layer l+1 then
+# fill the disk's idle time while layer l's late experts, the next attention and the output head compute
+# (4 streams, 25%: 32.2-33.2 vs 30.1-30.5 tok/s, 44.2 vs 38.4 MiB/token, 83% of prefetches used; picks
+# of weight >= 0.05 read 61 MiB/token and lost, >= 0.15-0.2 saved less wait: docs/benchmarks.md).
 PREFETCH_MIN_TOKENS = 1.5
 
 
@@ -91,9 +95,6 @@ class Runner:
         self._rope = arch.make_rope(n_ctx)
         arch.ggml_numerics = kernels.mode(kernels_) == "q8"
         self._trace = trace
-        # Read the next MoE layer's predicted experts while this one computes, in decode steps: True, False,
-        # or None: in steps of one sequence only (see Model.open's prefetch option).
-        self._prefetch = prefetch
         from .arch.common import Arch
         self._pick_by_weight = type(arch).route is Arch.route  # softmax over all experts, top-k kept as is
         self._hints = experts.wants_hints
@@ -103,7 +104,10 @@ class Runner:
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
         self._max_batch = min(room, max(cfg.n_expert_used, room // 2)) if room else cfg.n_expert
-        self._roomy = not room or room >= PREFETCH_MIN_TOKENS * len(cfg.moe_layers) * cfg.n_expert_used
+        roomy = not room or room >= PREFETCH_MIN_TOKENS * len(cfg.moe_layers) * cfg.n_expert_used
+        # Read the next MoE layer's predicted experts while this one computes, in every decode step: the
+        # prefetch option (see Model.open), None meaning where the cache is roomy.
+        self._prefetch = roomy if prefetch is None else prefetch
         self._lock = asyncio.Lock()
         self._asking = 0  # run() calls waiting for (or holding) the runner
         self.steps = 0  # steps run
@@ -235,8 +239,7 @@ class Runner:
             sel, w = arch.route(lw, arch.router_input(lw, x, h))  # [R, K], [R, K]
         nxt = ahead_pf = None
         ahead = self._ahead.get(l)
-        if step.plan.decode and ahead is not None and (self._predicting(len(sel)) if ahead == l + 1
-                                                       else self._prefetching(len(sel))):
+        if step.plan.decode and ahead is not None and (self._predicting() if ahead == l + 1 else self._prefetch):
             # Decode (one row per sequence): the next MoE layer's router on this residual predicts its
             # experts, told to the cache before this layer's get (and read ahead by prefetch when it is
             # on). After the last MoE layer that is the first one, for the next token: read while this
@@ -387,22 +390,17 @@ class Runner:
                 out[i] = rmsnorm(x[sp[0] : sp[0] + sp[1]], w.output_norm, cfg.eps)  # [T, D]
         return out
 
-    def _prefetching(self, n_seq: int) -> bool:
-        """Prefetch in a decode step of n_seq sequences: True always, False never, None (the default)
-        alone only (a batched step is disk-bound: its wrong guesses would only add bytes) and only with
-        a cache of PREFETCH_MIN_TOKENS tokens' experts or more."""
-        return n_seq == 1 and self._roomy if self._prefetch is None else self._prefetch
-
-    def _predicting(self, n_seq: int) -> bool:
+    def _predicting(self) -> bool:
         """The next layer's router on the current residual (one small product per layer and decode
         step) only when something uses it: prefetch, or a cache policy that takes hints."""
-        return self._hints or self._prefetching(n_seq)
+        return self._hints or self._prefetch
 
     def _predict(self, l: int, x: np.ndarray) -> tuple[list[int], list[int]]:
         """Experts layer l will likely want: its router on the current residual, most-voted first;
         and the part of them prefetch reads: each row's experts of router weight >= PREFETCH_MIN_WEIGHT
-        where weights are probabilities, else its PREFETCH_RANKS best-ranked. The others are mostly
-        wrong, and each wrong one costs an expert's read and evicts a cached expert."""
+        where weights are probabilities, else its PREFETCH_RANKS best-ranked (in a batch, the union of
+        the rows' picks, most-voted first). The others are mostly wrong, and each wrong one costs an
+        expert's read and evicts a cached expert."""
         lw = self._w.layers[l]
         h = self.arch.ffn_input(lw, x)  # [R, D]
         sel, w = self.arch.route(lw, self.arch.router_input(lw, x, h))  # [R, K], each row best first
@@ -446,7 +444,7 @@ class Runner:
                     if first_group and before is not None and self.experts.stats().hits > before.hits:
                         hits = [v.expert for v in views]  # the first group is the cached experts, if any
                     first_group = False
-                    if first_get and nxt is not None and self._prefetching(len(step.plan.segments)):
+                    if first_get and nxt is not None and self._prefetch:
                         # This layer's experts are pinned and its misses submitted: queue the experts
                         # the next MoE layer's router picks from the current hidden state, read once
                         # this layer's misses are in (the store's idle-disk rule) while it computes.
