@@ -255,7 +255,9 @@ class LRFU(Policy):
     accesses between two rounds of a layer (L * k in a decode), and q, the chance the key is used at
     a round, is estimated LRFU-style (Lee et al. 2001): each use adds 1 to a value that halves every
     ``half_life`` rounds of the key's layer, and q = value * (1 - 2^(-1/half_life)), at most 1
-    (a key used at every round scores 1).
+    (a key used at every round scores 1). Built for a cache (``make_policy``, ``for_slots``: what the
+    store and the simulator use), the half-life follows the cache's size in rounds, slots / period
+    (``auto_half_life``): one round for a cache of one token's experts, longer for larger ones.
 
     Why not plain LRFU: on one global clock, the experts of the layer just served look freshest
     although they had their chance; and LRFU or LFU evict them even when they are the only ones
