@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from clutor.io.cache import ExpertCache, SlotState
-from clutor.io.policies import LFU, LRFU, LRU, LRU2, POLICIES, Belady, make_policy
+from clutor.io.policies import LFU, LRFU, LRU, LRU2, POLICIES, Belady, auto_half_life, make_policy
 
 ALL = sorted(POLICIES)
 
@@ -237,6 +238,40 @@ def test_lrfu_frequency_vs_recency_by_half_life():
     # Equal history except age: the older goes first whatever the half-life.
     assert order_long.index((0, 2)) < order_long.index((0, 1))
     assert order_short.index((0, 2)) < order_short.index((0, 1))
+
+
+def test_lrfu_half_life_follows_the_cache_size_in_rounds():
+    # A decode-like stream: 4 layers x 4 experts a round (period 16 accesses), drawn from 8 per layer.
+    rng = np.random.default_rng(0)
+    rounds = [(layer, rng.choice(8, 4, replace=False).tolist()) for _ in range(40) for layer in range(4)]
+    for slots, want in ((15, 1.0), (31, 2.0 ** (31 / 16 - 1)), (63, 2.0 ** (63 / 16 - 1)), (200, 16.0)):
+        p = make_policy("lrfu", slots)  # what the store and the simulator build
+        _lrfu_rounds(p, rounds)
+        assert p._period == pytest.approx(16.0)
+        assert auto_half_life(slots / 16.0) == pytest.approx(want)
+        assert 0.83 < p.half_life / want < 1.2, (slots, p.half_life, want)  # within the re-choice band
+    assert LRFU().half_life == 1.0  # an explicit policy keeps its own
+    _lrfu_rounds(fixed := LRFU(half_life=3.0), rounds)
+    assert fixed.half_life == 3.0
+
+
+def test_lrfu_a_new_half_life_reranks_every_resident_key():
+    # Expert 0 of layer 0 used at rounds 0-5, expert 1 at round 7 only: with a half-life of one round
+    # recency wins (0 goes first); a cache of ~8 rounds (h = 16) keeps the frequent one instead.
+    p = LRFU(slots=32)
+    _lrfu_rounds(p, [(0, [9]), (1, [9])])  # first rounds: the period is not known yet, h stays 1
+    assert p.half_life == 1.0
+    rounds = []
+    for t in range(8):
+        rounds.append((0, [0] if t < 6 else [2] if t == 6 else [1]))
+        rounds.append((1, [0]))
+    _lrfu_rounds(p, rounds)
+    assert p._period == pytest.approx(2.0, abs=0.3) and p.half_life == 16.0
+    order = [v for v in victims(p) if v[0] == 0]
+    assert order.index((0, 1)) < order.index((0, 0))
+    # the heaps were rebuilt: victims() agrees with every key's own score under the new half-life
+    scores = sorted(p._current, key=lambda key: (-p._log2_wait(key), p._current[key]))
+    assert list(victims(p)) == scores
 
 
 def test_lrfu_prefetched_never_accessed_goes_first():

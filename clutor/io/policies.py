@@ -37,7 +37,8 @@ from typing import Generator, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["Key", "Policy", "LRU", "LFU", "LRFU", "LRU2", "Forecast", "Belady", "POLICIES", "DEFAULT_POLICY", "make_policy"]
+__all__ = ["Key", "Policy", "LRU", "LFU", "LRFU", "LRU2", "Forecast", "Belady", "POLICIES", "DEFAULT_POLICY", "make_policy",
+           "auto_half_life"]
 
 Key = Hashable  # (layer, expert) in the store; any hashable in tests
 
@@ -233,6 +234,16 @@ class LFU(_ScoredPolicy):
         return (self._log_count[key], self._last[key])
 
 
+def auto_half_life(rounds: float) -> float:
+    """LRFU's half-life (in rounds) for a cache that holds ``rounds`` rounds' experts (slots / accesses per
+    round): 2^(rounds - 1), within [1, 16]. A cache of about one round's experts must follow the latest
+    round (h = 1); a larger one can afford to keep what is used often although not lately. On bench-like
+    real-text traces of the widened OLMoE (4 layers x top-4, 11 one-stream and 6 four-stream traces,
+    ``clutor simulate``'s replay) the best fixed half-life was 1 at 15 slots, 2-3 at 31, 8 at 47, 12 at 63
+    (one stream: 16 experts a round), and for four streams (~32 a round) 2 at 63, 6-8 at 95."""
+    return min(16.0, max(1.0, 2.0 ** (rounds - 1.0)))
+
+
 class LRFU(Policy):
     """Recency and frequency on each layer's own clock, aware of the order layers come back in.
 
@@ -244,7 +255,9 @@ class LRFU(Policy):
     accesses between two rounds of a layer (L * k in a decode), and q, the chance the key is used at
     a round, is estimated LRFU-style (Lee et al. 2001): each use adds 1 to a value that halves every
     ``half_life`` rounds of the key's layer, and q = value * (1 - 2^(-1/half_life)), at most 1
-    (a key used at every round scores 1).
+    (a key used at every round scores 1). Built for a cache (``make_policy``, ``for_slots``: what the
+    store and the simulator use), the half-life follows the cache's size in rounds, slots / period
+    (``auto_half_life``): one round for a cache of one token's experts, longer for larger ones.
 
     Why not plain LRFU: on one global clock, the experts of the layer just served look freshest
     although they had their chance; and LRFU or LFU evict them even when they are the only ones
@@ -262,12 +275,17 @@ class LRFU(Policy):
 
     name = "lrfu"
 
-    def __init__(self, half_life: float = 1.0) -> None:
-        self.half_life = float(half_life)
-        if not 0.0 < self.half_life < math.inf:
+    @classmethod
+    def for_slots(cls, n_slots: int) -> "LRFU":
+        return cls(slots=n_slots)
+
+    def __init__(self, half_life: float = 1.0, *, slots: int | None = None) -> None:
+        """``half_life`` in rounds; with ``slots`` (the cache's size) it is only the first one, and then
+        follows the cache's size in rounds (see auto_half_life), re-chosen as rounds come."""
+        if not 0.0 < float(half_life) < math.inf:
             raise ValueError(f"LRFU half_life must be a positive number of rounds, got {half_life!r}")
-        # log2 of q for a key with value 1 at its next round, 1 - 2^(-1/h) (expm1: exact for a long half-life)
-        self._log2_c = math.log2(-math.expm1(-math.log(2.0) / self.half_life))
+        self._slots = slots
+        self._set_half_life(float(half_life))
         self._heaps: dict[Hashable, list[tuple[float, int, Key]]] = {}  # layer -> [(rank, seq, key)]
         self._current: dict[Key, int] = {}   # resident key -> seq of its live heap entry
         self._live: dict[Hashable, int] = {}  # layer -> resident keys
@@ -300,6 +318,8 @@ class LRFU(Policy):
             if layer in self._start:
                 gap = self._t - self._start[layer]
                 self._period = gap if self._period is None else 0.9 * self._period + 0.1 * gap
+                if self._slots is not None:
+                    self._follow_cache()
             self._start[layer] = self._t
             self._rounds[layer] = self._rounds.get(layer, 0) + 1
         self._round_keys.add(key)
@@ -321,6 +341,22 @@ class LRFU(Policy):
 
     def __len__(self) -> int:
         return len(self._current)
+
+    # -- half-life ---------------------------------------------------------------------------------
+    def _set_half_life(self, half_life: float) -> None:
+        self.half_life = half_life
+        # log2 of q for a key with value 1 at its next round, 1 - 2^(-1/h) (expm1: exact for a long half-life)
+        self._log2_c = math.log2(-math.expm1(-math.log(2.0) / half_life))
+
+    def _follow_cache(self) -> None:
+        """Take auto_half_life of the cache's size in rounds once it is 20% away from the current one
+        (not at every move of the period's estimate: each change re-ranks every resident key)."""
+        want = auto_half_life(self._slots / self._period)
+        if not 0.83 < want / self.half_life < 1.2:
+            self._set_half_life(want)
+            self._heaps = {}
+            for key in list(self._current):  # ranks (log2 v + last / h) under the new half-life
+                self._touch(key)
 
     # -- ranking -----------------------------------------------------------------------------------
     def _touch(self, key: Key) -> None:
