@@ -77,6 +77,11 @@ class GGMLMulMat:
              n_threads: int, passes: int = 5) -> float:
         """Seconds per product x @ W.T, W any of `copies` (uint8 [n_rows * row_bytes] each, the file's
         bytes), x float32 [T, n_cols]: the best of `passes` passes over all copies."""
+        return min(self.pass_times(copies, qtype, n_rows, n_cols, x, n_threads, passes))
+
+    def pass_times(self, copies: list[np.ndarray], qtype: int, n_rows: int, n_cols: int, x: np.ndarray,
+                   n_threads: int, passes: int = 5) -> list[float]:
+        """time()'s passes, each one's seconds per product (for medians)."""
         b, c = self._base, self._cpu
         n_tok = x.shape[0]
         n_nodes = len(copies)
@@ -100,14 +105,14 @@ class GGMLMulMat:
             work = np.empty(max(plan.work_size, 1), np.uint8)
             plan.work_data = work.ctypes.data
             c.ggml_graph_compute(gf, ctypes.byref(plan))  # warm: thread pool up, pages touched
-            best = float("inf")
+            secs = []
             for _ in range(passes):
                 t0 = time.perf_counter()
                 rc = c.ggml_graph_compute(gf, ctypes.byref(plan))
-                best = min(best, time.perf_counter() - t0)
+                secs.append((time.perf_counter() - t0) / n_nodes)
                 if rc != 0:
                     raise RuntimeError(f"ggml_graph_compute failed with status {rc}")
-            return best / n_nodes
+            return secs
         finally:
             b.ggml_free(ctx)
 

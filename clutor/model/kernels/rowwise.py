@@ -72,33 +72,47 @@ def _attend(q, K, V, p0, k0, scale, window, sinks, use_sinks, scores, out):
             out[t, base + d] *= inv
 
 
-@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath={"contract"})
-def _rowdot(x, w, out):
+@njit(inline="always", fastmath={"contract"})
+def _rowdot_one(x, w, t, e):
     # llama.cpp's F32 product of two rows or more (tinyBLAS on AVX2): one 8-lane FMA accumulator over
     # the 8-element chunks in order, lanes summed as (s0 + s2) + (s1 + s3), s_i = v_{i+4} + v_i; only
     # contraction allowed, so every sum runs as written. D not a multiple of 8: one sum in order.
-    T, D = x.shape
-    E = w.shape[0]
+    D = x.shape[1]
+    if D % 8 == 0:
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+        for k in range(0, D, 8):
+            v0 = x[t, k] * w[e, k] + v0
+            v1 = x[t, k + 1] * w[e, k + 1] + v1
+            v2 = x[t, k + 2] * w[e, k + 2] + v2
+            v3 = x[t, k + 3] * w[e, k + 3] + v3
+            v4 = x[t, k + 4] * w[e, k + 4] + v4
+            v5 = x[t, k + 5] * w[e, k + 5] + v5
+            v6 = x[t, k + 6] * w[e, k + 6] + v6
+            v7 = x[t, k + 7] * w[e, k + 7] + v7
+        return ((v4 + v0) + (v6 + v2)) + ((v5 + v1) + (v7 + v3))
+    acc = np.float32(0.0)
+    for d in range(D):
+        acc = x[t, d] * w[e, d] + acc
+    return acc
+
+
+@njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath={"contract"})
+def _rowdot(x, w, out):
+    T, E = x.shape[0], w.shape[0]
     for i in prange(T * E):
         t = i // E
         e = i - t * E
-        if D % 8 == 0:
-            v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
-            for k in range(0, D, 8):
-                v0 = x[t, k] * w[e, k] + v0
-                v1 = x[t, k + 1] * w[e, k + 1] + v1
-                v2 = x[t, k + 2] * w[e, k + 2] + v2
-                v3 = x[t, k + 3] * w[e, k + 3] + v3
-                v4 = x[t, k + 4] * w[e, k + 4] + v4
-                v5 = x[t, k + 5] * w[e, k + 5] + v5
-                v6 = x[t, k + 6] * w[e, k + 6] + v6
-                v7 = x[t, k + 7] * w[e, k + 7] + v7
-            out[t, e] = ((v4 + v0) + (v6 + v2)) + ((v5 + v1) + (v7 + v3))
-        else:
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc = x[t, d] * w[e, d] + acc
-            out[t, e] = acc
+        out[t, e] = _rowdot_one(x, w, t, e)
+
+
+@njit(nogil=True, cache=True, boundscheck=False, fastmath={"contract"})
+def _rowdot_serial(x, w, out):
+    # _rowdot on the calling thread: a decode step's router (one row, 32 x 256) is done in a few
+    # microseconds, less than entering a parallel region costs, even a one-thread one
+    T, E = x.shape[0], w.shape[0]
+    for t in range(T):
+        for e in range(E):
+            out[t, e] = _rowdot_one(x, w, t, e)
 
 
 _NO_SINKS = np.zeros(1, np.float32)
@@ -133,6 +147,8 @@ def rowdot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [T, D] @ w [E, D].T -> float32 [T, E], each element alone (see the module docstring)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    threads_for(x.shape[0] * w.shape[0] * x.shape[1])
-    _rowdot(x, w, out)
+    if x.shape[0] * w.shape[0] * x.shape[1] < _SMALL:
+        _rowdot_serial(x, w, out)
+    else:
+        _rowdot(x, w, out)
     return out
