@@ -26,13 +26,12 @@ import numpy as np
 
 from ..errors import ClutorError
 from . import kernels
+from .arch.common import Arch
 from .kernels.routing import (PART_COL, PART_QT, PART_RB, PART_ROWS, negated_gate, route_jobs, slot_sum,
                               swiglu_from_exp)
+from .layers import silu
 from .profile import kernel_done
 from .source import InMemoryExperts
-
-from .arch.common import Arch
-from .layers import silu
 
 if TYPE_CHECKING:
     from .config import ModelConfig
