@@ -2,11 +2,12 @@
 
     python -m clutor.bench.worker MODEL --json-args '{"expert_cache": "25%", "prefetch": true, ...}'
 
-Opens the model with the given options, runs a 1-token warm-up from a different prompt of the same
-length (first allocations, first page touches of a mapped model, a cache in steady state; excluded
-from the figures), then the measured generation of ``tokens`` tokens from the ``prompt_tokens``-token
-benchmark prompt with EOS ignored, and prints one JSON line (see ``run``). The warm-up uses another
-prompt so it does not pre-load exactly the prompt's experts.
+Opens the model with the given options, runs a warm-up of WARMUP_TOKENS tokens from a different prompt
+of the same length (first allocations, first page touches of a mapped model, the first compile or cache
+load of the decode kernels, a cache in steady state; excluded from the figures), then the measured
+generation of ``tokens`` tokens from the ``prompt_tokens``-token benchmark prompt with EOS ignored, and
+prints one JSON line (see ``run``). The warm-up uses another prompt so it does not pre-load exactly the
+prompt's experts.
 
 ``workload``: "ids" (seeded token ids, greedy) or "text" (slices of the bundled corpus, llama.cpp's default
 sampling seeded per stream); see clutor.bench.prompt. ``trace``: record the run's routing and replay it
@@ -97,6 +98,14 @@ def _open_kwargs(open_fn, opts: dict) -> tuple[dict, list[str]]:
         else:
             raise ClutorError(f"this Clutor's Model.open has no {key!r} option (asked for {key}={value!r})")
     return kwargs, ignored
+
+
+# The warm-up's tokens: the prompt's prefill gives the first, the second is a decode step. A prefill
+# alone never calls the decode-only kernel specialisations (RoPE's one-row write among them), which
+# would then compile (a checkout's first run) or load from numba's cache inside the measured window:
+# such a run's in-RAM bound came out at half its value (wide.gguf, one stream, AMD EPYC Zen 3: 27.6
+# against 58-61 tok/s in the runs after it).
+WARMUP_TOKENS = 2
 
 
 async def _generate(model, ids: list[int], max_tokens: int, sampling: dict | None = None):
@@ -208,7 +217,7 @@ async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
         t_warm = 0.0
         if opts["warmup"]:
             t1 = time.perf_counter()
-            await _generate(model, warm, 1, sampling)
+            await _generate(model, warm, WARMUP_TOKENS, sampling)
             t_warm = time.perf_counter() - t1
         if opts["profile"]:
             model.profile.reset()  # the figures are the measured generation's, not the warm-up's
@@ -273,7 +282,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
             *prompts, warm = workload_prompts(model.tokenizer, workload, n + 1, opts["prompt_tokens"], opts["seed"])
         samplings = [sampling_options(workload, opts["seed"] + i) for i in range(n)]
         if opts["warmup"]:
-            await _generate(model, warm, 1, samplings[0])
+            await _generate(model, warm, WARMUP_TOKENS, samplings[0])
         # per stream: (engine step that produced the token, when its reader got it)
         stamps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         loop_cpu: dict[int, float] = {}  # engine step -> the event-loop thread's CPU time when a reader saw it
