@@ -89,7 +89,6 @@ def test_worker_prints_one_json_line_with_positive_speeds(tiny):
     assert d["seconds"]["generate"] >= s["prefill_seconds"] + s["decode_seconds"] * 0.99
 
 
-
 def _kernel_specialisations() -> set:
     """Every (compiled kernel, signature) this process has compiled or loaded from numba's cache."""
     from numba.core.dispatcher import Dispatcher
@@ -97,7 +96,7 @@ def _kernel_specialisations() -> set:
     found = set()
     for name, mod in list(sys.modules.items()):
         if name.startswith("clutor.") and mod is not None:
-            for attr, d in vars(mod).items():
+            for d in vars(mod).values():
                 if isinstance(d, Dispatcher):
                     found.update((d.py_func.__qualname__, sig) for sig in d.overloads)
     return found
@@ -120,6 +119,7 @@ def test_the_warm_up_prepares_every_kernel_the_measured_decode_runs(tiny, monkey
     worker.run(tiny, {"io": "memory", "prompt_tokens": 8, "tokens": 4})
     warm, measured = seen
     assert measured <= warm, f"first called in the measured window: {sorted(measured - warm)}"
+
 
 def test_bench_profile_splits_decode_steps_into_spans(tiny, capsys):
     """--profile: each decode step's wall time is split into spans that add up to no more than the step,
