@@ -345,6 +345,91 @@ def test_stalled_readers_give_back_their_places(write_timeout, caplog):
         s.stop()
 
 
+# -- 5b. a response written whole, then not read ------------------------------------------------------
+# The engine finishes and the handler writes the whole response into the transport's buffer before the
+# write timeout cuts the client off: the request is logged and counted when its fate is known (the
+# last byte leaving our buffer, or the cut), not when the handler returns.
+CUT_AFTER = 3.0  # the write timeout: the engine's 64 tokens (~0.4 s here) come first even on a busy machine
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module", params=HTTP)
+def cutting(request):
+    s = _server(request.param, limits=Limits(write_timeout=CUT_AFTER))
+    s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # small kernel buffers: the rest waits in ours
+    yield s
+    s.stop()
+
+
+def _chat_logprobs(stream: bool, max_tokens: int) -> bytes:
+    """A chat request whose reply is ~1.3 KB of JSON a token (20 top logprobs each)."""
+    return json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+                       "stream": stream, "logprobs": True, "top_logprobs": 20, "ignore_eos": True,
+                       "temperature": 0}).encode()
+
+
+def _counts(s: LiveServer) -> dict[str, float]:
+    m = s.metrics()
+    return {"200": m.get(f'clutor_requests_total{{endpoint="{CHAT}",status="200"}}', 0),
+            "499": m.get(f'clutor_requests_total{{endpoint="{CHAT}",status="499"}}', 0),
+            "disconnects": m.get("clutor_client_disconnects_total", 0),
+            "write_timeout": m.get('clutor_connections_closed_total{reason="write_timeout"}', 0)}
+
+
+def _next_outcome(s: LiveServer, before: dict[str, float]) -> dict[str, float]:
+    """The counters once the next chat request is counted, as their growth since ``before``."""
+    deadline = time.monotonic() + 120
+    while True:
+        now = _counts(s)
+        if now["200"] + now["499"] > before["200"] + before["499"]:
+            return {k: now[k] - before[k] for k in now}
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+
+
+def _chat_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f" {CHAT} " in r.getMessage()]
+
+
+@pytest.mark.parametrize("stream, max_tokens", [(True, 64), (False, 64), (False, 24)],
+                         ids=["stream", "json", "json-under-high-water"])
+def test_a_reply_written_but_never_read_is_499_cut_off(cutting, stream, max_tokens, caplog):
+    # (json-under-high-water: ~30 KB, so what the kernel does not take stays under the transport's 64 KiB
+    # mark, which never paused writing: such a client was never cut, its connection held for good)
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting)
+    c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        c.connect(("127.0.0.1", cutting.port))
+        c.sendall(_request("POST", CHAT, _chat_logprobs(stream, max_tokens), {"Content-Type": "application/json"}))
+        grown = _next_outcome(cutting, before)  # (reads nothing meanwhile)
+        assert grown == {"200": 0, "499": 1, "disconnects": 1, "write_timeout": 1}, grown
+        got, how = _read_until_closed(c, 30)
+        assert how in ("closed", "reset") and b"[DONE]" not in got and b'"finish_reason":"length"' not in got
+    finally:
+        c.close()
+    lines = _chat_lines(caplog)
+    # one line, written once the engine had finished (its stats) and the client was cut: 499, not 200
+    assert len(lines) == 1, lines
+    assert f" {CHAT} 499 " in lines[0] and f"completion={max_tokens} " in lines[0], lines
+    assert f"stopped reading for {CUT_AFTER:g} s: cut off" in lines[0], lines
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_reply_read_to_its_end_is_200(cutting, stream, caplog):
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting)
+    r = httpx.post(cutting.url + CHAT, content=_chat_logprobs(stream, 64), timeout=120,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    assert (b"data: [DONE]" in r.content) if stream else r.json()["choices"][0]["finish_reason"] == "length"
+    grown = _next_outcome(cutting, before)
+    assert grown == {"200": 1, "499": 0, "disconnects": 0, "write_timeout": 0}, grown
+    lines = _chat_lines(caplog)
+    assert len(lines) == 1 and f" {CHAT} 200 " in lines[0] and "completion=64 " in lines[0], lines
+
+
 # -- 8. other origins, other hosts --------------------------------------------------------------------
 def test_cross_origin_and_foreign_host_requests_are_refused(srv):
     body = _completion()
