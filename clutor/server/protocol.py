@@ -264,7 +264,7 @@ class _Bounded:
     def _track(self, delivery: asyncio.Future) -> None:
         """Right after the final write of a response (uvicorn's send writes into the transport, then
         returns): settle ``delivery`` now if nothing is left in our buffer, else when it drains."""
-        if self._conn.lost:  # (uvicorn dropped the write)
+        if self._conn.lost or self._conn.closed is not None:  # gone, or being cut: the write may be dropped
             delivery.set_result(False)
             return
         if self.transport.get_write_buffer_size() == 0:
