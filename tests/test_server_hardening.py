@@ -443,6 +443,7 @@ def test_a_reply_written_but_never_read_is_499_cut_off(cutting, stream, max_toke
     assert len(lines) == 1, lines
     assert f" {CHAT} 499 " in lines[0] and f"completion={max_tokens} " in lines[0], lines
     assert f"stopped reading for {CUT_AFTER:g} s: cut off" in lines[0], lines
+    assert _unread_replies(cutting) == 0  # nothing of it kept past its connection
 
 
 @pytest.mark.parametrize("path, body", [
