@@ -300,8 +300,8 @@ def _stalled_stream(port: int) -> socket.socket:
     c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     c.connect(("127.0.0.1", port))
     # Long enough that the engine is still generating when a short write timeout cuts the stream (the
-    # cut must come first for the request to end as 499): 480 tokens, ~2.5 s on the tiny model at
-    # ~190 tok/s, while the buffers fill within ~0.6 s.
+    # cut then cancels the generation: sent < 300; a cut after the engine finished is 499 as well, see
+    # 5b): 480 tokens, ~2.5 s on the tiny model at ~190 tok/s, while the buffers fill within ~0.6 s.
     body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 480, "stream": True,
                        "logprobs": 20, "ignore_eos": True, "temperature": 0}).encode()
     c.sendall(_request("POST", "/v1/completions", body, {"Content-Type": "application/json"}))
@@ -343,6 +343,217 @@ def test_stalled_readers_give_back_their_places(write_timeout, caplog):
             c.close()
     finally:
         s.stop()
+
+
+# -- 5b. a response written whole, then not read ------------------------------------------------------
+# The engine finishes and the handler writes the whole response into the transport's buffer before the
+# write timeout cuts the client off: the request is logged and counted when its fate is known (the
+# last byte leaving our buffer, or the cut), not when the handler returns.
+# The write timeout. A JSON reply's, or a small stream's, clock starts once the handler has written it all;
+# the 64-token stream's when its ~50th token fills the buffer: its last ~14 tokens come first (~0.1 s here).
+CUT_AFTER = 3.0
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module", params=[(h, "uvloop") for h in HTTP] + [(HTTP[0], "asyncio")],
+                ids=lambda p: "-".join(p))
+def cutting(request):
+    # (both loops: uvloop's libuv transport and asyncio's own each count, pause and resume their writes)
+    http, loop = request.param
+    s = _server(http, loop=loop, limits=Limits(write_timeout=CUT_AFTER))
+    s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # small kernel buffers: the rest waits in ours
+    yield s
+    s.stop()
+
+
+def _chat_logprobs(stream: bool, max_tokens: int) -> bytes:
+    """A chat request whose reply is ~1.3 KB of JSON a token (20 top logprobs each)."""
+    return json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+                       "stream": stream, "logprobs": True, "top_logprobs": 20, "ignore_eos": True,
+                       "temperature": 0}).encode()
+
+
+def _counts(s: LiveServer, path: str = CHAT) -> dict[str, float]:
+    m = s.metrics()
+    return {"200": m.get(f'clutor_requests_total{{endpoint="{path}",status="200"}}', 0),
+            "499": m.get(f'clutor_requests_total{{endpoint="{path}",status="499"}}', 0),
+            "disconnects": m.get("clutor_client_disconnects_total", 0),
+            "write_timeout": m.get('clutor_connections_closed_total{reason="write_timeout"}', 0)}
+
+
+def _next_outcome(s: LiveServer, before: dict[str, float], path: str = CHAT) -> dict[str, float]:
+    """The counters once the next request on ``path`` is counted, as their growth since ``before``."""
+    deadline = time.monotonic() + 120
+    while True:
+        now = _counts(s, path)
+        if now["200"] + now["499"] > before["200"] + before["499"]:
+            return {k: now[k] - before[k] for k in now}
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+
+
+def _unread_replies(s: LiveServer) -> int:
+    """Responses written whole whose last bytes still wait in the server's buffer."""
+    async def count():
+        return sum(len(getattr(p, "_tails", ())) for p in s.server.server_state.connections)
+    return s.call(count)
+
+
+def _write_limits(s: LiveServer) -> list[tuple[int, int]]:
+    """The (low, high) write-buffer marks of the server's open connections' transports."""
+    async def limits():
+        return [p.transport.get_write_buffer_limits() for p in s.server.server_state.connections
+                if not p.transport.is_closing()]
+    return s.call(limits)
+
+
+def _chat_lines(caplog, path: str = CHAT) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f" {path} " in r.getMessage()]
+
+
+@pytest.mark.parametrize("stream, max_tokens", [(True, 64), (True, 24), (False, 64), (False, 24)],
+                         ids=["stream", "stream-under-high-water", "json", "json-under-high-water"])
+def test_a_reply_written_but_never_read_is_499_cut_off(cutting, stream, max_tokens, caplog):
+    # stream (~83 KB): when what the kernel does not take passes the transport's 64 KiB mark (it does here),
+    # the handler, its tokens all made, waits to write its last events when the cut comes; the writes the
+    # cut drops let it end "normally".
+    # The others: the handler has written its whole reply and returned before the cut. Under the high-water
+    # mark (~30 KB, most of it left in our buffer) writing was never paused: such a client was never cut,
+    # its connection held for good.
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting)
+    c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        c.connect(("127.0.0.1", cutting.port))
+        c.sendall(_request("POST", CHAT, _chat_logprobs(stream, max_tokens), {"Content-Type": "application/json"}))
+        deadline = time.monotonic() + 120
+        handler_returns = not stream or max_tokens < 64
+        while handler_returns and not _unread_replies(cutting):  # (reads nothing) it returns before the cut
+            assert time.monotonic() < deadline and _counts(cutting) == before and not _chat_lines(caplog)
+            time.sleep(0.05)
+        grown = _next_outcome(cutting, before)
+        assert grown == {"200": 0, "499": 1, "disconnects": 1, "write_timeout": 1}, grown
+        got, how = _read_until_closed(c, 30)
+        assert how in ("closed", "reset") and b"[DONE]" not in got and b'"finish_reason":"length"' not in got
+    finally:
+        c.close()
+    lines = _chat_lines(caplog)
+    # one line, written once the engine had finished (its stats) and the client was cut: 499, not 200
+    assert len(lines) == 1, lines
+    assert f" {CHAT} 499 " in lines[0] and f"completion={max_tokens} " in lines[0], lines
+    assert f"stopped reading for {CUT_AFTER:g} s: cut off" in lines[0], lines
+    assert _unread_replies(cutting) == 0  # nothing of it kept past its connection
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": NAME, "max_tokens": 200, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"model": NAME, "max_output_tokens": 200, "stream": True, "input": "Hi"}),
+], ids=["messages", "responses"])
+def test_every_api_logs_an_unread_reply_as_499_cut_off(cutting, path, body, caplog):
+    # Anthropic's and the Responses API's event streams (~25 / ~45 KB for 200 tokens): written whole,
+    # most of it left in our buffer, the handler returned; then the cut.
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting, path)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.connect(("127.0.0.1", cutting.port))
+        c.sendall(_request("POST", path, json.dumps(body | {"ignore_eos": True, "temperature": 0}).encode(),
+                           {"Content-Type": "application/json"}))
+        deadline = time.monotonic() + 120
+        while not _unread_replies(cutting):
+            assert time.monotonic() < deadline and _counts(cutting, path) == before and not _chat_lines(caplog, path)
+            time.sleep(0.05)
+        grown = _next_outcome(cutting, before, path)
+        assert grown == {"200": 0, "499": 1, "disconnects": 1, "write_timeout": 1}, grown
+    lines = _chat_lines(caplog, path)
+    assert len(lines) == 1 and f" {path} 499 " in lines[0] and "completion=200 " in lines[0], lines
+    assert f"stopped reading for {CUT_AFTER:g} s: cut off" in lines[0], lines
+
+
+def test_a_client_that_leaves_with_its_reply_unread_is_499_left(caplog):
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    s = _server(limits=Limits(write_timeout=600.0))  # no cut: the client's own leaving settles it
+    s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    try:
+        before = _counts(s)
+        c = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.connect(("127.0.0.1", s.port))
+        c.sendall(_request("POST", CHAT, _chat_logprobs(False, 64), {"Content-Type": "application/json"}))
+        deadline = time.monotonic() + 120
+        while not _unread_replies(s):  # the handler has returned; its reply waits, unread
+            assert time.monotonic() < deadline and not _chat_lines(caplog), _chat_lines(caplog)
+            time.sleep(0.05)
+        assert _counts(s) == before and not _chat_lines(caplog)  # not counted, not logged: its fate is open
+        c.close()  # with unread bytes in its receive buffer: the kernel resets the connection
+        grown = _next_outcome(s, before)
+        assert grown == {"200": 0, "499": 1, "disconnects": 1, "write_timeout": 0}, grown
+        lines = _chat_lines(caplog)
+        assert len(lines) == 1 and f" {CHAT} 499 " in lines[0] and "completion=64 " in lines[0], lines
+        assert "the client left" in lines[0], lines
+        assert _unread_replies(s) == 0
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_reply_read_to_its_end_is_200(cutting, stream, caplog):
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting)
+    r = httpx.post(cutting.url + CHAT, content=_chat_logprobs(stream, 64), timeout=120,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200
+    assert (b"data: [DONE]" in r.content) if stream else r.json()["choices"][0]["finish_reason"] == "length"
+    grown = _next_outcome(cutting, before)
+    assert grown == {"200": 1, "499": 0, "disconnects": 0, "write_timeout": 0}, grown
+    lines = _chat_lines(caplog)
+    assert len(lines) == 1 and f" {CHAT} 200 " in lines[0] and "completion=64 " in lines[0], lines
+
+
+def _read_response(c: socket.socket, timeout: float) -> bytes:
+    """One whole HTTP/1.1 response (Content-Length or chunked) from c."""
+    out, deadline = b"", time.monotonic() + timeout
+    while True:
+        head, sep, body = out.partition(b"\r\n\r\n")
+        if sep:
+            m = re.search(rb"(?i)\r\ncontent-length: (\d+)", head)
+            if (len(body) >= int(m.group(1))) if m else body.endswith(b"\r\n0\r\n\r\n"):
+                return out
+        c.settimeout(max(0.01, deadline - time.monotonic()))
+        b = c.recv(1 << 16)
+        assert b, out[-200:]
+        out += b
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "close"])
+@pytest.mark.parametrize("stream, max_tokens", [(True, 24), (False, 64)], ids=["stream", "json"])
+def test_a_reply_read_after_it_waited_is_200(cutting, stream, max_tokens, close, caplog):
+    caplog.set_level(logging.INFO, logger="clutor.server")
+    before = _counts(cutting)
+    headers = {"Content-Type": "application/json"} | ({"Connection": "close"} if close else {})
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as c:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.connect(("127.0.0.1", cutting.port))
+        c.sendall(_request("POST", CHAT, _chat_logprobs(stream, max_tokens), headers))
+        deadline = time.monotonic() + 120
+        while not _unread_replies(cutting):  # written whole, unread: not counted, not logged yet
+            assert time.monotonic() < deadline and _counts(cutting) == before and not _chat_lines(caplog)
+            time.sleep(0.05)
+        got = _read_response(c, 30)  # well inside the write timeout: the client takes it all
+        assert got.startswith(b"HTTP/1.1 200 ")
+        assert (b"data: [DONE]" in got) if stream else b'"finish_reason":"length"' in got
+        grown = _next_outcome(cutting, before)
+        assert grown == {"200": 1, "499": 0, "disconnects": 0, "write_timeout": 0}, grown
+        if close:
+            assert _read_until_closed(c, 30)[1] == "closed"
+        else:  # the connection serves the next request, with the transport's usual write limits back
+            c.sendall(_request("GET", "/health"))
+            assert _read_response(c, 30).startswith(b"HTTP/1.1 200 ")
+            assert (0, 0) not in _write_limits(cutting), _write_limits(cutting)
+    lines = _chat_lines(caplog)
+    assert len(lines) == 1 and f" {CHAT} 200 " in lines[0] and f"completion={max_tokens} " in lines[0], lines
+    assert _unread_replies(cutting) == 0
 
 
 # -- 8. other origins, other hosts --------------------------------------------------------------------

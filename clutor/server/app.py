@@ -378,7 +378,9 @@ class _Generation(Response):
         self.conn = None      # clutor.server.protocol.Connection, when served by clutor's Server
 
     async def __call__(self, scope, receive, send) -> None:
-        self.conn = (scope.get("extensions") or {}).get("clutor.connection")
+        ext = scope.get("extensions") or {}
+        self.conn = ext.get("clutor.connection")
+        delivery = ext.get("clutor.delivery")  # True once the response's last bytes left our buffer
         work = asyncio.ensure_future(self._run(send))
         watch = asyncio.ensure_future(self._watch(receive))
         shutdown = False
@@ -393,11 +395,7 @@ class _Generation(Response):
             t.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
         if work.cancelled() and client_left:
-            self.s.metrics.disconnects += 1
-            why = getattr(self.conn, "closed", None)
-            self.note = (f"the client stopped reading for {self.s.limits.write_timeout:g} s: cut off"
-                         if why == "write_timeout" else "the client left")
-            self.status = 499  # the response (if started) is incomplete
+            self._undelivered()
         elif shutdown:
             # Answer rather than die mid-response: the client gets a clear error, not a torn connection.
             err = APIError(503, "the server shut down before this request finished; retry", code="shutting_down")
@@ -407,6 +405,24 @@ class _Generation(Response):
                 else:
                     await self._stream_error(send, err)
             self.note = err.message
+        if delivery is None or delivery.done() or self.status == 499:
+            self._settled(delivery)
+        else:  # written, not yet read: the client may still take it all, or be cut by the write timeout
+            delivery.add_done_callback(self._settled)
+
+    def _undelivered(self) -> None:
+        """The client left, or was cut off, before its response's last bytes left our buffer."""
+        self.s.metrics.disconnects += 1
+        why = getattr(self.conn, "closed", None)
+        self.note = (f"the client stopped reading for {self.s.limits.write_timeout:g} s: cut off"
+                     if why == "write_timeout" else "the client left")
+        self.status = 499  # the response (if started) is incomplete
+
+    def _settled(self, delivery: asyncio.Future | None) -> None:
+        """The request's log line, once its response is known delivered or not (always, when not served
+        by clutor's Server: no future then, and uvicorn tells nothing after the last write)."""
+        if delivery is not None and delivery.done() and not delivery.result() and self.status != 499:
+            self._undelivered()
         self._log()
 
     async def _watch(self, receive) -> None:

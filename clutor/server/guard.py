@@ -13,8 +13,10 @@ In order, a request is refused when:
    answered).
 
 Every response is counted in ``clutor_requests_total`` by (route template, status) — unknown paths
-all as "other" — and one cut short because the client left as 499. An exception no route handled
-becomes a JSON 500 and one log record, never a text/plain page.
+all as "other" — and one the client did not get whole as 499: it left before the response was
+complete, or (served by clutor's Server) the connection was cut or lost before the response's last
+bytes left our buffer. An exception no route handled becomes a JSON 500 and one log record, never a
+text/plain page.
 """
 from __future__ import annotations
 
@@ -81,7 +83,18 @@ class FrontDoor:
                 await JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"),
                            500)(scope, receive, counted_send)
         status = out.status if out.complete or not out.client_left else 499
-        self._server.metrics.requests[(label, status if status is not None else 499)] += 1
+        requests = self._server.metrics.requests
+
+        def count(delivered: bool) -> None:
+            requests[(label, status if delivered and status is not None else 499)] += 1
+
+        delivery = (scope.get("extensions") or {}).get("clutor.delivery")
+        if not out.complete or delivery is None:
+            count(True)
+        elif delivery.done():
+            count(delivery.result())
+        else:  # written, not yet read: counted once the client has taken it all, or was cut off
+            delivery.add_done_callback(lambda d: count(d.result()))
 
     def _refusal(self, scope) -> tuple[int, str, str, bool] | None:
         """(status, message, code, close the connection) for a request refused at the door, else None."""

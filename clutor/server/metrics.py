@@ -40,7 +40,7 @@ class Metrics:
                 out.append(f"clutor_{name}{labels} {_num(value)}")
 
         metric("requests_total", "counter", "HTTP requests answered, by route and status code (499: the client "
-                                             "left before the response was complete).",
+                                             "did not get the whole response: it left, or was cut off, first).",
                [(f'{{endpoint="{prom_label(e)}",status="{int(s)}"}}', n) for (e, s), n in sorted(self.requests.items())])
         metric("connections_open", "gauge", "HTTP connections open.", [("", self.connections)])
         metric("connections_closed_total", "counter", "Connections the server cut: a header, body or write "
@@ -51,7 +51,9 @@ class Metrics:
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
         metric("rejected_total", "counter", "Requests refused with 429 because the queue was full.",
                [("", self.rejected_queue_full)])
-        metric("client_disconnects_total", "counter", "Generations cancelled because their client left.",
+        metric("client_disconnects_total", "counter", "Generation requests whose client left, or was cut off, before "
+                                                       "it had the whole response (a generation still running is "
+                                                       "cancelled).",
                [("", self.disconnects)])
         metric("time_to_first_token_seconds", "summary", "From a request's arrival to its first token.",
                [("_sum", self.ttft_sum), ("_count", self.ttft_count)])

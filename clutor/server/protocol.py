@@ -12,7 +12,12 @@ uvicorn times out only idle keep-alive connections. Here, per connection (the nu
 - a client that half-closes (sends FIN after its request) still gets its answer: the connection
   stays open for writing until the response is complete, then closes. The app learns of the
   half-close through ``scope["extensions"]["clutor.connection"]`` (a Connection, below);
-- a request the parser refuses gets OpenAI's JSON error body and is counted, not a text/plain page.
+- a request the parser refuses gets OpenAI's JSON error body and is counted, not a text/plain page;
+- each request's fate is told to the app as ``scope["extensions"]["clutor.delivery"]``, a future:
+  True once the last bytes of its response left our buffer (into the kernel's), False if the
+  connection was cut or lost first, or the app ended without completing a response. A handler
+  returns as soon as it has written its response; a client that then reads nothing is still cut
+  after ``write_timeout``, and the app logs and counts the request when the future says what it was.
 
 Every cut is counted in ``clutor_connections_closed_total{reason}`` and logged at INFO (at most one
 line per reason a second, so a flood does not flood the log).
@@ -104,11 +109,29 @@ class _Bounded:
         self._body_seen = 0
         self._seen_cycle = None                # the cycle whose head was complete last
         self._write_timer: asyncio.TimerHandle | None = None
+        self._tails: list[asyncio.Future] = []  # deliveries of complete responses still in our buffer
+        self._limits: tuple[int, int] | None = None  # the transport's (low, high) while a tail drains
         conn, app = self._conn, self.app
 
         async def app_with_connection(scope, receive, send):
-            scope.setdefault("extensions", {})["clutor.connection"] = conn
-            await app(scope, receive, send)
+            delivery = self.loop.create_future()
+            ext = scope.setdefault("extensions", {})
+            ext["clutor.connection"], ext["clutor.delivery"] = conn, delivery
+
+            final = False  # the response's last write went out
+
+            async def tracked_send(message):
+                nonlocal final
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body", False) and not final:
+                    final = True
+                    self._track(delivery)
+
+            try:
+                await app(scope, receive, tracked_send)
+            finally:
+                if not final:
+                    delivery.set_result(False)  # no complete response went out
 
         self.app = app_with_connection
         self.metrics.connections = len(self.connections)
@@ -128,6 +151,7 @@ class _Bounded:
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+        self._settle_tails(False)  # (a tail that drained was settled in resume_writing, before this)
         super().connection_lost(exc)
         self.metrics.connections = len(self.connections)
 
@@ -233,6 +257,39 @@ class _Bounded:
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+        if self._tails and not self._conn.lost and self.transport.get_write_buffer_size() == 0:
+            self._settle_tails(True)
+
+    # -- delivery: when a complete response's last bytes leave our buffer ----------------------------
+    def _track(self, delivery: asyncio.Future) -> None:
+        """Right after the final write of a response (uvicorn's send writes into the transport, then
+        returns): settle ``delivery`` now if nothing is left in our buffer, else when it drains."""
+        if self._conn.lost or self._conn.closed is not None:  # gone, or being cut: the write may be dropped
+            delivery.set_result(False)
+            return
+        if self.transport.get_write_buffer_size() == 0:
+            delivery.set_result(True)
+            return
+        self._tails.append(delivery)
+        if self._limits is None:
+            # The transport calls resume_writing when its buffer falls to the low-water mark: at 0
+            # that is the moment the last byte left. A high-water mark of 0 pauses writing now, even
+            # for a tail below the usual mark, which arms the write timer (a client that never reads
+            # a small tail is cut, not kept forever) and holds a pipelined response back until this
+            # one is out.
+            self._limits = self.transport.get_write_buffer_limits()
+            self.transport.set_write_buffer_limits(high=0, low=0)
+
+    def _settle_tails(self, delivered: bool) -> None:
+        tails, self._tails = self._tails, []
+        for d in tails:
+            if not d.done():
+                d.set_result(delivered)
+        if self._limits is not None:
+            low, high = self._limits
+            self._limits = None
+            if not self._conn.lost:
+                self.transport.set_write_buffer_limits(high=high, low=low)
 
     def _write_expired(self) -> None:
         self._write_timer = None
