@@ -42,3 +42,37 @@ def test_split_and_dependency_bound():
 def test_no_bound_without_a_bandwidth():
     s = timeline.analyse([("run", 0, 0, True)] * 2 + _token(), expert_bytes=1, disk_bps=None)
     assert "dependency_bound" not in s["mean"] and s["mean"]["misses"] == 1
+
+
+def test_disk_busy_and_what_the_idle_disk_waited_for():
+    """The reads (demand 9-15 ms, prefetch 9-18 ms) keep the disk busy 9 ms of the 20; its idle 11 ms
+    split by the compute thread's spans then: layer 0's attention 2, experts 3 (layer 0's group), layer 1's
+    attention 1.5, the output 2 (18-20), nothing 2.5 (2-3, 6-6.5, 8-9)."""
+    s = timeline.analyse([("run", 0, 0, True)] * 2 + _token(), expert_bytes=6 << 20, disk_bps=None)
+    m = s["mean"]
+    assert m["disk_busy"] == pytest.approx(9 * MS) and m["reads"] == 2
+    assert s["busy_bytes_per_second"] == pytest.approx(2 * (6 << 20) / (9 * MS))
+    idle = s["disk_idle_by"]
+    assert set(idle) == {"attention L0", "experts", "attention L1", "output", "nothing"}
+    for what, ms in {"attention L0": 2, "experts": 3, "attention L1": 1.5, "output": 2, "nothing": 2.5}.items():
+        assert idle[what] == pytest.approx(ms * MS), (what, idle)
+    assert sum(idle.values()) == pytest.approx(20 * MS - m["disk_busy"])
+
+
+def test_a_group_inside_an_attention_trip_counts_once():
+    """Layer 1's attention trip (4-10 ms) also runs layer 0's last group (4-6 ms); no read is in flight
+    from 2 to 12 ms: the idle 10 ms are attention L1 6, experts 2 (the group at 2-4 ms), nothing 2."""
+    events = [("run", 0, 0, True)] * 2 + [
+        ("run", 0.0, 14 * MS, True),
+        ("done", 0.0, 2 * MS, ([0, 1], True)),
+        ("eo", 2 * MS, 4 * MS, (0, [2])),
+        ("ls", 4 * MS, 10 * MS, 1),
+        ("eo", 4 * MS, 6 * MS, (0, [1])),
+        ("done", 12 * MS, 14 * MS, ([1, 3], True)),
+    ]
+    s = timeline.analyse(events, expert_bytes=1, disk_bps=None)
+    idle = s["disk_idle_by"]
+    assert set(idle) == {"attention L1", "experts", "nothing"}
+    for what, ms in {"attention L1": 6, "experts": 2, "nothing": 2}.items():
+        assert idle[what] == pytest.approx(ms * MS), (what, idle)
+    assert s["mean"]["disk_busy"] == pytest.approx(4 * MS)

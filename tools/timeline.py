@@ -15,7 +15,11 @@ for each decode token (the first two skipped) splits its wall time into:
     hand-off       the compute thread idle with no demand read in flight: event-loop turns, the store's
                    reservation, thread wake-ups between trips
 
-and prints the dependency bound of the run's own misses: the compute, plus for every layer's get the
+and where the disk idled: the time any read (demand or prefetch) was in flight, the bandwidth the reads
+got meanwhile (the disk's speed in this run, next to fio's), and the time no read was in flight split by
+what the compute thread did then (a layer's attention, experts, the output head, nothing): what a read
+started earlier could fill. It also prints the dependency bound of the run's own misses (at fio's
+bandwidth, and at the bandwidth the reads got in this run): the compute, plus for every layer's get the
 part of its misses' reads (at the disk's bandwidth) that the layer's cached experts' compute cannot
 cover, max(0, misses x expert bytes / bandwidth - cached experts x compute per expert). A layer's
 experts are known only once its router has run on the layer before's output, so a miss that no
@@ -141,6 +145,9 @@ def analyse(events: list[tuple], expert_bytes: int, disk_bps: float | None, skip
     demand = [(e[1], e[2]) for e in events if e[0] == "done" and e[3][1]]
     experts = [e for e in events if e[0] == "eo"]
     per_expert = sum(e[2] - e[1] for e in experts) / max(1, sum(len(e[3][1]) for e in experts))
+    reads = [(e[1], e[2]) for e in events if e[0] == "done"]  # every expert's reads, demand or prefetch
+    cpu = [e for e in events if e[0] in ("ls", "eo", "fin")]
+    idle_by: dict[str, float] = {}
     rows = []
     for _, r0, r1, _ in steps:
         busy = _union(spans, r0, r1)
@@ -152,14 +159,52 @@ def analyse(events: list[tuple], expert_bytes: int, disk_bps: float | None, skip
         if disk_bps:
             dep = busy + sum(max(0.0, len(g[3][2]) * expert_bytes / disk_bps
                                  - (len(g[3][1]) - len(g[3][2])) * per_expert) for g in gets)
+        disk = _union(reads, r0, r1)
+        n_read = sum(1 for a, b in reads if r0 < b <= r1)
         rows.append({"wall": r1 - r0, "compute": busy, "read_wait": waiting, "handoff": (r1 - r0) - busy - waiting,
-                     "misses": misses, "dependency_bound": dep})
+                     "misses": misses, "dependency_bound": dep, "disk_busy": disk, "reads": n_read})
+        for what, t in _disk_idle_by(reads, cpu, r0, r1).items():
+            idle_by[what] = idle_by.get(what, 0.0) + t
     mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0] if rows[0][k] is not None} if rows else {}
+    disk_total = sum(r["disk_busy"] for r in rows)
     lat = [e[2] - e[1] for e in events if e[0] == "done" and e[3][1]]
     return {"tokens": len(rows), "mean": mean, "per_expert_compute": per_expert,
             "demand_read_ms": {"n": len(lat), "p50": 1e3 * float(np.median(lat)) if lat else None,
                                "mean": 1e3 * float(np.mean(lat)) if lat else None},
-            "disk_bytes_per_second": disk_bps, "expert_bytes": expert_bytes}
+            "disk_bytes_per_second": disk_bps, "expert_bytes": expert_bytes,
+            # the disk's own speed in the run: bytes of the experts read over the time any read was in flight
+            "busy_bytes_per_second": sum(r["reads"] for r in rows) * expert_bytes / disk_total if disk_total else None,
+            "disk_idle_by": {k: v / len(rows) for k, v in sorted(idle_by.items(), key=lambda kv: -kv[1])}}
+
+
+def _disk_idle_by(reads, cpu, r0, r1) -> dict[str, float]:
+    """The step's time with no read in flight, split by what the compute thread did meanwhile:
+    "attention L" (the trip of layer L's attention and router, which also runs the layer before's last
+    expert group), "output" (the trip of the last layer's sum, the head and sampling, with that layer's
+    last group), "experts" (the other expert groups' trips) or "nothing"; seconds. A group inside an
+    attention or output trip counts for that trip, so the parts add up to the idle time."""
+    out: dict[str, float] = {}
+    cur = r0
+    idle = []
+    for a, b in sorted((max(a, r0), min(b, r1)) for a, b in reads if b > r0 and a < r1):
+        if a > cur:
+            idle.append((cur, a))
+        cur = max(cur, b)
+    if r1 > cur:
+        idle.append((cur, r1))
+    for a, b in idle:
+        near = [e for e in cpu if e[2] > a and e[1] < b]
+        trips = [(e[1], e[2]) for e in near if e[0] != "eo"]  # attention and output trips: never overlap
+        for e in near:
+            if e[0] != "eo":
+                what = f"attention L{e[3]}" if e[0] == "ls" else "output"
+                out[what] = out.get(what, 0.0) + min(b, e[2]) - max(a, e[1])
+        every = _union([(e[1], e[2]) for e in near], a, b)
+        groups = every - _union(trips, a, b)
+        if groups > 0:
+            out["experts"] = out.get("experts", 0.0) + groups
+        out["nothing"] = out.get("nothing", 0.0) + (b - a) - every
+    return out
 
 
 def _gaps(spans, r0, r1):
@@ -231,6 +276,15 @@ def main(argv=None) -> int:
     if m.get("dependency_bound") and expert_bytes:
         print(f"dependency bound on these misses at {bps / 2**20:.0f} MiB/s: {1e3 * m['dependency_bound']:.1f} ms/token"
               f" ({m['dependency_bound'] / m['wall']:.2f} of the wall time); compute alone {1e3 * m['compute']:.1f}")
+    if s["busy_bytes_per_second"]:
+        # The same bound at the speed the reads got in this run (fio's sample is another minute's disk).
+        own = analyse(rec.events, expert_bytes, s["busy_bytes_per_second"])["mean"]["dependency_bound"]
+        print(f"dependency bound at this run's {s['busy_bytes_per_second'] / 2**20:.0f} MiB/s while busy:"
+              f" {1e3 * own:.1f} ms/token ({own / m['wall']:.2f} of the wall time)")
+        idle = ", ".join(f"{what} {1e3 * t:.1f}" for what, t in s["disk_idle_by"].items())
+        print(f"disk busy {1e3 * m['disk_busy']:.1f} ms/token ({m['disk_busy'] / m['wall']:.2f} of the wall time) at"
+              f" {s['busy_bytes_per_second'] / 2**20:.0f} MiB/s while busy, {m['reads']:.2f} experts read/token;"
+              f" idle {1e3 * (m['wall'] - m['disk_busy']):.1f} ms/token, the compute thread meanwhile in: {idle}")
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": s, "events": rec.events}))
     return 0
