@@ -6,6 +6,8 @@ _moe_add, what every streamed step takes), and asserts the layer outputs are the
 """
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,47 @@ def test_generation_takes_the_table():
             assert all(r._resident._tables[l] is not None for l in r.config.moe_layers)
 
     run(go())
+
+
+def _streamed_run(path, **opts):
+    """(prefill logits [T, V] of a 12-token prompt, a batched step's logits [2, V] of two sequences'
+    next tokens, compiled groups, general-path calls) of one open of path."""
+    import clutor
+
+    async def go():
+        async with clutor.Model.open(path, prefix_cache=0, **opts) as model:
+            r = model.runner
+            calls = {"general": 0}
+            general = r._experts_general
+
+            def counted(*a):
+                calls["general"] += 1
+                return general(*a)
+
+            r._experts_general = counted
+            prompt = [(7 * i + 3) % 200 + 1 for i in range(12)]
+            full = await model.logits(prompt)
+            a, b = model.new_sequence(), model.new_sequence()
+            await model.forward(a, prompt[:5])
+            await model.forward(b, prompt[5:])
+            la, lb = await asyncio.gather(model.forward(a, [prompt[5]]), model.forward(b, [prompt[0]]))
+            steps = np.stack([la[-1], lb[-1]])
+            groups = r._streamed.groups if r._streamed is not None else 0
+            return full, steps, groups, calls["general"], r.steps
+
+    return run(go())
+
+
+@pytest.mark.parametrize("path", ["real", ("olmoe", "Q4_K_M")])
+def test_streamed_groups_take_the_compiled_path_with_the_memory_bits(path):
+    """A streamed source's expert groups (cache slots) go through the compiled path (StreamedExperts,
+    not the general path) and give io="memory"'s logits bit for bit, in a prefill and in a batched
+    decode step of two sequences, with a cache small enough that layers arrive in several groups."""
+    from conftest import shared_data
+
+    path = shared_data("models/real-olmoe-q8_0.gguf") if path == "real" else fixture_path(*path)
+    ref_full, ref_steps, _, _, _ = _streamed_run(path, io="memory")
+    full, steps, groups, general, n_steps = _streamed_run(path, io="threads", expert_cache="25%", prefetch=True)
+    assert general == 0 and groups > n_steps, (groups, general, n_steps)  # several groups a step, none general
+    np.testing.assert_array_equal(full.view(np.uint32), ref_full.view(np.uint32))
+    np.testing.assert_array_equal(steps.view(np.uint32), ref_steps.view(np.uint32))
