@@ -294,7 +294,6 @@ class StreamedExperts:
         self.groups += 1
         return acc
 
-
     def _addresses(self, k: ExpertKernels, view) -> tuple[int, ...]:
         """view's parts' addresses (ExpertKernels.addresses), once per view object."""
         got = self._addr.get(id(view))

@@ -12,8 +12,9 @@ the step's (row, top-k slot) pairs grouped by expert, each group one job of the 
 (drivers.py) for gate | up and one for down; then each row's experts scaled and summed in its router's
 slot order. A streamed step's experts arrive in groups (cache slots, other ones each step): route_group
 makes one group's jobs from its own addresses, put_slots writes its pairs' scaled, weighted outputs into
-the step's slots [S, D] by flat index row * K + slot, and sum_slots sums them as slot_sum does. Shapes: R rows, K slots, S = R * K pairs, E experts, D = n_embd, P parts (gate, up, down,
-or up, down ungated).
+the step's slots [S, D] by flat index row * K + slot, and sum_slots sums them as slot_sum does.
+Shapes: R rows, K slots, S = R * K pairs, E experts, D = n_embd, P parts (gate, up, down, or up, down
+ungated).
 
 Bits: the drivers give a token the same sum wherever it sits in a job (drivers._idot_rows), so the
 grouping does not move them; the scaling and the sum are float32 multiplies and adds in numpy's order
