@@ -76,3 +76,21 @@ def test_a_group_inside_an_attention_trip_counts_once():
     for what, ms in {"attention L1": 6, "experts": 2, "nothing": 2}.items():
         assert idle[what] == pytest.approx(ms * MS), (what, idle)
     assert s["mean"]["disk_busy"] == pytest.approx(4 * MS)
+
+
+@pytest.mark.parametrize("io", ["memory", "threads"])
+def test_a_generation_is_recorded(io):
+    """A real generation's decode steps and its layers' expert groups are recorded, io=memory too (its
+    steps are run_now's, not run's: none was recorded, and analyse ended in KeyError 'wall')."""
+    import asyncio
+
+    from conftest import fixture_path
+
+    rec = timeline.Recorder()
+    asyncio.run(timeline._generate(str(fixture_path("olmoe", "Q8_0")), "50%", None, io, 6, 8, rec))
+    runs = [e for e in rec.events if e[0] == "run"]
+    groups = [e for e in rec.events if e[0] == "eo"]
+    assert sum(1 for e in runs if e[3]) >= 5 and any(not e[3] for e in runs)  # the decode steps and the prefill
+    assert {e[3][0] for e in groups} == {0, 1}  # both of the fixture's MoE layers
+    s = timeline.analyse(rec.events, expert_bytes=1 << 20, disk_bps=None)
+    assert s["tokens"] >= 3 and s["mean"]["compute"] > 0 and s["per_expert_compute"] > 0

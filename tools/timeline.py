@@ -111,9 +111,20 @@ class Recorder:
 
         def run(orig):
             async def f(self_, plan):
+                if self_.experts.immediate:  # io=memory: the step is run_now's, on the compute thread
+                    return await orig(self_, plan)
                 t0 = _now()
                 try:
                     return await orig(self_, plan)
+                finally:
+                    ev.append(("run", t0, _now(), bool(plan.decode)))
+            return f
+
+        def run_now(orig):  # io=memory: every step (from run, or a generation's run_solo)
+            def f(self_, plan):
+                t0 = _now()
+                try:
+                    return orig(self_, plan)
                 finally:
                     ev.append(("run", t0, _now(), bool(plan.decode)))
             return f
@@ -122,6 +133,10 @@ class Recorder:
         self._wrap(store_mod.ExpertStore, "_finish", finish)
         self._wrap(store_mod.ExpertStore, "_begin", begin)
         self._wrap(runner_mod.Runner, "run", run)
+        self._wrap(runner_mod.Runner, "run_now", run_now)
+        # io=memory: a layer's routed experts are one call (the resident table, or the general path inside it)
+        self._wrap(runner_mod.Runner, "_routed_now",
+                   timed("eo", lambda l, h, sel, w: (l, list(dict.fromkeys(sel.reshape(-1).tolist())))))
         return self
 
     def __exit__(self, *exc):

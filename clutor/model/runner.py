@@ -38,7 +38,7 @@ from .layers import rmsnorm
 from .plan import Outcome, StepPlan, Want
 from .profile import NO_PROFILE, Profile
 from .quants import matmul_jobs
-from .resident import ResidentExperts
+from .resident import ResidentExperts, SlotOutputs, StreamedExperts
 from .step import Step
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ class Runner:
         self._hints = experts.wants_hints
         # experts mapped in memory: each layer's addresses as one table, a step's experts in five calls a layer
         self._resident = ResidentExperts.of(experts, arch, weights.layers, cfg, kernels_)
+        # ... and streamed ones (cache slots, other ones each step) group by group through the same
+        # compiled path, into one [R * K, D] array of the layer's slots (_slots: the layer's, in this step)
+        self._streamed = StreamedExperts.of(experts, arch, weights.layers, cfg, kernels_)
+        self._slots: SlotOutputs | None = None
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
@@ -255,10 +259,24 @@ class Runner:
         return x, h, sel, w, None if nxt is None else (nxt, ahead_pf)
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                     views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Some of layer l's experts on the normed residual h [R, D]: {expert: (rows, weighted output
-        [n, D])} for the n rows routed to it. Every expert's rows are gathered into one array so
-        that gate and up for all of them are one kernel launch, and down another."""
+                     views) -> "dict[int, tuple[np.ndarray, np.ndarray] | SlotOutputs]":
+        """Some of layer l's experts on the normed residual h [R, D], for _moe_add: {expert: the
+        layer's SlotOutputs} where the streamed source's compiled path computes them (their rows'
+        weighted outputs written into its slots), else the general path's {expert: (rows, weighted
+        output [n, D])}."""
+        if self._streamed is not None:
+            with self.profile.span("experts"):
+                acc = self._streamed.group(l, h, sel, w, views, self._slots)
+            if acc is not None:
+                self._slots = acc
+                return dict.fromkeys([v.expert for v in views], acc)
+        return self._experts_general(l, h, sel, w, views)
+
+    def _experts_general(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
+                         views) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The general path: {expert: (rows, weighted output [n, D])} for the n rows routed to each
+        expert of views. Every expert's rows are gathered into one array so that gate and up for all
+        of them are one kernel launch, and down another."""
         with self.profile.span("experts"):
             cfg, et = self.config, self._w.layers[l].experts
             D, F = cfg.n_embd, cfg.n_ff_exp
@@ -326,8 +344,16 @@ class Runner:
         of the step (most-voted first) and on the cache, and float sums in another order differ in
         their last bits, so a row's result would depend on what it was batched with."""
         R, D = h.shape
+        acc = next((y for y in ys if isinstance(y, SlotOutputs)), None) if isinstance(ys, list) else None
         if isinstance(ys, np.ndarray):  # summed already (_routed_now's resident table), in the same order
             out = ys
+        elif acc is not None:  # the compiled path's slots (StreamedExperts), the general path's groups put in
+            for y in ys:
+                if y is not acc:
+                    acc.put(*y)
+            out = acc.sum()  # [R, D]
+            if self._slots is acc:
+                self._slots = None
         elif ys:
             K = self.config.n_expert_used
             slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)

@@ -666,10 +666,15 @@ def _warmup(settings: KernelSettings) -> None:
 
 
 def _warm_routing() -> None:
-    """routing.py's two functions, for the runner's in-memory experts (one expert of one row)."""
+    """routing.py's functions, for the runner's in-memory and streamed experts (one expert of one row)."""
     sel, w, h = np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), np.zeros((1, 32), np.float32)
     addr, parts = np.zeros((1, 2), np.int64), np.zeros((2, 4), np.int64)
     xg, wf, pair = np.empty((1, 32), np.float32), np.empty(1, np.float32), np.empty(1, np.int64)
     _routing.route_jobs(sel, w, h, False, addr, parts, xg, wf, pair, np.empty(2, np.int64),
                         np.empty((1, 7), np.int64), np.empty((1, 7), np.int64))
     _routing.slot_sum(xg, sel, pair, wf, np.empty(0, np.float32), True, np.empty((1, 32), np.float32))
+    # ... and a streamed source's groups (clutor.model.resident.StreamedExperts)
+    _routing.route_group(sel, w, h, False, np.zeros(1, np.int64), addr, parts, np.empty(1, np.int64), xg, wf, pair,
+                         np.empty((1, 7), np.int64), np.empty((1, 7), np.int64))
+    _routing.put_slots(xg, sel, pair, wf, np.empty(0, np.float32), True, 1, np.empty((1, 32), np.float32))
+    _routing.sum_slots(xg, np.empty((1, 32), np.float32))

@@ -1,15 +1,20 @@
 """A step's routed experts as driver job arrays, and their weighted sum, compiled.
 
     m = route_jobs(sel, w, h, before, addr, parts, xg, wf, pair, starts, jobs_gu, jobs_dn)
+    m, n = route_group(sel, w, h, before, ids, addr_g, parts, pos, xg, wf, pair, jobs_gu, jobs_dn)  # some experts
     big = negated_gate(gu, e); np.exp(e, out=e); swiglu_from_exp(gu, e, a)   # the default SwiGLU, numpy's exp
     slot_sum(y, sel, pair, wf, scale, weighted, out)
+    put_slots(y, sel, pair, wf, scale, weighted, n, slots); sum_slots(slots, out)   # a group at a time
 
 What the runner's general path (Runner._experts_out, _moe_add) computes with numpy and a list of Job
 tuples per layer, for experts whose weights sit at fixed addresses (a table per layer, built once):
 the step's (row, top-k slot) pairs grouped by expert, each group one job of the int8 / float driver
 (drivers.py) for gate | up and one for down; then each row's experts scaled and summed in its router's
-slot order. Shapes: R rows, K slots, S = R * K pairs, E experts, D = n_embd, P parts (gate, up, down,
-or up, down ungated).
+slot order. A streamed step's experts arrive in groups (cache slots, other ones each step): route_group
+makes one group's jobs from its own addresses, put_slots writes its pairs' scaled, weighted outputs into
+the step's slots [S, D] by flat index row * K + slot, and sum_slots sums them as slot_sum does.
+Shapes: R rows, K slots, S = R * K pairs, E experts, D = n_embd, P parts (gate, up, down, or up, down
+ungated).
 
 Bits: the drivers give a token the same sum wherever it sits in a job (drivers._idot_rows), so the
 grouping does not move them; the scaling and the sum are float32 multiplies and adds in numpy's order
@@ -20,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["route_jobs", "slot_sum", "negated_gate", "swiglu_from_exp", "EXP_SAFE", "PART_QT", "PART_RB", "PART_ROWS", "PART_COL"]
+__all__ = ["route_jobs", "route_group", "slot_sum", "put_slots", "sum_slots", "negated_gate", "swiglu_from_exp", "EXP_SAFE", "PART_QT", "PART_RB", "PART_ROWS", "PART_COL"]
 
 _opts = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
@@ -113,6 +118,108 @@ def slot_sum(y, sel, pair, wf, scale, weighted, out):
                     out[r, d] = v
                 else:
                     out[r, d] += v
+
+
+@njit(**_opts)
+def route_group(sel, w, h, before, ids, addr, parts, pos, xg, wf, pair, jobs_gu, jobs_dn):
+    """route_jobs for a group of the step's experts: ids int64 [G] (distinct), addr int64 [G, P] their
+    parts' addresses; pos int64 [E] scratch (E: the layer's experts). Fills xg, wf, pair for the pairs
+    routed to the group (grouped in ids' order, row-major within) and one job per expert and part, as
+    route_jobs does. Returns (m, n): the group's experts some row chose, and its pairs; (-1, 0) when an
+    id of sel or ids lies outside 0 .. E - 1 or ids repeats one (nothing then may be launched)."""
+    R, K = sel.shape
+    G, P = addr.shape
+    E = pos.shape[0]
+    D = h.shape[1]
+    pos[:] = -1
+    for g in range(G):
+        e = ids[g]
+        if e < 0 or e >= E or pos[e] >= 0:
+            return -1, 0
+        pos[e] = g
+    starts = np.zeros(G + 1, np.int64)
+    for r in range(R):
+        for k in range(K):
+            e = sel[r, k]
+            if e < 0 or e >= E:
+                return -1, 0
+            g = pos[e]
+            if g >= 0:
+                starts[g + 1] += 1
+    for g in range(G):
+        starts[g + 1] += starts[g]  # starts[g]: group expert g's first pair
+    m = 0
+    for g in range(G):
+        t0 = starts[g]
+        n = starts[g + 1] - t0
+        if n == 0:
+            continue
+        for p in range(P - 1):
+            j = m * (P - 1) + p
+            jobs_gu[j, 0] = addr[g, p]
+            jobs_gu[j, 1] = parts[p, PART_QT]
+            jobs_gu[j, 2] = parts[p, PART_RB]
+            jobs_gu[j, 3] = parts[p, PART_ROWS]
+            jobs_gu[j, 4] = t0
+            jobs_gu[j, 5] = n
+            jobs_gu[j, 6] = parts[p, PART_COL]
+        jobs_dn[m, 0] = addr[g, P - 1]
+        jobs_dn[m, 1] = parts[P - 1, PART_QT]
+        jobs_dn[m, 2] = parts[P - 1, PART_RB]
+        jobs_dn[m, 3] = parts[P - 1, PART_ROWS]
+        jobs_dn[m, 4] = t0
+        jobs_dn[m, 5] = n
+        jobs_dn[m, 6] = 0
+        m += 1
+    n_pairs = starts[G]
+    for r in range(R):
+        for k in range(K):
+            g = pos[sel[r, k]]
+            if g < 0:
+                continue
+            s = starts[g]
+            starts[g] = s + 1
+            pair[s] = r * K + k
+            wf[s] = w[r, k]
+            if before:
+                for d in range(D):
+                    xg[s, d] = h[r, d] * w[r, k]
+            else:
+                xg[s, :] = h[r, :]
+    return m, n_pairs
+
+
+@njit(**_opts)
+def put_slots(y, sel, pair, wf, scale, weighted, n, slots):
+    """y f32 [>= n, D] a group's down products (route_group's order) -> slots f32 [R * K, D]: pair s's
+    row pair[s], y * scale[expert] then * its weight when `weighted` (slot_sum's products)."""
+    K = sel.shape[1]
+    D = y.shape[1]
+    scaled = scale.shape[0] > 0
+    for s in range(n):
+        f = pair[s]
+        c = scale[sel[f // K, f % K]] if scaled else np.float32(1.0)
+        for d in range(D):
+            v = y[s, d]
+            if scaled:
+                v = v * c
+            if weighted:
+                v = v * wf[s]
+            slots[f, d] = v
+
+
+@njit(**_opts)
+def sum_slots(slots, out):
+    """slots f32 [R * K, D] each (row, slot)'s weighted output -> out f32 [R, D], each row's slots summed
+    as slot_sum sums them (out = slot 0, then += slot 1, ...)."""
+    R, D = out.shape
+    K = slots.shape[0] // R
+    for r in range(R):
+        for d in range(D):
+            out[r, d] = slots[r * K, d]
+        for k in range(1, K):
+            for d in range(D):
+                out[r, d] += slots[r * K + k, d]
 
 
 # exp(-g) is finite below this (float32 exp overflows past ln(FLT_MAX) = 88.72...): a gate under -EXP_SAFE
