@@ -788,11 +788,35 @@ def test_try_reserve_pins_only_when_all_are_cached_and_holds_them_against_evicti
     run(main)
 
 
-def test_a_release_from_another_thread_wakes_a_waiting_get_and_prefetch_soon_posts(model, io):
-    """Every slot pinned by try_reserve and the spare held: a get() waits; the release, called on another
-    thread, wakes it (posted to the loop). prefetch_soon from another thread queues the prefetch on the
-    loop; of experts all cached, with no prefetch of that layer to end, it posts nothing."""
+def _count_posts(store: ExpertStore) -> list:
+    """Every loop wake-up the store asks for from a thread (call_soon_threadsafe of its posted calls)."""
+    loop = store._loop
+    woken: list = []
+    threadsafe = loop.call_soon_threadsafe
+
+    def counting(cb, *args, **kw):
+        if cb == store._run_posted:
+            woken.append(list(store._posted))
+        return threadsafe(cb, *args, **kw)
+
+    loop.call_soon_threadsafe = counting
+    return woken
+
+
+def _on_thread(fn, *args):
     import threading
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_release_from_another_thread_wakes_a_waiting_get_and_a_reservation_posts_its_prefetch(model, io):
+    """Every slot pinned by try_reserve and the spare held: a get() waits; the release, called on another
+    thread, wakes it (posted to the loop). A reservation's prefetch (try_reserve's prefetch=) is queued on the
+    loop with one wake-up; of experts all cached, with no prefetch of that layer to end, nothing is posted. A
+    reservation ends its layer's completed prefetch at once, from its own thread (a staging hit, no post)."""
 
     async def main():
         sb = await slot_bytes(model)
@@ -808,31 +832,76 @@ def test_a_release_from_another_thread_wakes_a_waiting_get_and_prefetch_soon_pos
             for _ in range(20):
                 await asyncio.sleep(0.002)
             assert not waiter.done()
-            t = threading.Thread(target=held[1])
-            t.start()
-            t.join()
+            _on_thread(held[1])
             third = await asyncio.wait_for(waiter, 10)
             assert model.matches(third[0])
             third.release()
             spare.release()
-            posted = []
-            post = store._post
-            store._post = lambda fn, *args: (posted.append(fn), post(fn, *args))[1]
-            assert store.resident(3, 6) and 3 not in store._pf
-            t = threading.Thread(target=store.prefetch_soon, args=(3, [6]))  # all cached, no prefetch of 3
-            t.start()
-            t.join()
-            assert posted == []
-            t = threading.Thread(target=store.prefetch_soon, args=(1, [4]))
-            t.start()
-            t.join()
-            assert len(posted) == 1
+            await settle(store, made[0])
+            woken = _count_posts(store)
+            other = next(e for e in (0, 1) if store.resident(2, e))
+            assert store.resident(3, 6) and not store._pf
+            # All cached, no prefetch of layer 2 to end: nothing for the loop.
+            views, release = _on_thread(store.try_reserve, 3, [6], (2, [other]))
+            assert woken == [] and model.matches(views[0])
+            release()
+            # A prefetch to queue: one wake-up, the read on the loop.
+            views, release = _on_thread(store.try_reserve, 3, [6], (1, [4]))
+            assert len(woken) == 1 and [fn.__name__ for fn, _ in woken[0]] == ["_prefetch"], woken
+            release()
             await asyncio.sleep(0.01)
             await settle(store, made[0])
-            assert store.resident(1, 4) and store.stats().prefetch_issued == 1
-            with pytest.raises(IndexError):
-                store.prefetch_soon(N_LAYERS, [0])
+            assert store.resident(1, 4) and store.stats().prefetch_issued == 1 and 1 in store._pf
+            # Layer 1's reservation ends its (completed) prefetch on this thread: no post.
+            hits = store.stats().staging_hits
+            views, release = _on_thread(store.try_reserve, 1, [4])
+            assert len(woken) == 1 and 1 not in store._pf and store.stats().staging_hits == hits + 1
+            assert not store.cache.staged(store.cache.slot_of((1, 4)))
+            release()
+            with pytest.raises(IndexError):  # bad input is the caller's error, at once
+                store.try_reserve(1, [4], (N_LAYERS, [0]))
             assert_consistent(store, model)
+            assert not made[0].violations
+    run(main)
+
+
+def test_try_reserve_drops_its_layers_queued_prefetch_on_the_loop(model, io):
+    """A prefetch still queued (a demand read in flight holds it back) when its layer is reserved from
+    another thread: the record ends at once; the queued read is dropped on the loop (one wake-up), its slot
+    free again, never submitted; the demand read then completes normally."""
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        gate = asyncio.Event()
+        gate.set()
+        async with ExpertStore.open(model.layout, 6 * sb, prefetch_slots=2,
+                                    backend=probe_factory(io, made, gate)) as store:
+            with await store.get(2, [0]):
+                pass
+            gate.clear()
+            demand = asyncio.ensure_future(store.get(1, [5]))
+            await asyncio.sleep(0.01)
+            assert store._outstanding == 1
+            store.prefetch(2, [3])
+            load = store._pf[2][(2, 3)]
+            assert load.handles is None and load in store._pq  # queued behind the demand read
+            submitted = len(made[0].log)
+            woken = _count_posts(store)
+            views, release = _on_thread(store.try_reserve, 2, [0])
+            assert 2 not in store._pf and len(woken) == 1
+            assert (2, 3) in store.cache  # dropped on the loop, not yet
+            await asyncio.sleep(0)
+            assert (2, 3) not in store.cache and load not in store._pq and load.done.cancelled()
+            release()
+            gate.set()
+            batch = await asyncio.wait_for(demand, 10)
+            assert model.matches(batch[0])
+            batch.release()
+            await settle(store, made[0])
+            assert len(made[0].log) == submitted  # the prefetch was never submitted
+            assert_consistent(store, model)
+            assert_stats_add_up(store.stats())
             assert not made[0].violations
     run(main)
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -506,8 +507,8 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
     """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
     best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
     while the output and the sampling compute). A prefill step prefetches nothing. A layer whose experts are
-    all cached is reserved from the compute thread (try_reserve) and its prefetch posted (prefetch_soon): the
-    same order."""
+    all cached is reserved from the compute thread (try_reserve), the next layer's prefetch asked with the
+    reservation: the same order."""
     from clutor.model.runner import PREFETCH_RANKS
 
     minimum, slot = _minimum(six_layers)
@@ -516,22 +517,22 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
         async with clutor.Model.open(six_layers, io="threads", expert_cache=2 * 16 * slot, prefetch=True) as model:
             store = model.runner.experts
             calls: list[tuple[str, int]] = []
-            get_ready, prefetch = store.get_ready, store.prefetch
-            try_reserve, prefetch_soon = store.try_reserve, store.prefetch_soon
+            get_ready, prefetch, try_reserve = store.get_ready, store.prefetch, store.try_reserve
             store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
+            asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
 
-            def counting_try_reserve(layer, experts):
-                held = try_reserve(layer, experts)
+            def counting_try_reserve(layer, experts, ahead=None):
+                held = try_reserve(layer, experts, ahead)
                 if held is not None:
                     calls.append(("get", layer))
+                    if ahead is not None:
+                        calls.append(("prefetch", ahead[0]))
+                        asked.append(len(ahead[1]))
                 return held
 
             store.try_reserve = counting_try_reserve
-            asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
             store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
                                                      prefetch(layer, experts))[2]
-            store.prefetch_soon = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
-                                                          prefetch_soon(layer, experts))[2]
             async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
                 pass
             return calls, model.config.n_layers, asked
@@ -614,12 +615,14 @@ def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(si
     store.check()
 
 
-def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wake_up(six_layers, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wake_up(six_layers, monkeypatch, prefetch):
     """A cache holding every expert but one: once a step's experts are all resident, the step is one trip to the
-    compute thread (every layer reserved there with try_reserve, no get_ready), and the event loop is woken
-    from another thread once (the trip's result: nothing posted, no read); the layer-by-layer path took
-    n_layers + 1 trips and as many wake-ups. The tokens are those of io="memory", every pin is released,
-    and every access of those steps is counted as a hit."""
+    compute thread (every layer reserved there with try_reserve, no get_ready), and the compute thread wakes
+    the event loop once (the trip's result: no read), plus with prefetch=True at most once per layer
+    (the store's posted prefetch, asked with the reservation); the layer-by-layer path took n_layers + 1
+    trips and as many wake-ups. The tokens are those of io="memory", every pin is released, and every
+    access of those steps is counted as a hit."""
     import clutor.model.runner as runner_mod
 
     minimum, slot = _minimum(six_layers)
@@ -633,12 +636,12 @@ def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wak
     async def go():
         cfg_layers = 6
         async with clutor.Model.open(six_layers, io="threads", expert_cache=cfg_layers * 16 * slot,
-                                     prefetch=False) as model:
+                                     prefetch=prefetch) as model:
             assert model.config.n_layers == cfg_layers
             store = model.runner.experts
             assert store.n_slots >= cfg_layers * 16 - 1  # all but one (the budget stops at the model's experts, one spare)
             loop = asyncio.get_running_loop()
-            count = {"trips": 0, "gets": 0, "wakes": 0}
+            count = {"trips": 0, "gets": 0, "wakes": 0, "posts": 0}
             inner_compute, get_ready, threadsafe = runner_mod.compute, store.get_ready, loop.call_soon_threadsafe
 
             async def counting_compute(fn, *args):
@@ -650,7 +653,10 @@ def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wak
                 return get_ready(layer, experts)
 
             def counting_threadsafe(cb, *args, **kw):
-                count["wakes"] += 1
+                # (the backend's threads wake the loop for read completions: those are not counted)
+                if threading.current_thread().name.startswith("clutor-compute"):
+                    count["wakes"] += 1
+                    count["posts"] += cb == store._run_posted
                 return threadsafe(cb, *args, **kw)
 
             per_step: list[tuple[dict, int, int]] = []  # (counts, accesses, hits) of each step
@@ -683,8 +689,63 @@ def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wak
     cached = [(c, a, h) for c, a, h in per_step[1:] if c["gets"] == 0]  # decode steps the loop got nothing for
     assert len(cached) >= 3, per_step
     for c, accesses, hits in cached:
-        assert c["trips"] == 1 and c["wakes"] == 1, c
+        assert c["trips"] == 1 and c["wakes"] == 1 + c["posts"], c
+        assert c["posts"] <= (n if prefetch else 0), c
         assert accesses == hits == n * 2, (accesses, hits)  # top-2 of each of the six layers, all hits
+
+
+def test_an_error_in_a_layer_reserved_from_the_compute_thread_releases_its_pins(six_layers, monkeypatch):
+    """A layer whose experts are all cached, reserved with try_reserve, fails while its experts compute: its
+    pins are released (no slot stays pinned, the store's bookkeeping holds), the generation gets the error as
+    a ClutorError, and the next generation runs to the end with the tokens of io="memory"."""
+    import clutor.model.runner as runner_mod
+
+    minimum, slot = _minimum(six_layers)
+    prompt = "Once upon a time there was"
+
+    async def reference():
+        async with clutor.Model.open(six_layers, io="memory") as model:
+            return [o.token async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+                    if o.token is not None]
+
+    async def go():
+        async with clutor.Model.open(six_layers, io="threads", expert_cache=6 * 16 * slot, prefix_cache=0,
+                                     prefetch=True) as model:
+            runner, store = model.runner, model.runner.experts
+            state = {"reserved": 0, "armed": False, "raised": 0, "pinned": None}
+            try_reserve, experts_out = store.try_reserve, runner._experts_out
+
+            def reserving(layer, experts, ahead=None):
+                held = try_reserve(layer, experts, ahead)
+                if held is not None:
+                    state["reserved"] += 1
+                    state["armed"] = state["reserved"] == 8  # the eighth layer reserved this way fails
+                return held
+
+            def failing(l, h, sel, w, views):
+                if state["armed"]:
+                    state["armed"] = False
+                    state["raised"] += 1
+                    state["pinned"] = sum(store.cache.pins(s) for s in range(store.n_slots))
+                    raise RuntimeError("injected in a cached layer")
+                return experts_out(l, h, sel, w, views)
+
+            store.try_reserve = reserving
+            monkeypatch.setattr(runner, "_experts_out", failing)
+            with pytest.raises(clutor.ClutorError, match="injected in a cached layer"):
+                async for _ in model.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True):
+                    pass
+            pins = [store.cache.pins(s) for s in range(store.n_slots)]
+            store.check()
+            after = [o.token async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+                     if o.token is not None]
+            return state, pins, after
+
+    want = run(reference())
+    state, pins, after = run(go())
+    assert state["raised"] == 1 and state["pinned"] >= 2, state  # it failed holding its layer's top-2
+    assert not any(pins)
+    assert after == want
 
 
 def test_prefetch_picks_by_router_weight_where_weights_are_probabilities(monkeypatch):

@@ -116,9 +116,9 @@ class Recorder:
             return f
 
         def try_reserve(orig):
-            def f(self_, layer, experts):
+            def f(self_, layer, experts, prefetch=None):
                 t0 = _now()
-                held = orig(self_, layer, experts)
+                held = orig(self_, layer, experts, prefetch)
                 ev.append(("try", t0, _now(), (layer, [int(e) for e in experts], held is not None)))
                 return held
             return f

@@ -29,9 +29,9 @@ whatever happens to the task that wanted it; completions are handled by callback
 awaiting task, so a cancelled get() leaves a normal READY entry behind.
 
 Threads: everything runs on the store's event loop but ``try_reserve`` (and the release it hands
-out) and ``prefetch_soon``, which any thread may call: the compute thread takes a layer whose experts
-are all cached without a trip to the loop. A lock (``_mutex``) orders the cache's bookkeeping between
-the two; what touches the loop (reads, futures, events) is posted to it, in the order posted.
+out), which any thread may call: the compute thread takes a layer whose experts are all cached
+without a trip to the loop. A lock (``_mutex``) orders the cache's bookkeeping between the two; what
+touches the loop (reads, futures, events) is posted to it, in the order posted, one wake-up a batch.
 """
 from __future__ import annotations
 
@@ -390,13 +390,19 @@ class ExpertStore:
             views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
         return views, placed.wait, release
 
-    def try_reserve(self, layer: int, experts: Sequence[int]) -> "tuple[list[ExpertView], Callable[[], None]] | None":
+    def try_reserve(self, layer: int, experts: Sequence[int],
+                    prefetch: "tuple[int, Sequence[int]] | None" = None
+                    ) -> "tuple[list[ExpertView], Callable[[], None]] | None":
         """From any thread, never waiting: when every one of the experts is in the cache now (READY),
         pin them all, count them as a get() counts its hits, and return their views (distinct, in the
         order asked) and the release callback (callable from any thread, once or more); otherwise pin
         and count nothing and return None (the caller then asks get_ready() on the loop, which reads
-        the misses). A layer's prefetch ends here as at its get(), on the loop (posted)."""
+        the misses). The layer's prefetch ends here as at its get(); prefetch = (layer, experts), when
+        reserved, is then prefetch(layer, experts) on the loop, as a get() followed by a prefetch()
+        would be. What needs the loop (a prefetch to queue, a queued one to drop) is posted to it at
+        once, in one wake-up; nothing is posted when nothing would change."""
         keys = self._keys(layer, experts)
+        ahead = self._keys(*prefetch) if prefetch is not None else None  # bad input fails here, not on the loop
         cache = self.cache
         with self._mutex:
             if self._closed or len(keys) > self.n_slots:
@@ -412,8 +418,19 @@ class ExpertStore:
                 c.staging_hits += grant.prefetched
                 slots.append(grant.slot)
             views = [self._view(layer, key[1], slot) for key, slot in zip(keys, slots)]
-            if int(layer) in self._pf:
-                self._post(self._end_prefetch, int(layer))
+            # The layer's prefetch ends: a read submitted (or over) only loses its staging, here;
+            # one still in the queue is the loop's to drop (its future is the loop's).
+            queued = []
+            for load in self._pf.pop(int(layer), {}).values():
+                if load.handles is None:
+                    queued.append(load)
+                else:
+                    self._give_up(load)
+            todo = [(self._give_up, (load,)) for load in queued]
+            if ahead is not None and (int(prefetch[0]) in self._pf or not all(key in cache for key in ahead)):
+                todo.append((self._prefetch, (prefetch[0], prefetch[1])))
+            if todo:
+                self._post(*todo)
         released = False
 
         def release() -> None:
@@ -425,27 +442,18 @@ class ExpertStore:
                 for slot in slots:
                     cache.unpin(slot)
                 if self._waiting:  # a get() waits for room: wake it on the loop
-                    self._post(self._freed.set)
+                    self._post((self._freed.set, ()))
 
         return views, release
 
-    def prefetch_soon(self, layer: int, experts: Sequence[int]) -> None:
-        """From any thread: prefetch(layer, experts) on the store's loop, after whatever was posted
-        before (never blocks, never waits)."""
-        keys = self._keys(layer, experts)  # a bad layer or expert is the caller's error, here
+    def _post(self, *calls: tuple) -> None:
+        """Run each (fn, args) of calls on the loop, in the order posted: one loop wake-up for
+        everything posted before the loop takes it (call_soon_threadsafe only for the first)."""
         with self._mutex:
-            if int(layer) not in self._pf and all(key in self.cache for key in keys):
-                return  # prefetch() would change nothing: the loop is not woken for it
-        self._post(self._prefetch, layer, experts)
-
-    def _post(self, fn, *args) -> None:
-        """Run fn(*args) on the loop, in the order posted: one loop wake-up for everything posted
-        before the loop takes it (call_soon_threadsafe only for the first of a batch)."""
-        with self._mutex:
-            self._posted.append((fn, args))
-            if len(self._posted) > 1:
-                return
-        self._loop.call_soon_threadsafe(self._run_posted)
+            first = not self._posted
+            self._posted.extend(calls)
+            if first:
+                self._loop.call_soon_threadsafe(self._run_posted)
 
     def _run_posted(self) -> None:
         with self._mutex:

@@ -6,7 +6,7 @@ Every numerical step runs on the compute thread (clutor.model.compute); the even
 expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
 ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
 the compute thread. With a streaming source a trip goes on through every layer whose routed experts
-are all cached (the compute thread pins them with the source's try_reserve, which never waits, and
+are all cached (the compute thread pins them with the source's try_reserve, which never waits and
 posts the next layer's prefetch to the loop) and stops at the first layer with a miss: the loop
 submits its reads, the layer's cached experts compute while they are read, then each group as its
 bytes arrive. That layer's last group goes with the trip after it (the next layers, or the step's
@@ -258,13 +258,13 @@ class Runner:
         wanted = _by_votes(sel)
         if len(wanted) > self._max_batch:
             return None  # a prefill's chunks: the loop's path
-        held = self.experts.try_reserve(self._moe_index[l], wanted)
+        # The next MoE layer's prefetch goes with the reservation: one loop wake-up at most.
+        ahead_pf = (self._moe_index[ahead], nxt[1]) if nxt is not None and self._prefetch else None
+        held = self.experts.try_reserve(self._moe_index[l], wanted, ahead_pf)
         if held is None:
             return None
         views, release = held
         try:
-            if nxt is not None and self._prefetch:
-                self.experts.prefetch_soon(self._moe_index[ahead], nxt[1])
             if step.accounting:  # every access a hit, shared by the segments that chose the expert
                 _charge(step, _users(sel, step.plan.seg_of_row), wanted, wanted, None, None)
             ys = self._experts_out(l, h, sel, w, views)

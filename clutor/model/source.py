@@ -35,10 +35,11 @@ class ExpertSource(Protocol):
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
     # From any thread, never waiting: every expert's view, pinned, and their release, when all are
-    # there now; else None (nothing pinned: the caller awaits get_ready on the loop).
-    def try_reserve(self, layer: int, experts: Sequence[int]) -> tuple[list[ExpertView], Callable[[], None]] | None: ...
+    # there now (then prefetch = (layer, experts) is prefetched, on the loop); else None (nothing
+    # pinned, nothing prefetched: the caller awaits get_ready on the loop).
+    def try_reserve(self, layer: int, experts: Sequence[int], prefetch: tuple[int, Sequence[int]] | None = None
+                    ) -> tuple[list[ExpertView], Callable[[], None]] | None: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
-    def prefetch_soon(self, layer: int, experts: Sequence[int]) -> None: ...  # prefetch(), from any thread
     def hint(self, layer: int, experts: Sequence[int]) -> None: ...
     def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]: ...
     async def aclose(self) -> None: ...
@@ -137,14 +138,11 @@ class InMemoryExperts:
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
 
-    def try_reserve(self, layer: int, experts: Sequence[int]):
-        """Every expert is always there: its views, nothing to release."""
+    def try_reserve(self, layer: int, experts: Sequence[int], prefetch=None):
+        """Every expert is always there: its views, nothing to release, nothing to prefetch."""
         return self.views_now(layer, list(dict.fromkeys(int(e) for e in experts))), _nothing
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        pass
-
-    def prefetch_soon(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
     wants_hints = False
