@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from .policies import Policy, make_policy
 from .views import ExpertBatch, ExpertView
 
 __all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "split_slots"]
+R = TypeVar("R")
 
 # Opens a backend over (files, buffers); the default calls open_backend with the store's io/direct.
 BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
@@ -379,8 +380,8 @@ class ExpertStore:
         Returns ({expert: view}, loads to wait for, release callback)."""
         self._check_open()
         keys = self._keys(layer, experts)
-        grants = await self._reserve_all(keys)
-        with self._mutex:
+
+        def begin(grants: list[Grant | None]):  # under the lock, with the reservation: no state half made
             placed = self._place(layer, keys, grants)
             self._end_prefetch(layer)
             release = self._releaser(placed.slots, placed.spares)
@@ -388,7 +389,9 @@ class ExpertStore:
                 self._submit(placed.submit, demand=True)
             # Views now, while the arena is surely open; the caller sees them only once the reads are in.
             views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
-        return views, placed.wait, release
+            return views, placed.wait, release
+
+        return await self._reserve_all(keys, begin)
 
     def try_reserve(self, layer: int, experts: Sequence[int],
                     prefetch: "tuple[int, Sequence[int]] | None" = None
@@ -467,9 +470,11 @@ class ExpertStore:
                     self._loop.call_exception_handler({"message": "ExpertStore: a posted call raised",
                                                        "exception": err})
 
-    async def _reserve_all(self, keys: list[tuple[int, int]]) -> list[Grant | None]:
-        """One grant per key (None: a spare buffer's bypass read), waiting while other callers hold
-        every slot and spare; BudgetError when the keys could never fit at once."""
+    async def _reserve_all(self, keys: list[tuple[int, int]], then: Callable[[list[Grant | None]], R]) -> R:
+        """then(one grant per key (None: a spare buffer's bypass read)), called in the same critical
+        section as the reservation (a slot just assigned is LOADING with no load record until then:
+        the compute thread's check() or try_reserve must never see that); waits while other callers
+        hold every slot and spare; BudgetError when the keys could never fit at once."""
         if len(keys) > self.n_slots + self.n_spare:
             raise BudgetError(
                 f"get() of {len(keys)} distinct experts cannot fit: the store has {self.n_slots} slots "
@@ -479,7 +484,7 @@ class ExpertStore:
             with self._mutex:
                 grants = self._reserve(keys)
                 if grants is not None:
-                    return grants
+                    return then(grants)
                 # Every slot and spare is held by other callers: wait for a release, then try again.
                 self._freed.clear()
                 self._waiting += 1
