@@ -719,3 +719,238 @@ def test_loop_callbacks_and_cpu_per_expert_read(model, io):
     assert loads >= 200, figures  # mostly misses: 6 slots for 32 experts
     assert callbacks <= (2 if io == "uring" else 6) * loads, figures
     assert cpu <= 0.002 * loads, figures
+
+
+def test_try_reserve_pins_only_when_all_are_cached_and_holds_them_against_eviction(model, io):
+    """try_reserve (from the compute thread, here called on another thread): all experts READY -> each
+    pinned, the exact bytes, counted as hits; one of them absent or still being read (a prefetch in flight)
+    -> None, nothing pinned or counted. Pinned slots are never evicted: a get() that needs room while they
+    are held bypasses into the spare. The release is safe twice; the layer's prefetch ends as at a get."""
+    import concurrent.futures
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        gate = asyncio.Event()
+        gate.set()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        loop = asyncio.get_running_loop()
+
+        def elsewhere(fn, *args):  # as the compute thread calls it
+            return loop.run_in_executor(pool, fn, *args)
+
+        store = await ExpertStore.open(model.layout, 5 * sb, prefetch_slots=2, backend=probe_factory(io, made, gate))
+        try:
+            assert (store.n_slots, store.n_spare) == (4, 1)
+            with await store.get(0, [0, 1, 2]):
+                pass
+            before = store.stats()
+            assert await elsewhere(store.try_reserve, 0, [1, 3]) is None  # 3 is not cached
+            assert await elsewhere(store.try_reserve, 0, [3]) is None
+            after = store.stats()
+            assert (after.accesses, after.hits, after.bytes_demand) == (before.accesses, before.hits, before.bytes_demand)
+            assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
+            # A prefetch still in flight is not cached yet.
+            gate.clear()
+            store.prefetch(0, [4])
+            await asyncio.sleep(0.01)
+            assert await elsewhere(store.try_reserve, 0, [0, 4]) is None
+            gate.set()
+            await settle(store, made[0])
+            # All cached (4 a completed prefetch): pinned, a staging hit, the layer's prefetch over.
+            held = await elsewhere(store.try_reserve, 0, [2, 0, 4, 2])
+            assert held is not None
+            views, release = held
+            assert [v.expert for v in views] == [2, 0, 4] and all(model.matches(v) for v in views)
+            st = store.stats()
+            assert (st.accesses - before.accesses, st.hits - before.hits, st.staging_hits) == (3, 3, 1)
+            await asyncio.sleep(0)  # the posted end of layer 0's prefetch runs on the loop
+            assert 0 not in store._pf
+            pinned = {store.cache.slot_of((0, e)) for e in (2, 0, 4)}
+            assert all(store.cache.pins(s) == 1 for s in pinned)
+            # Room for one more expert only: the fourth slot, then the spare; the pinned ones stay.
+            with await store.get(1, [5]) as a, await store.get(1, [6]) as b:
+                assert model.matches(a[0]) and model.matches(b[0])
+            assert store.stats().bypass_reads == 1
+            assert all(store.resident(0, e) for e in (2, 0, 4)) and all(model.matches(v) for v in views)
+            await elsewhere(release)
+            release()  # twice: nothing more
+            assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
+            await settle(store, made[0])
+            assert_consistent(store, model)
+            assert_stats_add_up(store.stats())
+            assert not made[0].violations
+        finally:
+            gate.set()
+            await store.aclose()
+            pool.shutdown()
+        assert store.try_reserve(0, [0]) is None  # closed: nothing to pin
+    run(main)
+
+
+def _count_posts(store: ExpertStore) -> list:
+    """Every loop wake-up the store asks for from a thread (call_soon_threadsafe of its posted calls)."""
+    loop = store._loop
+    woken: list = []
+    threadsafe = loop.call_soon_threadsafe
+
+    def counting(cb, *args, **kw):
+        if cb == store._run_posted:
+            woken.append(list(store._posted))
+        return threadsafe(cb, *args, **kw)
+
+    loop.call_soon_threadsafe = counting
+    return woken
+
+
+def _on_thread(fn, *args):
+    import threading
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_release_from_another_thread_wakes_a_waiting_get_and_a_reservation_posts_its_prefetch(model, io):
+    """Every slot pinned by try_reserve and the spare held: a get() waits; the release, called on another
+    thread, wakes it (posted to the loop). A reservation's prefetch (try_reserve's prefetch=) is queued on the
+    loop with one wake-up; of experts all cached, with no prefetch of that layer to end, nothing is posted. A
+    reservation ends its layer's completed prefetch at once, from its own thread (a staging hit, no post)."""
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        async with ExpertStore.open(model.layout, 3 * sb, prefetch_slots=1, backend=probe_factory(io, made)) as store:
+            assert (store.n_slots, store.n_spare) == (2, 1)
+            with await store.get(2, [0, 1]):
+                pass
+            held = store.try_reserve(2, [0, 1])
+            assert held is not None
+            spare = await store.get(3, [7])  # the spare
+            waiter = asyncio.ensure_future(store.get(3, [6]))
+            for _ in range(20):
+                await asyncio.sleep(0.002)
+            assert not waiter.done()
+            _on_thread(held[1])
+            third = await asyncio.wait_for(waiter, 10)
+            assert model.matches(third[0])
+            third.release()
+            spare.release()
+            await settle(store, made[0])
+            woken = _count_posts(store)
+            other = next(e for e in (0, 1) if store.resident(2, e))
+            assert store.resident(3, 6) and not store._pf
+            # All cached, no prefetch of layer 2 to end: nothing for the loop.
+            views, release = _on_thread(store.try_reserve, 3, [6], (2, [other]))
+            assert woken == [] and model.matches(views[0])
+            release()
+            # A prefetch to queue: one wake-up, the read on the loop.
+            views, release = _on_thread(store.try_reserve, 3, [6], (1, [4]))
+            assert len(woken) == 1 and [fn.__name__ for fn, _ in woken[0]] == ["_prefetch"], woken
+            release()
+            await asyncio.sleep(0.01)
+            await settle(store, made[0])
+            assert store.resident(1, 4) and store.stats().prefetch_issued == 1 and 1 in store._pf
+            # Layer 1's reservation ends its (completed) prefetch on this thread: no post.
+            hits = store.stats().staging_hits
+            views, release = _on_thread(store.try_reserve, 1, [4])
+            assert len(woken) == 1 and 1 not in store._pf and store.stats().staging_hits == hits + 1
+            assert not store.cache.staged(store.cache.slot_of((1, 4)))
+            release()
+            with pytest.raises(IndexError):  # bad input is the caller's error, at once
+                store.try_reserve(1, [4], (N_LAYERS, [0]))
+            assert_consistent(store, model)
+            assert not made[0].violations
+    run(main)
+
+
+def test_try_reserve_drops_its_layers_queued_prefetch_on_the_loop(model, io):
+    """A prefetch still queued (a demand read in flight holds it back) when its layer is reserved from
+    another thread: the record ends at once; the queued read is dropped on the loop (one wake-up), its slot
+    free again, never submitted; the demand read then completes normally."""
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        gate = asyncio.Event()
+        gate.set()
+        async with ExpertStore.open(model.layout, 6 * sb, prefetch_slots=2,
+                                    backend=probe_factory(io, made, gate)) as store:
+            with await store.get(2, [0]):
+                pass
+            gate.clear()
+            demand = asyncio.ensure_future(store.get(1, [5]))
+            await asyncio.sleep(0.01)
+            assert store._outstanding == 1
+            store.prefetch(2, [3])
+            load = store._pf[2][(2, 3)]
+            assert load.handles is None and load in store._pq  # queued behind the demand read
+            submitted = len(made[0].log)
+            woken = _count_posts(store)
+            views, release = _on_thread(store.try_reserve, 2, [0])
+            assert 2 not in store._pf and len(woken) == 1
+            assert (2, 3) in store.cache  # dropped on the loop, not yet
+            await asyncio.sleep(0)
+            assert (2, 3) not in store.cache and load not in store._pq and load.done.cancelled()
+            release()
+            gate.set()
+            batch = await asyncio.wait_for(demand, 10)
+            assert model.matches(batch[0])
+            batch.release()
+            await settle(store, made[0])
+            assert len(made[0].log) == submitted  # the prefetch was never submitted
+            assert_consistent(store, model)
+            assert_stats_add_up(store.stats())
+            assert not made[0].violations
+    run(main)
+
+
+def test_try_reserve_on_another_thread_beside_the_loops_gets_and_prefetches(model, io):
+    """A thread reserving and releasing in a loop while the event loop gets, prefetches and completes
+    reads on the same small cache: the bookkeeping stays consistent (check() inside the lock at every
+    round), every view handed out holds its expert's bytes, and nothing stays pinned."""
+    import threading
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        async with ExpertStore.open(model.layout, 6 * sb, backend=probe_factory(io, made)) as store:
+            stop = threading.Event()
+            seen = {"held": 0, "bad": 0, "error": None}
+
+            def reserver():
+                rng = random.Random(3)
+                try:
+                    while not stop.is_set():
+                        layer = rng.randrange(N_LAYERS)
+                        held = store.try_reserve(layer, rng.sample(range(N_EXPERTS), 2))
+                        if held is not None:
+                            seen["held"] += 1
+                            seen["bad"] += sum(not model.matches(v) for v in held[0])
+                            held[1]()
+                        store.check()
+                except BaseException as e:  # noqa: BLE001 - reported to the test below
+                    seen["error"] = e
+
+            t = threading.Thread(target=reserver)
+            t.start()
+            rng = random.Random(7)
+            try:
+                for i in range(300):
+                    layer = rng.randrange(N_LAYERS)
+                    with await store.get(layer, rng.sample(range(N_EXPERTS), 2)) as batch:
+                        assert all(model.matches(v) for v in batch)
+                    store.prefetch((layer + 1) % N_LAYERS, rng.sample(range(N_EXPERTS), 2))
+                    if i % 10 == 0:
+                        await asyncio.sleep(0.001)
+            finally:
+                stop.set()
+                await asyncio.to_thread(t.join)
+            assert seen["error"] is None, seen["error"]
+            assert seen["held"] > 0 and seen["bad"] == 0, seen
+            await settle(store, made[0])
+            assert_consistent(store, model)
+            assert_stats_add_up(store.stats())
+            assert not made[0].violations
+    run(main)
