@@ -35,6 +35,29 @@ PART_QT, PART_RB, PART_ROWS, PART_COL = range(4)
 
 
 @njit(**_opts)
+def _put_jobs(jobs_gu, jobs_dn, m, addr, parts, t0, n):
+    """The m-th expert's job rows (drivers.py's columns): one per gate | up part into jobs_gu, its down
+    part into jobs_dn; addr int64 [P] its parts' addresses, its pairs t0 .. t0 + n - 1 (the job's rows)."""
+    P = addr.shape[0]
+    for p in range(P - 1):
+        j = m * (P - 1) + p
+        jobs_gu[j, 0] = addr[p]
+        jobs_gu[j, 1] = parts[p, PART_QT]
+        jobs_gu[j, 2] = parts[p, PART_RB]
+        jobs_gu[j, 3] = parts[p, PART_ROWS]
+        jobs_gu[j, 4] = t0
+        jobs_gu[j, 5] = n
+        jobs_gu[j, 6] = parts[p, PART_COL]
+    jobs_dn[m, 0] = addr[P - 1]
+    jobs_dn[m, 1] = parts[P - 1, PART_QT]
+    jobs_dn[m, 2] = parts[P - 1, PART_RB]
+    jobs_dn[m, 3] = parts[P - 1, PART_ROWS]
+    jobs_dn[m, 4] = t0
+    jobs_dn[m, 5] = n
+    jobs_dn[m, 6] = 0
+
+
+@njit(**_opts)
 def route_jobs(sel, w, h, before, addr, parts, xg, wf, pair, starts, jobs_gu, jobs_dn):
     """sel int64 [R, K], w f32 [R, K], h f32 [R, D]; addr int64 [E, P] each expert's part addresses
     (the last part is down, the others gate | up into one output); parts int64 [P, 4] -> fills
@@ -61,22 +84,7 @@ def route_jobs(sel, w, h, before, addr, parts, xg, wf, pair, starts, jobs_gu, jo
         n = starts[e + 1] - t0
         if n == 0:
             continue
-        for p in range(P - 1):
-            j = m * (P - 1) + p
-            jobs_gu[j, 0] = addr[e, p]
-            jobs_gu[j, 1] = parts[p, PART_QT]
-            jobs_gu[j, 2] = parts[p, PART_RB]
-            jobs_gu[j, 3] = parts[p, PART_ROWS]
-            jobs_gu[j, 4] = t0
-            jobs_gu[j, 5] = n
-            jobs_gu[j, 6] = parts[p, PART_COL]
-        jobs_dn[m, 0] = addr[e, P - 1]
-        jobs_dn[m, 1] = parts[P - 1, PART_QT]
-        jobs_dn[m, 2] = parts[P - 1, PART_RB]
-        jobs_dn[m, 3] = parts[P - 1, PART_ROWS]
-        jobs_dn[m, 4] = t0
-        jobs_dn[m, 5] = n
-        jobs_dn[m, 6] = 0
+        _put_jobs(jobs_gu, jobs_dn, m, addr[e], parts, t0, n)
         m += 1
     for r in range(R):  # each pair to its expert's next place (starts[e] ends as expert e + 1's first)
         for k in range(K):
@@ -154,22 +162,7 @@ def route_group(sel, w, h, before, ids, addr, parts, pos, xg, wf, pair, jobs_gu,
         n = starts[g + 1] - t0
         if n == 0:
             continue
-        for p in range(P - 1):
-            j = m * (P - 1) + p
-            jobs_gu[j, 0] = addr[g, p]
-            jobs_gu[j, 1] = parts[p, PART_QT]
-            jobs_gu[j, 2] = parts[p, PART_RB]
-            jobs_gu[j, 3] = parts[p, PART_ROWS]
-            jobs_gu[j, 4] = t0
-            jobs_gu[j, 5] = n
-            jobs_gu[j, 6] = parts[p, PART_COL]
-        jobs_dn[m, 0] = addr[g, P - 1]
-        jobs_dn[m, 1] = parts[P - 1, PART_QT]
-        jobs_dn[m, 2] = parts[P - 1, PART_RB]
-        jobs_dn[m, 3] = parts[P - 1, PART_ROWS]
-        jobs_dn[m, 4] = t0
-        jobs_dn[m, 5] = n
-        jobs_dn[m, 6] = 0
+        _put_jobs(jobs_gu, jobs_dn, m, addr[g], parts, t0, n)
         m += 1
     n_pairs = starts[G]
     for r in range(R):
