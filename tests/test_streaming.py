@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -506,9 +505,7 @@ def test_prefetch_raises_accuracy_on_the_same_greedy_run(six_layers):
 def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_layers):
     """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
     best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
-    while the output and the sampling compute). A prefill step prefetches nothing. A layer whose experts are
-    all cached is reserved from the compute thread (try_reserve), the next layer's prefetch asked with the
-    reservation: the same order."""
+    while the output and the sampling compute). A prefill step prefetches nothing."""
     from clutor.model.runner import PREFETCH_RANKS
 
     minimum, slot = _minimum(six_layers)
@@ -517,20 +514,9 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
         async with clutor.Model.open(six_layers, io="threads", expert_cache=2 * 16 * slot, prefetch=True) as model:
             store = model.runner.experts
             calls: list[tuple[str, int]] = []
-            get_ready, prefetch, try_reserve = store.get_ready, store.prefetch, store.try_reserve
+            get_ready, prefetch = store.get_ready, store.prefetch
             store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
             asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
-
-            def counting_try_reserve(layer, experts, ahead=None):
-                held = try_reserve(layer, experts, ahead)
-                if held is not None:
-                    calls.append(("get", layer))
-                    if ahead is not None:
-                        calls.append(("prefetch", ahead[0]))
-                        asked.append(len(ahead[1]))
-                return held
-
-            store.try_reserve = counting_try_reserve
             store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
                                                      prefetch(layer, experts))[2]
             async for _ in model.generate("Once upon a time there was", max_tokens=6, temperature=0, ignore_eos=True):
@@ -549,11 +535,10 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
 
 
 def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(six_layers, monkeypatch):
-    """Streamed decode: a trip to the compute thread goes on through the layers whose experts are all cached
-    (reserved from the compute thread, no get_ready) and stops at a layer with a miss; that layer's expert
-    groups but the last cost a trip each, the last is computed by the trip that follows (the next layers, or
-    the step's output), its views pinned until that trip has returned. So a step costs one trip plus, per
-    layer the loop gets, one per group it yielded. The tokens are those of io="memory"."""
+    """Streamed decode: each layer's expert groups but the last cost a trip to the compute thread each; the
+    last is computed by the trip that follows (the next layer's attention, or the step's output), its views
+    pinned until that trip has returned. So a step costs n_layers + 1 trips plus one per group not last,
+    and a layer whose experts are all cached costs none of its own. The tokens are those of io="memory"."""
     import clutor.model.runner as runner_mod
 
     minimum, slot = _minimum(six_layers)
@@ -604,148 +589,14 @@ def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(si
     assert toks == want
     decode = per_step[1:]  # the first step is the prefill
     assert len(decode) == 7
-    all_cached = got = 0
+    all_cached = 0
     for t, g in decode:
-        assert len(g) <= n and all(k >= 1 for k in g), g
-        assert t == 1 + sum(g), (t, g)
-        all_cached += n - len(g)
-        got += len(g)
-    assert all_cached > 0 and got > 0  # both kinds of layer occurred
+        assert len(g) == n and all(k >= 1 for k in g), g
+        assert t == n + 1 + sum(k - 1 for k in g), (t, g)
+        all_cached += sum(k == 1 for k in g)
+    assert all_cached > 0 and sum(sum(g) for _, g in decode) > all_cached  # both kinds of layer occurred
     assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
     store.check()
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_a_decode_step_whose_experts_are_all_cached_is_one_trip_and_one_loop_wake_up(six_layers, monkeypatch, prefetch):
-    """A cache holding every expert but one: once a step's experts are all resident, the step is one trip to the
-    compute thread (every layer reserved there with try_reserve, no get_ready), and the compute thread wakes
-    the event loop once (the trip's result: no read), plus with prefetch=True at most once per layer
-    (the store's posted prefetch, asked with the reservation); the layer-by-layer path took n_layers + 1
-    trips and as many wake-ups. The tokens are those of io="memory", every pin is released, and every
-    access of those steps is counted as a hit."""
-    import clutor.model.runner as runner_mod
-
-    minimum, slot = _minimum(six_layers)
-    prompt = "Once upon a time there was"
-
-    async def reference():
-        async with clutor.Model.open(six_layers, io="memory") as model:
-            return [o.token async for o in model.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)
-                    if o.token is not None]
-
-    async def go():
-        cfg_layers = 6
-        async with clutor.Model.open(six_layers, io="threads", expert_cache=cfg_layers * 16 * slot,
-                                     prefetch=prefetch) as model:
-            assert model.config.n_layers == cfg_layers
-            store = model.runner.experts
-            assert store.n_slots >= cfg_layers * 16 - 1  # all but one (the budget stops at the model's experts, one spare)
-            loop = asyncio.get_running_loop()
-            count = {"trips": 0, "gets": 0, "wakes": 0, "posts": 0}
-            inner_compute, get_ready, threadsafe = runner_mod.compute, store.get_ready, loop.call_soon_threadsafe
-
-            async def counting_compute(fn, *args):
-                count["trips"] += 1
-                return await inner_compute(fn, *args)
-
-            def counting_get_ready(layer, experts):
-                count["gets"] += 1
-                return get_ready(layer, experts)
-
-            def counting_threadsafe(cb, *args, **kw):
-                # (the backend's threads wake the loop for read completions: those are not counted)
-                if threading.current_thread().name.startswith("clutor-compute"):
-                    count["wakes"] += 1
-                    count["posts"] += cb == store._run_posted
-                return threadsafe(cb, *args, **kw)
-
-            per_step: list[tuple[dict, int, int]] = []  # (counts, accesses, hits) of each step
-            run_step = model.runner.run
-
-            async def counting_run(plan):
-                for k in count:
-                    count[k] = 0
-                before = store.stats()
-                try:
-                    return await run_step(plan)
-                finally:
-                    after = store.stats()
-                    per_step.append((dict(count), after.accesses - before.accesses, after.hits - before.hits))
-
-            monkeypatch.setattr(runner_mod, "compute", counting_compute)
-            monkeypatch.setattr(loop, "call_soon_threadsafe", counting_threadsafe)
-            store.get_ready = counting_get_ready
-            model.runner.run = counting_run
-            toks = [o.token async for o in model.generate(prompt, max_tokens=16, temperature=0, ignore_eos=True)
-                    if o.token is not None]
-            pins = [store.cache.pins(s) for s in range(store.n_slots)]
-            store.check()
-            return toks, per_step, model.config.n_layers, pins
-
-    want = run(reference())
-    toks, per_step, n, pins = run(go())
-    assert toks == want
-    assert not any(pins)
-    cached = [(c, a, h) for c, a, h in per_step[1:] if c["gets"] == 0]  # decode steps the loop got nothing for
-    assert len(cached) >= 3, per_step
-    for c, accesses, hits in cached:
-        assert c["trips"] == 1 and c["wakes"] == 1 + c["posts"], c
-        assert c["posts"] <= (n if prefetch else 0), c
-        assert accesses == hits == n * 2, (accesses, hits)  # top-2 of each of the six layers, all hits
-
-
-def test_an_error_in_a_layer_reserved_from_the_compute_thread_releases_its_pins(six_layers, monkeypatch):
-    """A layer whose experts are all cached, reserved with try_reserve, fails while its experts compute: its
-    pins are released (no slot stays pinned, the store's bookkeeping holds), the generation gets the error as
-    a ClutorError, and the next generation runs to the end with the tokens of io="memory"."""
-    import clutor.model.runner as runner_mod
-
-    minimum, slot = _minimum(six_layers)
-    prompt = "Once upon a time there was"
-
-    async def reference():
-        async with clutor.Model.open(six_layers, io="memory") as model:
-            return [o.token async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
-                    if o.token is not None]
-
-    async def go():
-        async with clutor.Model.open(six_layers, io="threads", expert_cache=6 * 16 * slot, prefix_cache=0,
-                                     prefetch=True) as model:
-            runner, store = model.runner, model.runner.experts
-            state = {"reserved": 0, "armed": False, "raised": 0, "pinned": None}
-            try_reserve, experts_out = store.try_reserve, runner._experts_out
-
-            def reserving(layer, experts, ahead=None):
-                held = try_reserve(layer, experts, ahead)
-                if held is not None:
-                    state["reserved"] += 1
-                    state["armed"] = state["reserved"] == 8  # the eighth layer reserved this way fails
-                return held
-
-            def failing(l, h, sel, w, views):
-                if state["armed"]:
-                    state["armed"] = False
-                    state["raised"] += 1
-                    state["pinned"] = sum(store.cache.pins(s) for s in range(store.n_slots))
-                    raise RuntimeError("injected in a cached layer")
-                return experts_out(l, h, sel, w, views)
-
-            store.try_reserve = reserving
-            monkeypatch.setattr(runner, "_experts_out", failing)
-            with pytest.raises(clutor.ClutorError, match="injected in a cached layer"):
-                async for _ in model.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True):
-                    pass
-            pins = [store.cache.pins(s) for s in range(store.n_slots)]
-            store.check()
-            after = [o.token async for o in model.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)
-                     if o.token is not None]
-            return state, pins, after
-
-    want = run(reference())
-    state, pins, after = run(go())
-    assert state["raised"] == 1 and state["pinned"] >= 2, state  # it failed holding its layer's top-2
-    assert not any(pins)
-    assert after == want
 
 
 def test_prefetch_picks_by_router_weight_where_weights_are_probabilities(monkeypatch):

@@ -28,8 +28,7 @@ misses, without fewer of them (a better policy, a better prediction).
 
 --show N prints the first N tokens' events (ms from the step's start): ls = a layer's attention and
 router (with the previous layer's last expert group), eo = an expert group's products, fin = the last
-layer's sum, output head and sampling, get = the store reserving a layer's experts (wanted, misses), try =
-the compute thread reserving a layer's experts without the loop (wanted, whether all were cached: then no get),
+layer's sum, output head and sampling, get = the store reserving a layer's experts (wanted, misses),
 sub / done = a batch of reads submitted / one expert's reads over (demand or prefetch).
 """
 from __future__ import annotations
@@ -130,15 +129,6 @@ class Recorder:
                     ev.append(("run", t0, _now(), bool(plan.decode)))
             return f
 
-        def try_reserve(orig):
-            def f(self_, layer, experts, prefetch=None):
-                t0 = _now()
-                held = orig(self_, layer, experts, prefetch)
-                ev.append(("try", t0, _now(), (layer, [int(e) for e in experts], held is not None)))
-                return held
-            return f
-
-        self._wrap(store_mod.ExpertStore, "try_reserve", try_reserve)
         self._wrap(store_mod.ExpertStore, "_submit", submit)
         self._wrap(store_mod.ExpertStore, "_finish", finish)
         self._wrap(store_mod.ExpertStore, "_begin", begin)

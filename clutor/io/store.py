@@ -27,21 +27,15 @@ A prefetched expert that leaves the cache without serving a demand counts as was
 Ownership: a slot whose read is in flight belongs to the backend until that read's completion,
 whatever happens to the task that wanted it; completions are handled by callbacks, not by the
 awaiting task, so a cancelled get() leaves a normal READY entry behind.
-
-Threads: everything runs on the store's event loop but ``try_reserve`` (and the release it hands
-out), which any thread may call: the compute thread takes a layer whose experts are all cached
-without a trip to the loop. A lock (``_mutex``) orders the cache's bookkeeping between the two; what
-touches the loop (reads, futures, events) is posted to it, in the order posted, one wake-up a batch.
 """
 from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence, TypeVar
+from typing import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -56,7 +50,6 @@ from .policies import Policy, make_policy
 from .views import ExpertBatch, ExpertView
 
 __all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "split_slots"]
-R = TypeVar("R")
 
 # Opens a backend over (files, buffers); the default calls open_backend with the store's io/direct.
 BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
@@ -294,11 +287,6 @@ class ExpertStore:
         self._outstanding = 0                          # loads with reads submitted and not finished
         self._drained: asyncio.Future[None] | None = None
         self._freed = asyncio.Event()                  # something was released: a waiting get() may retry
-        self._waiting = 0                              # get()s waiting for _freed (a release from another thread posts it)
-        # Orders the cache, the prefetch records and the counters between the loop and try_reserve's
-        # caller; reentrant: a failed submit finishes its loads inside _begin's critical section.
-        self._mutex = threading.RLock()
-        self._posted: list[tuple] = []                 # (fn, args) for the loop, from any thread (see _post)
         self._c = _Counters()
         self._views: dict[int, ExpertView] = {}  # arena buffer -> the view last made of it (see _view)
         self._closed = False
@@ -380,119 +368,31 @@ class ExpertStore:
         Returns ({expert: view}, loads to wait for, release callback)."""
         self._check_open()
         keys = self._keys(layer, experts)
+        grants = await self._reserve_all(keys)
+        placed = self._place(layer, keys, grants)
+        self._end_prefetch(layer)
+        release = self._releaser(placed.slots, placed.spares)
+        if placed.submit:
+            self._submit(placed.submit, demand=True)
+        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
+        views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
+        return views, placed.wait, release
 
-        def begin(grants: list[Grant | None]):  # under the lock, with the reservation: no state half made
-            placed = self._place(layer, keys, grants)
-            self._end_prefetch(layer)
-            release = self._releaser(placed.slots, placed.spares)
-            if placed.submit:
-                self._submit(placed.submit, demand=True)
-            # Views now, while the arena is surely open; the caller sees them only once the reads are in.
-            views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
-            return views, placed.wait, release
-
-        return await self._reserve_all(keys, begin)
-
-    def try_reserve(self, layer: int, experts: Sequence[int],
-                    prefetch: "tuple[int, Sequence[int]] | None" = None
-                    ) -> "tuple[list[ExpertView], Callable[[], None]] | None":
-        """From any thread, never waiting: when every one of the experts is in the cache now (READY),
-        pin them all, count them as a get() counts its hits, and return their views (distinct, in the
-        order asked) and the release callback (callable from any thread, once or more); otherwise pin
-        and count nothing and return None (the caller then asks get_ready() on the loop, which reads
-        the misses). The layer's prefetch ends here as at its get(); prefetch = (layer, experts), when
-        reserved, is then prefetch(layer, experts) on the loop, as a get() followed by a prefetch()
-        would be. What needs the loop (a prefetch to queue, a queued one to drop) is posted to it at
-        once, in one wake-up; nothing is posted when nothing would change."""
-        keys = self._keys(layer, experts)
-        ahead = self._keys(*prefetch) if prefetch is not None else None  # bad input fails here, not on the loop
-        cache = self.cache
-        with self._mutex:
-            if self._closed or len(keys) > self.n_slots:
-                return None
-            if not all(cache.resident(key) for key in keys):
-                return None
-            c = self._c
-            c.accesses += len(keys)
-            c.hits += len(keys)
-            slots = []
-            for key in keys:
-                grant = cache.acquire(key)  # READY: pinned, its staging (if any) over, the policy told
-                c.staging_hits += grant.prefetched
-                slots.append(grant.slot)
-            views = [self._view(layer, key[1], slot) for key, slot in zip(keys, slots)]
-            # The layer's prefetch ends: a read submitted (or over) only loses its staging, here;
-            # one still in the queue is the loop's to drop (its future is the loop's).
-            queued = []
-            for load in self._pf.pop(int(layer), {}).values():
-                if load.handles is None:
-                    queued.append(load)
-                else:
-                    self._give_up(load)
-            todo = [(self._give_up, (load,)) for load in queued]
-            if ahead is not None and (int(prefetch[0]) in self._pf or not all(key in cache for key in ahead)):
-                todo.append((self._prefetch, (prefetch[0], prefetch[1])))
-            if todo:
-                self._post(*todo)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            with self._mutex:
-                if released:
-                    return
-                released = True
-                for slot in slots:
-                    cache.unpin(slot)
-                if self._waiting:  # a get() waits for room: wake it on the loop
-                    self._post((self._freed.set, ()))
-
-        return views, release
-
-    def _post(self, *calls: tuple) -> None:
-        """Run each (fn, args) of calls on the loop, in the order posted: one loop wake-up for
-        everything posted before the loop takes it (call_soon_threadsafe only for the first)."""
-        with self._mutex:
-            first = not self._posted
-            self._posted.extend(calls)
-            if first:
-                self._loop.call_soon_threadsafe(self._run_posted)
-
-    def _run_posted(self) -> None:
-        with self._mutex:
-            todo, self._posted = self._posted, []
-            if self._closed:
-                return
-            for fn, args in todo:
-                try:
-                    fn(*args)
-                except Exception as err:  # noqa: BLE001 - a posted call fails alone; nobody awaits it
-                    self._loop.call_exception_handler({"message": "ExpertStore: a posted call raised",
-                                                       "exception": err})
-
-    async def _reserve_all(self, keys: list[tuple[int, int]], then: Callable[[list[Grant | None]], R]) -> R:
-        """then(one grant per key (None: a spare buffer's bypass read)), called in the same critical
-        section as the reservation (a slot just assigned is LOADING with no load record until then:
-        the compute thread's check() or try_reserve must never see that); waits while other callers
-        hold every slot and spare; BudgetError when the keys could never fit at once."""
+    async def _reserve_all(self, keys: list[tuple[int, int]]) -> list[Grant | None]:
+        """One grant per key (None: a spare buffer's bypass read), waiting while other callers hold
+        every slot and spare; BudgetError when the keys could never fit at once."""
         if len(keys) > self.n_slots + self.n_spare:
             raise BudgetError(
                 f"get() of {len(keys)} distinct experts cannot fit: the store has {self.n_slots} slots "
                 f"and {self.n_spare} spare buffers of {self.slot_bytes} bytes (budget {format_bytes(self.budget)})"
             )
         while True:
-            with self._mutex:
-                grants = self._reserve(keys)
-                if grants is not None:
-                    return then(grants)
-                # Every slot and spare is held by other callers: wait for a release, then try again.
-                self._freed.clear()
-                self._waiting += 1
-            try:
-                await self._freed.wait()
-            finally:
-                with self._mutex:
-                    self._waiting -= 1
+            grants = self._reserve(keys)
+            if grants is not None:
+                return grants
+            # Every slot and spare is held by other callers: wait for a release, then try again.
+            self._freed.clear()
+            await self._freed.wait()
             self._check_open()
 
     def _place(self, layer: int, keys: list[tuple[int, int]], grants: list[Grant | None]) -> _Placed:
@@ -546,13 +446,12 @@ class ExpertStore:
             if released:
                 return
             released = True
-            with self._mutex:
-                for slot in slots:
-                    self.cache.unpin(slot)
-                for load in spares:
-                    load.released = True
-                    if load.done.done():  # else _finish gives the spare back when its read completes
-                        self._spares.append(load.spare)
+            for slot in slots:
+                self.cache.unpin(slot)
+            for load in spares:
+                load.released = True
+                if load.done.done():  # else _finish gives the spare back when its read completes
+                    self._spares.append(load.spare)
             self._freed.set()
 
         return release
@@ -561,10 +460,6 @@ class ExpertStore:
         """Start reading experts expected soon into staged slots. Never blocks; see the module doc for
         how long a prefetch lasts. Experts already present, or with no slot to stage into, are skipped."""
         self._check_open()
-        with self._mutex:
-            self._prefetch(layer, experts)
-
-    def _prefetch(self, layer: int, experts: Sequence[int]) -> None:
         keys = self._keys(layer, experts)
         old = self._pf.get(layer, {})
         wanted = set(keys)
@@ -603,27 +498,23 @@ class ExpertStore:
         current layer's get()). No read, no slot: only the victim order may change. Valid until
         that layer's next get() or hint()."""
         self._check_open()
-        keys = self._keys(layer, experts)
-        with self._mutex:
-            self.cache.hint(int(layer), keys)
+        self.cache.hint(int(layer), self._keys(layer, experts))
 
     def cancel_prefetch(self, layer: int | None = None) -> None:
         """Give up the prefetch of ``layer`` (of every layer when None), as described in the module doc."""
-        with self._mutex:
-            for l in list(self._pf) if layer is None else [layer]:
-                self._end_prefetch(l)
+        for l in list(self._pf) if layer is None else [layer]:
+            self._end_prefetch(l)
 
     async def aclose(self) -> None:
         """Wait for every read in flight, then release the backend and the arena. Idempotent."""
         if self._closed:
             return
-        with self._mutex:
-            self._closed = True
-            self._freed.set()  # wake waiting get()s so they see the store is closed
-            for layer in list(self._pf):
-                self._end_prefetch(layer)
-            while self._pq:  # prefetches of layers already ended but never submitted
-                self._drop_queued(self._pq[0])
+        self._closed = True
+        self._freed.set()  # wake waiting get()s so they see the store is closed
+        for layer in list(self._pf):
+            self._end_prefetch(layer)
+        while self._pq:  # prefetches of layers already ended but never submitted
+            self._drop_queued(self._pq[0])
         if self._outstanding:
             self._drained = self._loop.create_future()
             await asyncio.shield(self._drained)
@@ -652,10 +543,6 @@ class ExpertStore:
         return self._closed
 
     def stats(self) -> StoreStats:
-        with self._mutex:  # one consistent snapshot while another thread may be reserving
-            return self._stats()
-
-    def _stats(self) -> StoreStats:
         c = self._c
         return StoreStats(
             accesses=c.accesses,
@@ -681,10 +568,6 @@ class ExpertStore:
 
     def check(self) -> None:
         """Assert the store's bookkeeping is consistent; for tests. Raises AssertionError."""
-        with self._mutex:
-            self._check()
-
-    def _check(self) -> None:
         cache = self.cache
         cache.check()
         for slot in range(self.n_slots):
@@ -875,10 +758,6 @@ class ExpertStore:
 
     def _on_read(self, load: _Load, p: int, h: ReadHandle, t0: float) -> None:
         """One of the load's reads is over (called by the backend as it takes the completion)."""
-        with self._mutex:
-            self._read_over(load, p, h, t0)
-
-    def _read_over(self, load: _Load, p: int, h: ReadHandle, t0: float) -> None:
         if load.handles is None or p >= len(load.handles) or load.handles[p] is not h:
             return  # withdrawn and re-queued: a newer read will fill this buffer
         fut = h.done

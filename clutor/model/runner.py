@@ -5,13 +5,10 @@
 Every numerical step runs on the compute thread (clutor.model.compute); the event loop does only the
 expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
 ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
-the compute thread. With a streaming source a trip goes on through every layer whose routed experts
-are all cached (the compute thread pins them with the source's try_reserve, which never waits and
-posts the next layer's prefetch to the loop) and stops at the first layer with a miss: the loop
-submits its reads, the layer's cached experts compute while they are read, then each group as its
-bytes arrive. That layer's last group goes with the trip after it (the next layers, or the step's
-output) rather than a trip of its own: nothing else could overlap that group's compute, and each trip
-costs a hand-off between threads. So a decode step whose experts are all cached is one trip.
+the compute thread; a streaming source costs one trip per layer boundary, the rest of each layer
+computed group by group as its experts' bytes arrive. A layer's last group goes with the trip after it
+(the next layer's attention and router, or the step's output) rather than a trip of its own: nothing
+else could overlap that group's compute, and each trip costs a hand-off between threads.
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
@@ -193,30 +190,20 @@ class Runner:
         ledgers = [s.ledger for s in step.segments if s.ledger is not None]
         before = self.experts.stats() if ledgers else None
         step.accounting = before is not None
-        n = self.config.n_layers
         x = h = ys = None
-        l = 0
-        while True:
-            # A trip to the compute thread (each costs a thread hand-off): the previous layer's last
-            # expert group and sum (or the embedding), then layer l's attention and router, and on
-            # through the layers whose experts are all cached; back here at a layer with a miss.
-            at = await self._trip(self._run_layers, l, x, h, ys, step)
-            if not isinstance(at, _AtLoop):
-                outcomes = at  # the last layer was computed there, and the step's output
-                break
-            l, x, h, sel, w, nxt = at.l, at.x, at.h, at.sel, at.w, at.nxt  # x [R, D]
-            ys = await self._routed_experts(l, x, h, sel, w, step, nxt, hinted=True)
-            l += 1
-            if l == n:
-                outcomes = await self._trip(self._finish, x, h, ys, step)
-                break
+        for l in range(self.config.n_layers):
+            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
+            # the previous layer's last expert group and sum (or the embedding), then this layer's
+            # attention and router.
+            x, h, sel, w, nxt = await self._trip(self._layer_start, l, x, h, ys, step)  # x [R, D]
+            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
         if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
             share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
             for s in step.segments:
                 if s.ledger is not None:
                     s.ledger.bytes_prefetch += share
                     s.ledger.steps += 1
-        return outcomes
+        return await self._trip(self._finish, x, h, ys, step)
 
     async def _trip(self, fn, *args):
         """compute(fn, ...) whose ys may be a _Late layer: its views stay pinned until fn has returned
@@ -232,50 +219,6 @@ class Runner:
                 await asyncio.sleep(0)
 
     # -- compute thread ------------------------------------------------------------------------------
-    def _run_layers(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys, step: Step):
-        """Layers from l on, as far as they go without the event loop: each layer's start (the
-        previous layer's sum, attention, router), then its routed experts where the cache holds all
-        of them (_routed_cached); the step's output after the last layer. Returns the outcomes, or an
-        _AtLoop: the first layer whose experts the loop must get (a miss), its router run."""
-        n = self.config.n_layers
-        while True:
-            x, h, sel, w, nxt = self._layer_start(l, x, h, ys, step)
-            if sel is None:  # a dense layer: its FFN is in x already
-                ys = []
-            else:
-                ys = self._routed_cached(l, h, sel, w, step, nxt)
-                if ys is None:
-                    return _AtLoop(l, x, h, sel, w, nxt)
-            l += 1
-            if l == n:
-                return self._finish(x, h, ys, step)
-
-    def _routed_cached(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray, step: Step,
-                       nxt: tuple[list[int], list[int]] | None) -> "list[tuple[np.ndarray, np.ndarray]] | None":
-        """Layer l's routed experts when every one is cached now: pinned by try_reserve (which never
-        waits), the next MoE layer's prediction hinted and its prefetch posted to the loop as
-        _routed_experts would (none of these wait for it), computed, released. None when one is not
-        cached, with nothing pinned and the hint given (the loop's get then reads the misses)."""
-        ahead = self._ahead.get(l)
-        if nxt is not None and ahead == l + 1:  # before this layer's reservation, as the loop does
-            self.experts.hint(self._moe_index[l + 1], nxt[0])
-        wanted = _by_votes(sel)
-        if len(wanted) > self._max_batch:
-            return None  # a prefill's chunks: the loop's path
-        # The next MoE layer's prefetch goes with the reservation: one loop wake-up at most.
-        ahead_pf = (self._moe_index[ahead], nxt[1]) if nxt is not None and self._prefetch else None
-        held = self.experts.try_reserve(self._moe_index[l], wanted, ahead_pf)
-        if held is None:
-            return None
-        views, release = held
-        try:
-            if step.accounting:  # every access a hit, shared by the segments that chose the expert
-                _charge(step, _users(sel, step.plan.seg_of_row), wanted, wanted, None, None)
-            ys = self._experts_out(l, h, sel, w, views)
-        finally:
-            release()
-        return [ys[e] for e in wanted]
-
     def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
         """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
         then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
@@ -496,18 +439,17 @@ class Runner:
 
     # -- event loop: expert I/O ------------------------------------------------------------------------
     async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: Step, nxt: tuple[list[int], list[int]] | None, hinted: bool = False
+                              step: Step, nxt: tuple[list[int], list[int]] | None
                               ) -> "list[tuple[np.ndarray, np.ndarray]] | _Late":
         """Layer l's routed experts for every row of the step: each expert read once, computed on the
         compute thread group by group as its bytes arrive, while the rest are still being read; the
         last group left to the next trip (a _Late). An expert whose read fails fails the segments
-        routed to it; the others go on without it. hinted: the next layer's prediction was told to
-        the cache already (by _routed_cached)."""
+        routed to it; the others go on without it."""
         wanted = _by_votes(sel)  # each expert once per layer per step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         layer = self._moe_index[l]
         ahead = self._ahead.get(l)
-        if nxt is not None and ahead == l + 1 and not hinted:  # before this layer's get: its misses then spare layer l+1's experts
+        if nxt is not None and ahead == l + 1:  # before this layer's get: its misses then spare layer l+1's experts
             self.experts.hint(self._moe_index[l + 1], nxt[0])
         users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
         todo = list(wanted)
@@ -565,16 +507,6 @@ class Runner:
         return [ys[e] for e in wanted if e in ys]
 
 
-class _AtLoop:
-    """Where a trip stopped: layer l's residual x [R, D], FFN input h [R, D], router's choice sel and
-    weights w [R, K], the next MoE layer's prediction nxt; its experts are the loop's to get."""
-
-    __slots__ = ("l", "x", "h", "sel", "w", "nxt")
-
-    def __init__(self, l, x, h, sel, w, nxt):
-        self.l, self.x, self.h, self.sel, self.w, self.nxt = l, x, h, sel, w, nxt
-
-
 class _Late:
     """A layer's routed experts whose last group is still to compute: the outputs so far (ys), the
     views of that group (pinned until ``groups``, the store's iteration, is closed), and the order the
@@ -602,7 +534,7 @@ def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:
 def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: list[int], before, after) -> None:
     """One get()'s I/O to the ledgers of the segments whose rows needed its experts (clutor.model.accounting):
     each expert's access shared equally by its users; the get's demand bytes and wait by its misses."""
-    misses = [e for e in chunk if e not in hits]  # (none: before and after are not looked at)
+    misses = [e for e in chunk if e not in hits]
     per_miss_bytes = (after.bytes_demand - before.bytes_demand) / len(misses) if misses else 0.0
     per_miss_wait = (after.wait_seconds - before.wait_seconds) / len(misses) if misses else 0.0
     segments = step.segments

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import AsyncIterator, Callable, Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -34,11 +34,6 @@ class ExpertSource(Protocol):
     def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
-    # From any thread, never waiting: every expert's view, pinned, and their release, when all are
-    # there now (then prefetch = (layer, experts) is prefetched, on the loop); else None (nothing
-    # pinned, nothing prefetched: the caller awaits get_ready on the loop).
-    def try_reserve(self, layer: int, experts: Sequence[int], prefetch: tuple[int, Sequence[int]] | None = None
-                    ) -> tuple[list[ExpertView], Callable[[], None]] | None: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
     def hint(self, layer: int, experts: Sequence[int]) -> None: ...
     def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]: ...
@@ -138,10 +133,6 @@ class InMemoryExperts:
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
 
-    def try_reserve(self, layer: int, experts: Sequence[int], prefetch=None):
-        """Every expert is always there: its views, nothing to release, nothing to prefetch."""
-        return self.views_now(layer, list(dict.fromkeys(int(e) for e in experts))), _nothing
-
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
 
@@ -160,7 +151,3 @@ class InMemoryExperts:
         self._mmaps.clear()
         self._views.clear()
         self._close_fds()
-
-
-def _nothing() -> None:
-    pass
