@@ -199,15 +199,8 @@ def _disk_idle_by(reads, cpu, r0, r1) -> dict[str, float]:
     last group), "experts" (the other expert groups' trips) or "nothing"; seconds. A group inside an
     attention or output trip counts for that trip, so the parts add up to the idle time."""
     out: dict[str, float] = {}
-    cur = r0
-    idle = []
-    for a, b in sorted((max(a, r0), min(b, r1)) for a, b in reads if b > r0 and a < r1):
-        if a > cur:
-            idle.append((cur, a))
-        cur = max(cur, b)
-    if r1 > cur:
-        idle.append((cur, r1))
-    for a, b in idle:
+    # reads clipped to the step (a prefetch may start in the step before)
+    for a, b in _gaps([(max(a, r0), min(b, r1)) for a, b in reads if b > r0 and a < r1], r0, r1):
         near = [e for e in cpu if e[2] > a and e[1] < b]
         trips = [(e[1], e[2]) for e in near if e[0] != "eo"]  # attention and output trips: never overlap
         for e in near:
