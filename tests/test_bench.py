@@ -75,6 +75,17 @@ def test_bench_concurrency_table(tiny, capsys):
         assert float(cells[3]) > 0 and cells[10] != "-", line
 
 
+def test_bench_concurrency_runs_every_budget(tiny, capsys):
+    """--concurrency with two budgets: a table for each, in order, each row run at its own budget."""
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [tiny, "--concurrency", "1", "--budgets", "25%,100%", "--prefetch", "off", "--io", "threads",
+         "--tokens", "4", "--prompt-tokens", "8", "--fio-seconds", "0", "--no-bounds", "--json"])
+    assert bench_cli.run(args) == 0
+    tables = json.loads(capsys.readouterr().out)["concurrency"]
+    assert [t["budget"] for t in tables] == ["25%", "100%"]
+    assert [t["rows"][0]["result"]["options"]["expert_cache"] for t in tables] == ["25%", "100%"]
+
+
 # ---- workers ---------------------------------------------------------------------------------
 
 def test_worker_prints_one_json_line_with_positive_speeds(tiny):

@@ -355,9 +355,13 @@ def _bound_cells(b: dict | None) -> list[str]:
 
 
 def render_concurrency(report: dict) -> str:
-    """The --concurrency table: steady-state decode with N streams in one batch, each row against its bounds
-    (clutor.bench.bounds), then llama.cpp's one stream in the same cap and in RAM."""
-    c = report["concurrency"]
+    """The --concurrency tables, one per (budget, prefetch, policy): steady-state decode with N streams in
+    one batch, each row against its bounds (clutor.bench.bounds), then llama.cpp's one stream in the same
+    cap and in RAM (with the first table)."""
+    return "\n\n".join([*(_render_concurrency_table(report, c) for c in report["concurrency"]), BOUNDS_LEGEND])
+
+
+def _render_concurrency_table(report: dict, c: dict) -> str:
     bps = c["disk_bytes_per_second"]
     one = next((r["result"]["aggregate_decode_tps"] for r in c["rows"] if r["ok"] and r["streams"] == 1), None)
     rows = []
@@ -390,7 +394,6 @@ def render_concurrency(report: dict) -> str:
                       "the fastest): " + ", ".join(fio)]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]
-    parts += ["", BOUNDS_LEGEND]
     return "\n".join(parts)
 
 

@@ -138,8 +138,8 @@ def add_parser(sub):
                    help="ids: seeded token ids, greedy decode; text: slices of the bundled corpus, sampled decode "
                         "(llama.cpp's default sampler chain, seeded per stream)")
     w.add_argument("--concurrency", type=_counts, default=None, metavar="N,N,...",
-                   help="instead of the sweep: N streams at once (each its own prompt), one run per N, with "
-                        "the first budget/prefetch/policy given; aggregate and per-stream decode, bytes per step "
+                   help="instead of the sweep: N streams at once (each its own prompt), one run per N and per "
+                        "budget/prefetch/policy given (a table each); aggregate and per-stream decode, bytes per step "
                         "and per token, hit rate, event-loop lag, disk-bound limit (capped with --cap SIZE)")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
@@ -279,14 +279,20 @@ def run(args) -> int:
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
 
     if args.concurrency:
-        report["concurrency"] = _concurrency(args, common, report["disk"]["bytes_per_second"], file_bytes)
+        # One table per (budget, prefetch, policy); llama.cpp's rows (which none of these change) with the first.
+        combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
+        n_llama = (2 if isinstance(args.cap, int) else 1) if args.vs_llama_cpp else 0
+        progress = _Progress(len(combos) * len(args.concurrency) * (1 + _bounded(args)) + n_llama)
+        report["concurrency"] = [_concurrency(args, common, report["disk"]["bytes_per_second"], file_bytes,
+                                              combo, progress, llama=i == 0 and args.vs_llama_cpp)
+                                 for i, combo in enumerate(combos)]
         if args.json:
             print(json.dumps(report, indent=2))
         else:
             from ..bench.report import render_concurrency
 
             print(render_concurrency(report))
-        return 0 if all(r["ok"] for r in report["concurrency"]["rows"]) else 1
+        return 0 if all(r["ok"] for c in report["concurrency"] for r in c["rows"]) else 1
 
     if args.io == "memory":  # experts read from the mapped file: no cache, so nothing to sweep
         combos = [(Budget("none (io memory)"), "-", "-")]
@@ -352,17 +358,16 @@ def _row_disk_after(args, disk: dict | None) -> dict | None:
             "samples": samples}
 
 
-def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) -> dict:
-    """One run per stream count, same budget/prefetch/policy, capped when --cap SIZE is given; with the
-    bounds, an in-RAM run of the same workload and fio before each; with --vs-llama-cpp, llama.cpp's one
+def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int, combo: tuple,
+                 progress: "_Progress", *, llama: bool) -> dict:
+    """One run per stream count at one (budget, prefetch, policy), capped when --cap SIZE is given; with
+    the bounds, an in-RAM run of the same workload and fio before each; with llama, llama.cpp's one
     stream in the same cap and in RAM."""
     from ..bench.runner import preload, run_worker
 
-    budget, prefetch, policy = args.budgets[0], args.prefetch[0], args.policy[0]
+    budget, prefetch, policy = combo
     cap = args.cap if isinstance(args.cap, int) else None
     bounded = _bounded(args)
-    n_llama = (2 if cap else 1) if args.vs_llama_cpp else 0
-    progress = _Progress(len(args.concurrency) * (1 + bounded) + n_llama)
     rows = []
     for n in args.concurrency:
         compute = _compute_run(args, common, n, progress) if bounded else None
@@ -378,21 +383,21 @@ def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int) ->
         row = {"streams": n, **o.to_json(), "compute": compute, "disk": disk}
         row["bounds"] = _row_bounds(o.result, compute, disk, "aggregate_decode_tps") if bounded and o.ok else None
         rows.append(row)
-    llama = []
-    if args.vs_llama_cpp:
+    llama_rows = []
+    if llama:
         lcommon = {**_llama_args(args, common), **_forced(args, _one_stream(rows))}
         if cap:
             progress.start(f"llama.cpp 1 stream, mmap, capped at {cap}")
             ol = run_worker(args.model, "llama.cpp", lcommon, cap=cap, drop_caches=True, timeout=args.timeout)
             progress.done(ol)
-            llama.append({"setting": "capped", **ol.to_json()})
+            llama_rows.append({"setting": "capped", **ol.to_json()})
         progress.start("llama.cpp 1 stream, in RAM (page cache warm)")
         preload(args.model)
         ol = run_worker(args.model, "llama.cpp", lcommon, timeout=args.timeout)
         progress.done(ol)
-        llama.append({"setting": "in RAM", **ol.to_json()})
+        llama_rows.append({"setting": "in RAM", **ol.to_json()})
     return {"budget": budget.text, "prefetch": prefetch, "policy": policy, "cap": cap, "workload": args.workload,
-            "disk_bytes_per_second": disk_bps, "file_bytes": file_bytes, "rows": rows, "llama": llama}
+            "disk_bytes_per_second": disk_bps, "file_bytes": file_bytes, "rows": rows, "llama": llama_rows}
 
 
 def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tps_key: str) -> dict | None:
