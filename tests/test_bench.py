@@ -75,15 +75,26 @@ def test_bench_concurrency_table(tiny, capsys):
         assert float(cells[3]) > 0 and cells[10] != "-", line
 
 
-def test_bench_concurrency_runs_every_budget(tiny, capsys):
-    """--concurrency with two budgets: a table for each, in order, each row run at its own budget."""
+def test_bench_concurrency_runs_every_budget(tiny, capsys, monkeypatch):
+    """--concurrency with two budgets: a table for each, in order, each row run at its own budget, and
+    the in-RAM bound (which no budget changes) run once per stream count and shared by both tables."""
+    real, calls = bench_cli._compute_run, []
+
+    def counted(args, common, streams, progress):
+        calls.append(streams)
+        return real(args, common, streams, progress)
+
+    monkeypatch.setattr(bench_cli, "_compute_run", counted)
     args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
         [tiny, "--concurrency", "1", "--budgets", "25%,100%", "--prefetch", "off", "--io", "threads",
-         "--tokens", "4", "--prompt-tokens", "8", "--fio-seconds", "0", "--no-bounds", "--json"])
+         "--tokens", "4", "--prompt-tokens", "8", "--fio-seconds", "0", "--json"])
     assert bench_cli.run(args) == 0
     tables = json.loads(capsys.readouterr().out)["concurrency"]
     assert [t["budget"] for t in tables] == ["25%", "100%"]
     assert [t["rows"][0]["result"]["options"]["expert_cache"] for t in tables] == ["25%", "100%"]
+    assert calls == [1]
+    assert tables[0]["rows"][0]["compute"] == tables[1]["rows"][0]["compute"] is not None
+    assert all(t["rows"][0]["bounds"]["compute"] > 0 for t in tables)
 
 
 # ---- workers ---------------------------------------------------------------------------------

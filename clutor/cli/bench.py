@@ -279,12 +279,15 @@ def run(args) -> int:
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
 
     if args.concurrency:
-        # One table per (budget, prefetch, policy); llama.cpp's rows (which none of these change) with the first.
-        combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
+        # One table per (budget, prefetch, policy). None of these changes the in-RAM bound or llama.cpp's rows:
+        # each stream count's bound is measured once (with the first table) and llama.cpp runs with the first.
+        combos = _combos(args)
         n_llama = (2 if isinstance(args.cap, int) else 1) if args.vs_llama_cpp else 0
-        progress = _Progress(len(combos) * len(args.concurrency) * (1 + _bounded(args)) + n_llama)
+        n = len(args.concurrency)
+        progress = _Progress(len(combos) * n + _bounded(args) * n + n_llama)
+        computes: dict[int, dict] = {}
         report["concurrency"] = [_concurrency(args, common, report["disk"]["bytes_per_second"], file_bytes,
-                                              combo, progress, llama=i == 0 and args.vs_llama_cpp)
+                                              combo, progress, computes, llama=i == 0 and args.vs_llama_cpp)
                                  for i, combo in enumerate(combos)]
         if args.json:
             print(json.dumps(report, indent=2))
@@ -297,7 +300,7 @@ def run(args) -> int:
     if args.io == "memory":  # experts read from the mapped file: no cache, so nothing to sweep
         combos = [(Budget("none (io memory)"), "-", "-")]
     else:
-        combos = [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
+        combos = _combos(args)
     bounded = _bounded(args)
     progress = _Progress(len(combos) * args.repeat + bounded + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
     report["compute"] = _compute_run(args, common, None, progress) if bounded else None
@@ -315,6 +318,11 @@ def run(args) -> int:
 def _bounded(args) -> bool:
     """Whether the rows get bounds: a streamed run (not io=memory) and not --no-bounds."""
     return not args.no_bounds and args.io != "memory"
+
+
+def _combos(args) -> list[tuple]:
+    """Every (budget, prefetch, policy) asked for, in the order the report lists them."""
+    return [(b, pf, pol) for b in args.budgets for pf in args.prefetch for pol in args.policy]
 
 
 def _compute_run(args, common: dict, streams: int | None, progress: "_Progress") -> dict:
@@ -359,10 +367,11 @@ def _row_disk_after(args, disk: dict | None) -> dict | None:
 
 
 def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int, combo: tuple,
-                 progress: "_Progress", *, llama: bool) -> dict:
+                 progress: "_Progress", computes: dict[int, dict], *, llama: bool) -> dict:
     """One run per stream count at one (budget, prefetch, policy), capped when --cap SIZE is given; with
-    the bounds, an in-RAM run of the same workload and fio before each; with llama, llama.cpp's one
-    stream in the same cap and in RAM."""
+    the bounds, fio around each and the in-RAM run of the same workload (from ``computes``, stream count
+    -> result, run and kept there the first time a count is met); with llama, llama.cpp's one stream in
+    the same cap and in RAM."""
     from ..bench.runner import preload, run_worker
 
     budget, prefetch, policy = combo
@@ -370,7 +379,9 @@ def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int, co
     bounded = _bounded(args)
     rows = []
     for n in args.concurrency:
-        compute = _compute_run(args, common, n, progress) if bounded else None
+        if bounded and n not in computes:
+            computes[n] = _compute_run(args, common, n, progress)
+        compute = computes.get(n)
         disk = _row_disk(args) if bounded else None
         progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
                        + (", capped" if cap else ""))
