@@ -116,14 +116,15 @@ REQUESTS = (  # (prompt, max_tokens, sampling)
 )
 
 
-async def _tokens(model, prompt, n, opts, *, started=None, gate=None):
+async def _tokens(model, prompt, n, opts, *, started=None, started_at=3, gate=None):
+    """The tokens of one generation; ``started`` is set once it has ``started_at`` of them."""
     if gate is not None:
         await gate.wait()
     out = []
     async for o in model.generate(prompt, max_tokens=n, ignore_eos=True, **opts):
         if o.token is not None:
             out.append(o.token)
-            if started is not None and len(out) == 3:
+            if started is not None and len(out) == started_at:
                 started.set()
     return out
 
@@ -145,9 +146,11 @@ def test_concurrent_generations_produce_their_solo_tokens(arch, io):
             started = asyncio.Event()
             tasks = [asyncio.create_task(_tokens(model, *REQUESTS[0], started=started))]
             tasks += [asyncio.create_task(_tokens(model, p, n, o, gate=started)) for p, n, o in REQUESTS[1:]]
-            victim = asyncio.create_task(_tokens(model, "A cancelled request", 50, {"temperature": 0}, gate=started))
-            await started.wait()
-            await asyncio.sleep(0.05)
+            # cancelled once it is decoding beside the others (49 tokens to go: it cannot end first)
+            victim_live = asyncio.Event()
+            victim = asyncio.create_task(_tokens(model, "A cancelled request", 50, {"temperature": 0}, gate=started,
+                                                 started=victim_live, started_at=1))
+            await victim_live.wait()
             victim.cancel()
             together = await asyncio.gather(*tasks)
             with pytest.raises(asyncio.CancelledError):
