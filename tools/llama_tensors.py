@@ -16,6 +16,9 @@ weights, the experts' sum, and the logits (each as max and mean |diff| against l
 Clutor's intermediates are taken by wrapping its architecture's step methods (clutor.model.arch);
 nothing in the package is changed.
 
+``NoisyLlama`` (used by tools/record_reference.py) gives llama.cpp's logits and greedy tokens with
+last-bit noise written into every attention output: how much a prompt's results depend on rounding.
+
 Needs llama-cpp-python (tools only, like tools/record_reference.py; tests never run it).
 """
 from __future__ import annotations
@@ -126,6 +129,109 @@ def capture(path: str | Path, ids: list[int], n_threads: int = 2, n_ctx: int = 5
         L.llama_free(ctx)
         L.llama_model_free(model)
     return got, ops
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp with rounding noise in its attention: how well-conditioned a fixture's prompt is
+
+NOISE = 1.2e-7  # relative, about one float32 ulp: what a different summation order changes
+
+
+class NoisyLlama:
+    """llama.cpp's logits and greedy tokens, optionally with every attention layer's softmax-weighted sum
+    (the graph's contiguous F32 "kqv-N") multiplied by 1 + NOISE * N(0, 1) before the next op reads it.
+
+    Two correct implementations differ by such last-bit noise (summation order), so a prompt whose
+    logits move by more than a test's tolerance under it cannot tell a right forward pass from a
+    wrong one: tools/record_reference.py screens its prompts with this. Settings as ``capture``."""
+
+    def __init__(self, path: str | Path, n_threads: int = 2, n_ctx: int = 512):
+        import llama_cpp as L
+
+        global _quiet
+        if _quiet is None:
+            _quiet = L.llama_log_callback(_no_log)
+        L.llama_log_set(_quiet, ctypes.c_void_p(0))
+        L.llama_backend_init()
+        self._L, self.path, self.n_threads, self.n_ctx = L, path, n_threads, n_ctx
+        self._model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        if not self._model:
+            raise SystemExit(f"{path}: llama.cpp could not load it")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
+        self._rng: np.random.Generator | None = None
+        self.noised = 0  # tensors the noise was written into, over every run so far
+        self._cb = L.ggml_backend_sched_eval_callback(self._eval)
+
+    def _eval(self, tp, ask, _user) -> bool:
+        t = _Tensor.from_address(tp)
+        name = t.name.decode(errors="replace")
+        ne = [int(t.ne[i]) for i in range(GGML_MAX_DIMS)]
+        nb = [int(t.nb[i]) for i in range(GGML_MAX_DIMS)]
+        contiguous = nb == [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]]
+        wanted = (self._rng is not None and t.type == GGML_TYPE_F32 and not t.view_src and contiguous
+                  and name.startswith("kqv-") and name[4:].isdigit())
+        if ask or not wanted:
+            return bool(wanted) if ask else True
+        n = ne[0] * ne[1] * ne[2] * ne[3]
+        a = np.ctypeslib.as_array(ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+        a *= (1.0 + NOISE * self._rng.standard_normal(n)).astype(np.float32)
+        self.noised += 1
+        return True
+
+    def _context(self, seed: int | None):
+        L = self._L
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = self.n_ctx
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.type_k = cp.type_v = GGML_TYPE_F32
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.cb_eval = self._cb
+        cp.cb_eval_user_data = None
+        self._rng = None if seed is None else np.random.default_rng(seed)
+        return L.llama_init_from_model(self._model, cp)
+
+    def _decode(self, ctx, batch, ids: list[int], pos: int, all_logits: bool) -> None:
+        batch.n_tokens = len(ids)
+        for i, tok in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = all_logits or i == len(ids) - 1
+        if self._L.llama_decode(ctx, batch) != 0:
+            raise SystemExit(f"{self.path}: llama_decode failed")
+
+    def logits(self, ids: list[int], seed: int | None = None) -> np.ndarray:
+        """[T, V] logits of ids evaluated as one batch; seed None: no noise."""
+        L = self._L
+        ctx, batch = self._context(seed), L.llama_batch_init(len(ids), 0, 1)
+        try:
+            self._decode(ctx, batch, ids, 0, True)
+            return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(ids), self.n_vocab)).copy()
+        finally:
+            L.llama_batch_free(batch)
+            L.llama_free(ctx)
+
+    def greedy(self, ids: list[int], n: int, seed: int | None = None) -> list[int]:
+        """n argmax tokens after ids, each evaluated in turn (llama.cpp's top_k 1 sampler's choice)."""
+        L = self._L
+        ctx, batch = self._context(seed), L.llama_batch_init(max(len(ids), 1), 0, 1)
+        try:
+            out: list[int] = []
+            feed, pos = list(ids), 0
+            while len(out) < n:
+                self._decode(ctx, batch, feed, pos, False)
+                pos += len(feed)
+                row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,))
+                feed = [int(row.argmax())]
+                out.append(feed[0])
+            return out
+        finally:
+            L.llama_batch_free(batch)
+            L.llama_free(ctx)
+
+    def close(self) -> None:
+        if self._model:
+            self._L.llama_model_free(self._model)
+            self._model = None
 
 
 # ------------------------------------------------------------------------------------------------
