@@ -68,6 +68,17 @@ class Arena:
             self._mm: mmap.mmap | None = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as err:
             raise BudgetError(f"Arena: could not map {size} bytes for {n_slots}+{n_spare} slots: {err}") from err
+        # Huge pages under the slots: an O_DIRECT read pins its buffer's pages and hands the disk one
+        # segment per physically contiguous run, so a 2.125 MiB slab in 4 KiB pages is 544 pages and
+        # three requests (virtio-blk here takes 254 segments each), in 2 MiB pages a few. The event
+        # loop submits the reads, so that work is its CPU: wide.gguf at 25%, AMD EPYC Zen 4, 4 streams
+        # 2.6-2.9 against 3.7-4.4 ms of loop CPU a token (one stream 3.2-3.6 against 3.3-4.3). Only
+        # a hint: where transparent huge pages are off (or not Linux) the mapping stays as it is.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self._all = np.frombuffer(self._mm, dtype=np.uint8)  # uint8 [size + extra]
         if extra:
             self._base = (-self._all.ctypes.data) % align
