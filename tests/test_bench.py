@@ -451,3 +451,44 @@ def test_bench_io_states_the_test_file_and_duration_first(tmp_path, capsys):
     assert err.startswith(f"clutor bench-io: writing a 1.00 MiB test file of random bytes in {tmp_path}")
     assert "4 patterns x 1 backend x 2 runs, 0.05 s each: about 0 s" in err
     assert list(tmp_path.iterdir()) == []  # removed afterwards
+
+
+# -- the disk bound's fio: buffers in huge pages, as Clutor's ---------------------------------------------
+def test_fio_takes_huge_pages_only_where_enough_are_reserved(tmp_path):
+    from clutor.bench.disk import fio_huge_pages
+
+    def meminfo(free: int) -> str:
+        p = tmp_path / f"meminfo{free}"
+        p.write_text(f"MemTotal:       24000000 kB\nHugePages_Total:     200\nHugePages_Free:      {free}\n"
+                     "Hugepagesize:       2048 kB\n")
+        return str(p)
+
+    slab = 2176 << 10  # one 2.125 MiB slab, 32 in flight: 68 MiB = 34 pages, and two more for fio's alignment
+    assert fio_huge_pages(slab, 32, meminfo(36))
+    assert not fio_huge_pages(slab, 32, meminfo(35))
+    assert not fio_huge_pages(slab, 32, meminfo(0))
+    assert not fio_huge_pages(slab, 32, str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_the_disk_bound_runs_fio_with_huge_page_buffers_when_it_can(tmp_path, monkeypatch, huge):
+    """A stand-in fio on PATH records its arguments: --iomem=shmhuge exactly when huge pages are free, and the
+    note says which pages fio's buffers were in (a bound measured in small pages is one Clutor may beat)."""
+    import clutor.bench.disk as disk
+    from clutor.bench.runner import disk_bandwidth
+
+    args = tmp_path / "args"
+    fio = tmp_path / "bin" / "fio"
+    fio.parent.mkdir()
+    fio.write_text(f"#!/bin/sh\necho \"$@\" > {args}\n"
+                   "echo '{\"jobs\": [{\"read\": {\"runtime\": 1000, \"io_bytes\": 1073741824, \"total_ios\": 512}}]}'\n")
+    fio.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    with open(model, "wb") as f:
+        f.truncate(256 << 20)
+    monkeypatch.setenv("PATH", f"{fio.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(disk, "fio_huge_pages", lambda block, depth: huge)
+    d = disk_bandwidth(str(model), 1.0, block=2176 << 10, depth=32)
+    assert d.bytes_per_second == float(1 << 30) and d.huge_pages is huge
+    assert ("--iomem=shmhuge" in args.read_text().split()) is huge
+    assert ("huge pages" in d.note) and (("4 KiB pages" in d.note) is not huge)

@@ -390,8 +390,12 @@ def _render_concurrency_table(report: dict, c: dict) -> str:
     fio = [f"{row['streams']}: " + " / ".join(f"{x / 2**30:.2f}" for x in row["disk"]["samples"] if x) for row in c["rows"]
            if (row.get("disk") or {}).get("samples")]
     if fio:
+        huge = all((row.get("disk") or {}).get("huge_pages") for row in c["rows"] if row.get("disk"))
+        pages = ("its buffers in huge pages, as Clutor's" if huge else
+                 "its buffers in 4 KiB pages: no huge pages reserved (vm.nr_hugepages), while Clutor reads into huge "
+                 "pages, which this disk may serve faster")
         parts += ["", "fio around each row, GiB/s (before: slab x 32, slab x 128; after: the same; the disk bound takes "
-                      "the fastest): " + ", ".join(fio)]
+                      f"the fastest; {pages}): " + ", ".join(fio)]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]
     return "\n".join(parts)

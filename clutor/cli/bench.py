@@ -352,7 +352,8 @@ def _row_disk(args) -> dict | None:
     slab = -(-args._slab_bytes // 4096) * 4096
     runs = [disk_bandwidth(args.model, args.fio_seconds, block=slab, depth=d) for d in (32, 128)]
     best = max(runs, key=lambda d: d.bytes_per_second or 0)
-    return {"bytes_per_second": best.bytes_per_second, "note": best.note, "samples": [d.bytes_per_second for d in runs]}
+    return {"bytes_per_second": best.bytes_per_second, "note": best.note, "samples": [d.bytes_per_second for d in runs],
+            "huge_pages": all(d.huge_pages for d in runs)}
 
 
 def _row_disk_after(args, disk: dict | None) -> dict | None:
@@ -363,7 +364,7 @@ def _row_disk_after(args, disk: dict | None) -> dict | None:
         return disk or after
     samples = [x for x in disk["samples"] + after["samples"] if x]
     return {"bytes_per_second": max(samples) if samples else None, "note": disk["note"] + " (before; then after)",
-            "samples": samples}
+            "samples": samples, "huge_pages": disk.get("huge_pages", False) and after.get("huge_pages", False)}
 
 
 def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int, combo: tuple,

@@ -118,7 +118,7 @@ def _plan(args, fio: bool, n_backends: int) -> str:
 
 
 async def run(args) -> int:
-    from clutor.bench.disk import drop_caches, fs_type, make_test_file, measure, median_result, run_fio
+    from clutor.bench.disk import drop_caches, fio_huge_pages, fs_type, make_test_file, measure, median_result, run_fio
 
     _check_args(args)
     created = None
@@ -183,7 +183,9 @@ async def run(args) -> int:
                     _progress(f"[{step}/{total}] fio {mode} {format_bytes(block)} depth {depth} ...")
                     if not direct and drop:
                         drop_caches()
-                    fio_runs.append(await run_fio(path, direct=direct, block=block, depth=depth, seconds=args.seconds, fio=fio))
+                    # fio's buffers in huge pages where reserved ones are free, as Clutor's arena's are
+                    fio_runs.append(await run_fio(path, direct=direct, block=block, depth=depth, seconds=args.seconds,
+                                                  fio=fio, huge=fio_huge_pages(block, depth)))
                 for io in ios:
                     step += 1
                     _progress(f"[{step}/{total}] {io} {mode} {format_bytes(block)} depth {depth} ...")
