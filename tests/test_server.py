@@ -623,3 +623,23 @@ def test_serve_command_bad_file_exits_with_a_message(tmp_path):
     time.sleep(0.1)
     err = "".join(lines)
     assert "clutor: error: " in err and "bad.gguf" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_freeze_heap_freezes_what_the_process_holds_once_the_model_is_open(freeze):
+    """create_app(freeze_heap=True) (what `clutor serve` passes): once the model has loaded, the heap is
+    collected and frozen, so the collector no longer walks the model's tables on the loop; without it the
+    process's collector is left as it was."""
+    import gc
+
+    gc.unfreeze()
+    s = LiveServer(create_app(clutor.Model.open(MODEL, **OPEN), served_model_name=NAME, freeze_heap=freeze))
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200
+        frozen = gc.get_freeze_count()
+        with _client(s.url) as c:
+            assert c.completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        s.stop()
+        gc.unfreeze()
+    assert (frozen > 10_000) if freeze else frozen == 0

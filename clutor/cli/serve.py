@@ -145,7 +145,7 @@ async def run(args) -> int:
                      api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, defaults=defaults,
                      cors_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host), limits=limits,
-                     pooling=args.pooling, web_ui=not args.no_webui)
+                     pooling=args.pooling, web_ui=not args.no_webui, freeze_heap=True)
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
     from ..server.run import SWITCH_INTERVAL
 
