@@ -492,3 +492,23 @@ def test_the_disk_bound_runs_fio_with_huge_page_buffers_when_it_can(tmp_path, mo
     assert d.bytes_per_second == float(1 << 30) and d.huge_pages is huge
     assert ("--iomem=shmhuge" in args.read_text().split()) is huge
     assert ("huge pages" in d.note) and (("4 KiB pages" in d.note) is not huge)
+
+
+def test_the_disk_bound_falls_back_to_small_pages_when_fio_cannot_take_huge_ones(tmp_path, monkeypatch):
+    """Huge pages free but refused to fio (shmget's permission): the bound is measured in small pages, and says why."""
+    import clutor.bench.disk as disk
+    from clutor.bench.runner import disk_bandwidth
+
+    fio = tmp_path / "bin" / "fio"
+    fio.parent.mkdir()
+    fio.write_text("#!/bin/sh\ncase \"$*\" in *shmhuge*) echo 'shmget: Operation not permitted' >&2; exit 1;; esac\n"
+                   "echo '{\"jobs\": [{\"read\": {\"runtime\": 1000, \"io_bytes\": 1073741824, \"total_ios\": 512}}]}'\n")
+    fio.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    with open(model, "wb") as f:
+        f.truncate(256 << 20)
+    monkeypatch.setenv("PATH", f"{fio.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(disk, "fio_huge_pages", lambda block, depth: True)
+    d = disk_bandwidth(str(model), 1.0, block=2176 << 10, depth=32)
+    assert d.bytes_per_second == float(1 << 30) and not d.huge_pages
+    assert "4 KiB pages" in d.note and "could not take huge pages" in d.note and "not permitted" in d.note
