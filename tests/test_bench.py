@@ -470,25 +470,31 @@ def test_fio_takes_huge_pages_only_where_enough_are_reserved(tmp_path):
     assert not fio_huge_pages(slab, 32, str(tmp_path / "absent"))
 
 
-@pytest.mark.parametrize("huge", [True, False])
-def test_the_disk_bound_runs_fio_with_huge_page_buffers_when_it_can(tmp_path, monkeypatch, huge):
-    """A stand-in fio on PATH records its arguments: --iomem=shmhuge exactly when huge pages are free, and the
-    note says which pages fio's buffers were in (a bound measured in small pages is one Clutor may beat)."""
+def _disk_bound_with_stand_in_fio(tmp_path, monkeypatch, first_line: str, *, huge_free: bool):
+    """disk_bandwidth on a 256 MiB sparse file, with a stand-in fio on PATH that runs first_line, then
+    reports 1 GiB read in 1 s; fio_huge_pages answers huge_free."""
     import clutor.bench.disk as disk
     from clutor.bench.runner import disk_bandwidth
 
-    args = tmp_path / "args"
     fio = tmp_path / "bin" / "fio"
     fio.parent.mkdir()
-    fio.write_text(f"#!/bin/sh\necho \"$@\" > {args}\n"
+    fio.write_text(f"#!/bin/sh\n{first_line}\n"
                    "echo '{\"jobs\": [{\"read\": {\"runtime\": 1000, \"io_bytes\": 1073741824, \"total_ios\": 512}}]}'\n")
     fio.chmod(0o755)
     model = tmp_path / "m.gguf"
     with open(model, "wb") as f:
         f.truncate(256 << 20)
     monkeypatch.setenv("PATH", f"{fio.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(disk, "fio_huge_pages", lambda block, depth: huge)
-    d = disk_bandwidth(str(model), 1.0, block=2176 << 10, depth=32)
+    monkeypatch.setattr(disk, "fio_huge_pages", lambda block, depth: huge_free)
+    return disk_bandwidth(str(model), 1.0, block=2176 << 10, depth=32)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_the_disk_bound_runs_fio_with_huge_page_buffers_when_it_can(tmp_path, monkeypatch, huge):
+    """A stand-in fio on PATH records its arguments: --iomem=shmhuge exactly when huge pages are free, and the
+    note says which pages fio's buffers were in (a bound measured in small pages is one Clutor may beat)."""
+    args = tmp_path / "args"
+    d = _disk_bound_with_stand_in_fio(tmp_path, monkeypatch, f"echo \"$@\" > {args}", huge_free=huge)
     assert d.bytes_per_second == float(1 << 30) and d.huge_pages is huge
     assert ("--iomem=shmhuge" in args.read_text().split()) is huge
     assert ("huge pages" in d.note) and (("4 KiB pages" in d.note) is not huge)
@@ -496,19 +502,8 @@ def test_the_disk_bound_runs_fio_with_huge_page_buffers_when_it_can(tmp_path, mo
 
 def test_the_disk_bound_falls_back_to_small_pages_when_fio_cannot_take_huge_ones(tmp_path, monkeypatch):
     """Huge pages free but refused to fio (shmget's permission): the bound is measured in small pages, and says why."""
-    import clutor.bench.disk as disk
-    from clutor.bench.runner import disk_bandwidth
-
-    fio = tmp_path / "bin" / "fio"
-    fio.parent.mkdir()
-    fio.write_text("#!/bin/sh\ncase \"$*\" in *shmhuge*) echo 'shmget: Operation not permitted' >&2; exit 1;; esac\n"
-                   "echo '{\"jobs\": [{\"read\": {\"runtime\": 1000, \"io_bytes\": 1073741824, \"total_ios\": 512}}]}'\n")
-    fio.chmod(0o755)
-    model = tmp_path / "m.gguf"
-    with open(model, "wb") as f:
-        f.truncate(256 << 20)
-    monkeypatch.setenv("PATH", f"{fio.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(disk, "fio_huge_pages", lambda block, depth: True)
-    d = disk_bandwidth(str(model), 1.0, block=2176 << 10, depth=32)
+    d = _disk_bound_with_stand_in_fio(
+        tmp_path, monkeypatch, "case \"$*\" in *shmhuge*) echo 'shmget: Operation not permitted' >&2; exit 1;; esac",
+        huge_free=True)
     assert d.bytes_per_second == float(1 << 30) and not d.huge_pages
     assert "4 KiB pages" in d.note and "could not take huge pages" in d.note and "not permitted" in d.note

@@ -392,8 +392,8 @@ def _render_concurrency_table(report: dict, c: dict) -> str:
     if fio:
         huge = all((row.get("disk") or {}).get("huge_pages") for row in c["rows"] if row.get("disk"))
         pages = ("its buffers in huge pages, as Clutor's" if huge else
-                 "its buffers in 4 KiB pages: no huge pages reserved (vm.nr_hugepages), while Clutor reads into huge "
-                 "pages, which this disk may serve faster")
+                 "its buffers in 4 KiB pages (the disk note says why), Clutor's in huge pages, which a disk may "
+                 "serve faster")
         parts += ["", "fio around each row, GiB/s (before: slab x 32, slab x 128; after: the same; the disk bound takes "
                       f"the fastest; {pages}): " + ", ".join(fio)]
     if c.get("llama"):

@@ -243,24 +243,21 @@ def disk_bandwidth(path: str, seconds: float, on_start: Callable[[str], None] | 
     # Clutor reads into huge pages (clutor.io.arena), which a virtio disk serves up to twice as fast as
     # the same reads into small ones: fio's buffers are put in huge pages too wherever the system has
     # them reserved, else the bound is the small-page figure and a row can beat it (the note says so).
-    huge = fio_huge_pages(block, depth)
+    # (huge pages free but not this process's to take, by shmget's permission or shmmax: small pages then)
     refused = ""
-    try:
-        r = asyncio.run(run_fio(path, direct=True, block=block, depth=depth, seconds=seconds, fio=fio, huge=huge))
-    except ClutorError as e:
-        if not huge:
-            return DiskBandwidth(None, f"disk not measured: {e}")
-        # huge pages free but not this process's to take (shmget's permission, shmmax): small pages then
-        huge, refused = False, f"; fio could not take huge pages ({e})"
+    for huge in ([True, False] if fio_huge_pages(block, depth) else [False]):
         try:
-            r = asyncio.run(run_fio(path, direct=True, block=block, depth=depth, seconds=seconds, fio=fio))
-        except ClutorError as e2:
-            return DiskBandwidth(None, f"disk not measured: {e2}")
+            r = asyncio.run(run_fio(path, direct=True, block=block, depth=depth, seconds=seconds, fio=fio, huge=huge))
+            break
+        except ClutorError as e:
+            if not huge:
+                return DiskBandwidth(None, f"disk not measured: {e}")
+            refused = f"; fio could not take huge pages ({e})"
     if r.seconds <= 0 or r.nbytes <= 0:
         return DiskBandwidth(None, "disk not measured: fio read nothing")
     bps = r.nbytes / r.seconds
     pages = ("buffers in huge pages" if huge else
-             "buffers in 4 KiB pages (no reserved huge pages: vm.nr_hugepages; Clutor's reads go to huge pages "
+             "buffers in 4 KiB pages (none reserved free, vm.nr_hugepages; Clutor's reads go to huge pages "
              "and may run faster)")
     return DiskBandwidth(bps, f"fio randread of the model file, {format_bytes(block)} blocks, depth "
                               f"{depth}, O_DIRECT, io_uring, {pages}, {r.seconds:.1f} s: {bps / 2**30:.2f} GiB/s"
