@@ -54,7 +54,7 @@ from llama_tensors import NoisyLlama  # tools/, beside this file
 ROOT = Path(__file__).resolve().parents[1]
 
 # The fixed prompt texts, tried in order: a fixture takes the first one that passes the noise screen
-# (screen() below); every fixture but one takes the first.
+# (screen() below; tests/fixtures/README.md lists the goldens that took another than the first).
 PROMPT_TEXTS = (
     "The miller watched the river in 1961.\nx = 3.14 * r ** 2  # café 東京",
     "In the morning the baker opened her shop at 6:30.\ntotal = 2.5 * n  # naïve 東京",

@@ -70,10 +70,11 @@ class Arena:
             raise BudgetError(f"Arena: could not map {size} bytes for {n_slots}+{n_spare} slots: {err}") from err
         # Huge pages under the slots: an O_DIRECT read pins its buffer's pages and hands the disk one
         # segment per physically contiguous run, so a 2.125 MiB slab in 4 KiB pages is 544 pages and
-        # three requests (virtio-blk here takes 254 segments each), in 2 MiB pages a few. The event
-        # loop submits the reads, so that work is its CPU: wide.gguf at 25%, AMD EPYC Zen 4, 4 streams
-        # 2.6-2.9 against 3.7-4.4 ms of loop CPU a token (one stream 3.2-3.6 against 3.3-4.3). Only
-        # a hint: where transparent huge pages are off (or not Linux) the mapping stays as it is.
+        # three requests (virtio-blk here takes 254 segments each), in 2 MiB pages a few. AMD EPYC Zen 4,
+        # a virtio disk: fio's slab reads x 32 ran 2.3-2.6 GiB/s into huge pages against 1.2-1.4 into
+        # small ones, and the event loop, which submits them, spent 2.6-3.2 against 5.3-7.1 ms of CPU a
+        # token at 4 streams (docs/benchmarks.md). Only a hint: where transparent huge pages are off (or
+        # not Linux) the mapping stays as it is.
         if hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
