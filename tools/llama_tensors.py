@@ -77,17 +77,52 @@ def _no_log(level, text, user):
 _quiet = None
 
 
-def capture(path: str | Path, ids: list[int], n_threads: int = 2, n_ctx: int = 512) -> tuple[dict, dict]:
-    """Evaluate ids as one batch (every position an output) -> ({name: array}, {name: op id})."""
+def _load(path: str | Path):
+    """(llama_cpp, the loaded model), llama.cpp's log silenced."""
     import llama_cpp as L
 
     global _quiet
     if _quiet is None:
         _quiet = L.llama_log_callback(_no_log)
+    L.llama_log_set(_quiet, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"{path}: llama.cpp could not load it")
+    return L, model
+
+
+def _context(L, model, n_ctx: int, n_batch: int, n_threads: int, cb):
+    """A context as tools/record_reference.py's: F32 KV cache, flash attention off, the eval callback cb."""
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
+    cp.n_threads = cp.n_threads_batch = n_threads
+    cp.type_k = cp.type_v = GGML_TYPE_F32
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama_cpp.Llama(flash_attn=False)
+    cp.cb_eval = cb
+    cp.cb_eval_user_data = None
+    return L.llama_init_from_model(model, cp)
+
+
+def _decode(L, ctx, batch, ids: list[int], pos: int, all_logits: bool, path) -> None:
+    """ids at positions pos, pos + 1, ... of sequence 0; logits for every row, or the last."""
+    batch.n_tokens = len(ids)
+    for i, tok in enumerate(ids):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = all_logits or i == len(ids) - 1
+    if L.llama_decode(ctx, batch) != 0:
+        raise SystemExit(f"{path}: llama_decode failed")
+
+
+def capture(path: str | Path, ids: list[int], n_threads: int = 2, n_ctx: int = 512) -> tuple[dict, dict]:
+    """Evaluate ids as one batch (every position an output) -> ({name: array}, {name: op id})."""
+    import llama_cpp
+
     got: dict[str, np.ndarray] = {}
     ops: dict[str, int] = {}
 
-    @L.ggml_backend_sched_eval_callback
+    @llama_cpp.ggml_backend_sched_eval_callback
     def cb(tp, ask, _user):
         t = _Tensor.from_address(tp)
         if ask:
@@ -99,31 +134,11 @@ def capture(path: str | Path, ids: list[int], n_threads: int = 2, n_ctx: int = 5
             ops[name] = int(t.op)
         return True
 
-    L.llama_log_set(_quiet, ctypes.c_void_p(0))
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    model = L.llama_model_load_from_file(str(path).encode(), mp)
-    if not model:
-        raise SystemExit(f"{path}: llama.cpp could not load it")
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, max(n_ctx, len(ids)), max(n_ctx, len(ids))
-    cp.n_threads = cp.n_threads_batch = n_threads
-    cp.type_k = cp.type_v = GGML_TYPE_F32
-    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama_cpp.Llama(flash_attn=False)
-    cp.cb_eval = cb
-    cp.cb_eval_user_data = None
-    ctx = L.llama_init_from_model(model, cp)
+    L, model = _load(path)
+    ctx = _context(L, model, n_ctx, max(n_ctx, len(ids)), n_threads, cb)
     batch = L.llama_batch_init(len(ids), 0, 1)
     try:
-        batch.n_tokens = len(ids)
-        for i, tok in enumerate(ids):
-            batch.token[i] = tok
-            batch.pos[i] = i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = True
-        if L.llama_decode(ctx, batch) != 0:
-            raise SystemExit(f"{path}: llama_decode failed")
+        _decode(L, ctx, batch, ids, 0, True, path)
     finally:
         L.llama_batch_free(batch)
         L.llama_free(ctx)
@@ -146,17 +161,8 @@ class NoisyLlama:
     wrong one: tools/record_reference.py screens its prompts with this. Settings as ``capture``."""
 
     def __init__(self, path: str | Path, n_threads: int = 2, n_ctx: int = 512):
-        import llama_cpp as L
-
-        global _quiet
-        if _quiet is None:
-            _quiet = L.llama_log_callback(_no_log)
-        L.llama_log_set(_quiet, ctypes.c_void_p(0))
-        L.llama_backend_init()
+        L, self._model = _load(path)
         self._L, self.path, self.n_threads, self.n_ctx = L, path, n_threads, n_ctx
-        self._model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
-        if not self._model:
-            raise SystemExit(f"{path}: llama.cpp could not load it")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
         self._rng: np.random.Generator | None = None
         self.noised = 0  # tensors the noise was written into, over every run so far
@@ -178,33 +184,16 @@ class NoisyLlama:
         self.noised += 1
         return True
 
-    def _context(self, seed: int | None):
-        L = self._L
-        cp = L.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = self.n_ctx
-        cp.n_threads = cp.n_threads_batch = self.n_threads
-        cp.type_k = cp.type_v = GGML_TYPE_F32
-        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cp.cb_eval = self._cb
-        cp.cb_eval_user_data = None
+    def _new_context(self, seed: int | None):
         self._rng = None if seed is None else np.random.default_rng(seed)
-        return L.llama_init_from_model(self._model, cp)
-
-    def _decode(self, ctx, batch, ids: list[int], pos: int, all_logits: bool) -> None:
-        batch.n_tokens = len(ids)
-        for i, tok in enumerate(ids):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = all_logits or i == len(ids) - 1
-        if self._L.llama_decode(ctx, batch) != 0:
-            raise SystemExit(f"{self.path}: llama_decode failed")
+        return _context(self._L, self._model, self.n_ctx, self.n_ctx, self.n_threads, self._cb)
 
     def logits(self, ids: list[int], seed: int | None = None) -> np.ndarray:
         """[T, V] logits of ids evaluated as one batch; seed None: no noise."""
         L = self._L
-        ctx, batch = self._context(seed), L.llama_batch_init(len(ids), 0, 1)
+        ctx, batch = self._new_context(seed), L.llama_batch_init(len(ids), 0, 1)
         try:
-            self._decode(ctx, batch, ids, 0, True)
+            _decode(L, ctx, batch, ids, 0, True, self.path)
             return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(ids), self.n_vocab)).copy()
         finally:
             L.llama_batch_free(batch)
@@ -213,12 +202,12 @@ class NoisyLlama:
     def greedy(self, ids: list[int], n: int, seed: int | None = None) -> list[int]:
         """n argmax tokens after ids, each evaluated in turn (llama.cpp's top_k 1 sampler's choice)."""
         L = self._L
-        ctx, batch = self._context(seed), L.llama_batch_init(max(len(ids), 1), 0, 1)
+        ctx, batch = self._new_context(seed), L.llama_batch_init(max(len(ids), 1), 0, 1)
         try:
             out: list[int] = []
             feed, pos = list(ids), 0
             while len(out) < n:
-                self._decode(ctx, batch, feed, pos, False)
+                _decode(L, ctx, batch, feed, pos, False, self.path)
                 pos += len(feed)
                 row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,))
                 feed = [int(row.argmax())]
