@@ -244,6 +244,19 @@ def assert_streamed_equals_memory(arch: str, activations: str, *, io: str = "thr
         assert st.backend == io and st.misses > 0 and st.evictions > 0, f"{what}: {st}"
 
 
+def resident_bytes(addr: int) -> int:
+    """Resident bytes (smaps' Rss) of this process's mapping holding addr (Linux)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
 def run_on_loop(make: Callable[[], Awaitable], loop_kind: str = "asyncio"):
     """Run make() on a fresh asyncio or uvloop loop; fail if the loop logged any exception (including
     futures whose exception nobody retrieved, which complain when collected)."""

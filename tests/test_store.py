@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import run_on_loop
+from conftest import resident_bytes, run_on_loop
 
 from clutor.errors import BudgetError, ClosedError, ClutorIOError
 from clutor.io.backend import ReadHandle
@@ -252,6 +252,20 @@ def test_exact_bytes_hits_misses_and_budget(model, io):
             assert st.arena_bytes <= budget and st.n_slots + store.n_spare == budget // st.slot_bytes
             assert_stats_add_up(st)
             assert_consistent(store, model)
+    run(main)
+
+
+def test_open_makes_the_cache_resident(model):
+    """The slots' pages are faulted in by open(), off the loop: a cold slot's first O_DIRECT read then
+    has no page to fault in inside its submit, on the event loop (clutor.io.arena.Arena.populate)."""
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("needs Linux's /proc/self/smaps")
+
+    async def main():
+        sb = await slot_bytes(model)
+        async with ExpertStore.open(model.layout, 4 * sb, io="threads") as store:
+            arena = store._arena
+            assert resident_bytes(arena.slot(0).ctypes.data) >= arena.nbytes
     run(main)
 
 

@@ -260,6 +260,12 @@ class ExpertStore:
             align = be.align
         else:
             raise ClutorError(f"{files[0]}: backend alignment {be.align} not met after re-layout")
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, arena.populate)
+        except BaseException:
+            await be.aclose()
+            arena.close()
+            raise
         return cls(layout, budget, geo, arena, be, policy, prefetch_slots)
 
     def __init__(self, layout, budget, geo: _Geometry, arena: Arena, backend: Backend, policy, prefetch_slots):
