@@ -155,7 +155,8 @@ class Arena:
     # -- lifetime -----------------------------------------------------------------------------
     def populate(self) -> None:
         """Fault every page in now, as huge pages where the hint took: once, at start-up, off the event
-        loop (it takes a while: ~0.1 s a GiB without compaction, more with). Left to the reads, each
+        loop (1 GiB took 0.1 s, 0.7-2.7 s where the virtual machine's host had not backed that memory
+        yet: AMD EPYC Zen 4, a 2-core VM). Left to the reads, each
         slot's first O_DIRECT read faulted its pages inside io_uring_submit, on the event loop: 70-90 ms
         a submit on a cold cache (wide.gguf, AMD EPYC Zen 4), so the caller's loop stalled through the
         first prompt. Whether the memory is there is then also known at open, not mid-generation."""
@@ -201,4 +202,3 @@ def _libc():
         return libc
     except (OSError, AttributeError):
         return None
-
