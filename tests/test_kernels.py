@@ -7,6 +7,7 @@ llama.cpp's bytes) for the quantised types, x rounded to half / bfloat16 for F16
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -344,6 +345,57 @@ def test_unsupported_and_bad_arguments() -> None:
         KS("int4")
     with pytest.raises(ClutorError, match="threads"):
         KS(threads=0)
+
+
+_FIRST_PROMPT = r"""
+import asyncio, json, sys
+import clutor
+from numba.core.dispatcher import Dispatcher
+
+def specialisations():
+    found = set()
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("clutor.") and mod is not None:
+            for d in vars(mod).values():
+                if isinstance(d, Dispatcher):
+                    found.update(f"{d.py_func.__module__}.{d.py_func.__qualname__}{sig}" for sig in d.overloads)
+    return found
+
+async def main(runs):
+    out = []
+    for path, opts in runs:
+        async with clutor.Model.open(path, **opts) as model:
+            before = specialisations()
+            ids = [1 + i % 50 for i in range(40)]  # a prompt past the BLAS threshold, then decode steps
+            async for _ in model.generate(ids, max_tokens=3, ignore_eos=True, temperature=0):
+                pass
+            out.append([path, opts, sorted(specialisations() - before)])
+    print(json.dumps(out))
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+def test_open_loads_every_kernel_the_first_prompt_calls() -> None:
+    """Model.open loads (or compiles) every compiled kernel a first prompt and its decode steps call, for
+    each architecture's fixture, experts in memory and streamed: else they load inside the first
+    generation, holding the GIL (the caller's event loop stalled up to 0.3 s; on a new machine they
+    compiled there, 17 s). One process for all of them, the architectures with kernels of their own
+    (Arch.warmup) last, so that no architecture's open loads what an earlier one's generation needs."""
+    from conftest import FIXTURES
+
+    own = ("gemma4", "glm-dsa")
+    files = sorted(FIXTURES.glob("tiny-*-Q4_K_M.gguf"), key=lambda p: (any(f"tiny-{a}-" in p.name for a in own), p.name))
+    runs = [[str(FIXTURES / "tiny-olmoe-Q8_0.gguf"), {"expert_cache": "50%", "io": "threads"}]]
+    runs += [[str(p), {"io": "memory"}] for p in files]
+    runs += [[str(FIXTURES / f"tiny-{a}-F16.gguf"), {"io": "memory"}] for a in ("olmoe", "gemma4")]
+    assert len(files) >= 15, files
+    env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
+    p = subprocess.run([sys.executable, "-c", _FIRST_PROMPT, json.dumps(runs)], capture_output=True, text=True,
+                       timeout=1200, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    late = [(Path(path).name, opts, new) for path, opts, new in json.loads(p.stdout.strip().splitlines()[-1]) if new]
+    assert not late, f"first loaded by the first prompt, not by Model.open: {late}"
 
 
 def test_warmup_and_info() -> None:

@@ -169,6 +169,7 @@ class Model:
                 dense = load_dense(f, arch, _progress_of(progress, dense_bytes))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup(opts.kernels)
+                arch.warmup()
             except BaseException:
                 f.close()
                 raise

@@ -311,6 +311,10 @@ class Arch:
         """Refuse what the file holds that this architecture would silently ignore (llama.cpp reads it)."""
 
     # -- compute (all on the compute thread) ----------------------------------------------------
+    def warmup(self) -> None:
+        """Load (or compile) the compiled kernels only this architecture's layers call, at open: the
+        shared ones are kernels.warmup's."""
+
     def make_rope(self, n_ctx: int) -> Rope:
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style)
 

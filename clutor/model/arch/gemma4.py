@@ -27,7 +27,8 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM, MAX_HEAD_DIM
-from ..kernels.ggmlmath import attend as ggml_attend, gelu_table, softmax as ggml_softmax
+from ..kernels.f16dots import warmup as f16_warmup
+from ..kernels.ggmlmath import attend as ggml_attend, gelu_table, softmax as ggml_softmax, warmup as ggml_warmup
 from ..layers import Rope, gate, rmsnorm, router_logits
 from ..state import FullKV, WindowKV
 from .common import Arch, T, read_common, read_float, read_int, refuse_tensor
@@ -175,6 +176,10 @@ class Gemma4(Arch):
         self.freq_factors = glob.get("rope_freqs")
 
     # -- compute ---------------------------------------------------------------------------------------
+    def warmup(self):
+        ggml_warmup()
+        f16_warmup()  # F16 files: ggml_f16_sums
+
     def make_rope(self, n_ctx):
         cfg = self.cfg
         full = Rope(cfg.n_rot, cfg.rope_base, n_ctx, style="neox", factors=self.freq_factors, ggml_theta=True)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_DIM
-from ..kernels.dsa import index_topk
+from ..kernels.dsa import index_topk, warmup as dsa_warmup
 from ..layers import rmsnorm
 from ..quants import apply_all, matmul_heads
 from ..state import LatentKV
@@ -129,6 +129,9 @@ class GlmDsa(DeepSeek2):
         return want
 
     # -- compute ------------------------------------------------------------------------------------
+    def warmup(self):
+        dsa_warmup()
+
     def layer_states(self):
         # per position: the latent, the shared rope key, and (indexer layers) the indexer's key
         C, r = self.kv_lora, self.cfg.n_rot

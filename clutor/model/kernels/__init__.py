@@ -662,7 +662,9 @@ def _warmup(settings: KernelSettings) -> None:
             _apply_threads(threads)
             _run_jobs_q8(32, job, n_cols, x, out)
         _apply_threads(n)
+    _q8_floats(x, 32)  # a long prompt's activation blocks for BLAS (q8 mode), rounded from Python
     _warm_routing()
+    _warm_layer()
 
 
 def _warm_routing() -> None:
@@ -678,3 +680,42 @@ def _warm_routing() -> None:
                          np.empty((1, 7), np.int64), np.empty((1, 7), np.int64))
     _routing.put_slots(xg, sel, pair, wf, np.empty(0, np.float32), True, 1, np.empty((1, 32), np.float32))
     _routing.sum_slots(xg, np.empty((1, 32), np.float32))
+
+
+def _warm_layer() -> None:
+    """The compiled kernels of a layer around its products, as the runner calls them: the norms (rows
+    contiguous and strided), the router's row dots (one thread and several) and top-k, rotary attention
+    over KV pages (values contiguous and a fused projection's strided ones) and the general attention
+    (f16 pages gathered, keys and values as column ranges of them), the SwiGLU helpers. Without these a
+    process's first prompt loaded them (or on a new machine compiled them: 17 s) inside its first
+    generation, holding the GIL, so the caller's event loop stalled up to 0.3 s. An architecture's own
+    kernels are its Arch.warmup's."""
+    from . import kvpages, norms, paged, rowwise, topk
+
+    x = np.zeros((2, 64), np.float32)
+    w = np.ones(32, np.float32)
+    for rows in (x[:, :32], np.ascontiguousarray(x[:, :32])):  # a row block's strided and contiguous views
+        norms.rmsnorm_rows(rows, w, 1e-6)
+    router = np.zeros((4, 32), np.float32)
+    rowwise._rowdot_serial(x[:, :32].copy(), router, np.empty((2, 4), np.float32))
+    rowwise._rowdot(x[:, :32].copy(), router, np.empty((2, 4), np.float32))
+    topk.softmax_topk(np.zeros((1, 4), np.float32), 2, False)
+    # one f16 page group of one layer (kv.KVPool's storage): a row at position 0 written, then attended
+    data = np.zeros((1, 1, 1, 16, 64), np.float16)  # [page, layer, Hkv, PAGE, k | v]
+    store = paged.storage(data, None)
+    q = np.zeros((2, 1, 32), np.float32)  # [R, H, dk]: two rows, or a slice of one would count as contiguous
+    cos, sin = np.ones((2, 16), np.float32), np.zeros((2, 16), np.float32)
+    pages, offs = np.zeros(2, np.int64), np.arange(2, dtype=np.int64)
+    qkv = np.zeros((2, 1, 96), np.float32)  # [R, H, q | k | v]: a fused projection's output
+    fused = qkv[..., :32], qkv[..., 32:64], qkv[..., 64:]
+    for q_, k_, v_ in ((q, q.copy(), q.copy()), (q, q.copy(), fused[2]), fused):  # arrays of their own, or column ranges
+        qr = paged.rope_write(q_, k_, v_, cos, sin, True, pages, offs, 0, store)
+    paged.attend_pages(qr, np.zeros((1, 1), np.int64), np.zeros(2, np.int64), offs, 0, store, 32, 32, 1.0)
+    full = kvpages.gather_f16(data, 0, np.zeros(1, np.int64), 2)  # [Hkv, n, k | v]
+    for q_, K, V in ((q, full[..., :32], full[..., 32:]),  # keys and values: column ranges of the pages
+                     (np.zeros((2, 1, 64), np.float32), full, full[..., :32]),  # latent rows (MLA): values their first columns
+                     fused[:1] + (full[..., :32], full[..., 32:])):  # queries a fused projection's columns
+        rowwise.attend(q_, K, V, 0, 0, 1.0)
+    gu, e, a = np.zeros((1, 64), np.float32), np.empty((1, 32), np.float32), np.empty((1, 32), np.float32)
+    _routing.negated_gate(gu, e)
+    _routing.swiglu_from_exp(gu, e, a)

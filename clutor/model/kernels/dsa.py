@@ -166,3 +166,12 @@ def attend_selected(q: np.ndarray, K: np.ndarray, V: np.ndarray, p0: int, scale:
     threads_for(T * H * n * (q.shape[2] + V.shape[2]))
     _attend_selected(q, K, V, int(p0), np.float32(scale), sel, scores, out)
     return out
+
+
+def warmup() -> None:
+    """Load (or compile) this module's kernels as sparse attention calls them (GLM-5, DeepSeek-V3.2): at
+    open, not inside the first prompt. Keys of two positions, one kept: the selection's heap runs."""
+    q = np.zeros((2, 1, 8), np.float32)  # [T, H, dk]
+    sel = index_topk(q, np.zeros((2, 8), np.float32), np.ones((2, 1), np.float32), 0, 1)
+    full = np.zeros((1, 2, 16), np.float32)  # [1, N, latent | rope]: the pool's rows, values a column range
+    attend_selected(q, full, full[..., :8], 0, 1.0, sel)

@@ -75,3 +75,16 @@ def matmul(x: np.ndarray, w16: np.ndarray, out: np.ndarray, order: str = "mul_ma
     n_acc = 1 if order == "mul_mat" and T >= 2 and K % 8 == 0 and w16.shape[0] % 4 == 0 else 4
     _dots(x, w16, _HALF, n_acc, out)
     return out
+
+
+def warmup() -> None:
+    """Load (or compile) the kernel as the runner calls it for F16 weights summed in llama.cpp's order
+    (an architecture with Arch.ggml_f16_sums): the file's read-only weights and writable ones, into an
+    output of its own or a column range of one (q, k, v side by side)."""
+    x = np.zeros((2, 64), np.float32)  # two rows, or a column range of the output would count as contiguous
+    w = np.zeros((4, 64), np.uint16)
+    ro = w.copy()
+    ro.flags.writeable = False
+    matmul(x, w, np.empty((2, 4), np.float32))
+    matmul(x, ro, np.empty((2, 4), np.float32))
+    matmul(x, ro, np.empty((2, 8), np.float32)[:, :4])

@@ -300,3 +300,13 @@ def gelu_table() -> np.ndarray:
         t.flags.writeable = False
         _GELU_TABLE.append(t)
     return _GELU_TABLE[0]
+
+
+def warmup() -> None:
+    """Load (or compile) this module's kernels as an architecture using them calls them (Gemma 4):
+    at open, not inside the first prompt."""
+    q = np.zeros((2, 1, 8), np.float32)  # [T, H, dk]
+    attend(q, np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 8), np.float32), 0, 0, 1.0)
+    rope_cos_sin(np.arange(2), np.float32(1.0), np.ones(4, np.float32))
+    softmax(np.zeros((1, 4), np.float32))
+    gelu_table()
