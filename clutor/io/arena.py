@@ -158,8 +158,9 @@ class Arena:
         loop (1 GiB took 0.1 s, 0.7-2.7 s where the virtual machine's host had not backed that memory
         yet: AMD EPYC Zen 4, a 2-core VM). Left to the reads, each
         slot's first O_DIRECT read faulted its pages inside io_uring_submit, on the event loop: 70-90 ms
-        a submit on a cold cache (wide.gguf, AMD EPYC Zen 4), so the caller's loop stalled through the
-        first prompt. Whether the memory is there is then also known at open, not mid-generation."""
+        a submit on a cold cache where faults are dear (wide.gguf, that VM's first runs after boot), so
+        the caller's loop stalled through the first prompt. Whether the memory is there is then also
+        known at open, not mid-generation."""
         if self._mm is None:
             raise ClosedError("Arena is closed")
         libc = _libc()
