@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from clutor.bench import report as rep
+from clutor.model import kernels
 from clutor.io.policies import DEFAULT_POLICY
 from clutor.bench.prompt import bench_prompt, prompt_digest
 from clutor.bench.runner import Budget, estimate_footprint, kv_bytes, parse_budget, parse_budgets, run_worker
@@ -111,19 +112,6 @@ def test_worker_prints_one_json_line_with_positive_speeds(tiny):
     assert d["seconds"]["generate"] >= s["prefill_seconds"] + s["decode_seconds"] * 0.99
 
 
-def _kernel_specialisations() -> set:
-    """Every (compiled kernel, signature) this process has compiled or loaded from numba's cache."""
-    from numba.core.dispatcher import Dispatcher
-
-    found = set()
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("clutor.") and mod is not None:
-            for d in vars(mod).values():
-                if isinstance(d, Dispatcher):
-                    found.update((d.py_func.__qualname__, sig) for sig in d.overloads)
-    return found
-
-
 def test_the_warm_up_prepares_every_kernel_the_measured_decode_runs(tiny, monkeypatch):
     """A kernel first called inside the measured window compiles there on a checkout's first run (or
     loads from the cache), and the run's tok/s then measures that: the warm-up runs a decode step, so the
@@ -134,7 +122,7 @@ def test_the_warm_up_prepares_every_kernel_the_measured_decode_runs(tiny, monkey
 
     async def spy(model, ids, max_tokens, sampling=None):
         out = await real(model, ids, max_tokens, sampling)
-        seen.append(_kernel_specialisations())
+        seen.append(kernels.loaded())
         return out
 
     monkeypatch.setattr(worker, "_generate", spy)

@@ -350,26 +350,17 @@ def test_unsupported_and_bad_arguments() -> None:
 _FIRST_PROMPT = r"""
 import asyncio, json, sys
 import clutor
-from numba.core.dispatcher import Dispatcher
-
-def specialisations():
-    found = set()
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("clutor.") and mod is not None:
-            for d in vars(mod).values():
-                if isinstance(d, Dispatcher):
-                    found.update(f"{d.py_func.__module__}.{d.py_func.__qualname__}{sig}" for sig in d.overloads)
-    return found
+from clutor.model import kernels
 
 async def main(runs):
     out = []
     for path, opts in runs:
         async with clutor.Model.open(path, **opts) as model:
-            before = specialisations()
+            before = kernels.loaded()
             ids = [1 + i % 50 for i in range(40)]  # a prompt past the BLAS threshold, then decode steps
             async for _ in model.generate(ids, max_tokens=3, ignore_eos=True, temperature=0):
                 pass
-            out.append([path, opts, sorted(specialisations() - before)])
+            out.append([path, opts, sorted(kernels.loaded() - before)])
     print(json.dumps(out))
 
 asyncio.run(main(json.loads(sys.argv[1])))

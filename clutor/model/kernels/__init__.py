@@ -72,7 +72,7 @@ from ...errors import ClutorError
 from ..kernel_settings import DEFAULT, KernelSettings
 from ..weight_types import QT, TYPES, type_name
 
-__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "compiled", "cache_dir", "dequantize", "mode", "info",
+__all__ = ["has_kernel", "matmul", "matmul_jobs", "Job", "warmup", "compiled", "loaded", "cache_dir", "dequantize", "mode", "info",
            "KernelInfo", "ggml_activations", "array_block", "array_max_tokens", "work_bytes", "check_weight", "run_job_array"]
 
 # The types are weight_types.TYPES; the ids this module names itself.
@@ -630,6 +630,22 @@ def warmup(settings: KernelSettings = DEFAULT) -> None:
 
 
 _warm = False  # warmup() has run in this process
+
+
+def loaded() -> set[str]:
+    """Every compiled kernel specialisation this process has compiled or loaded from numba's cache, as
+    "module.function(signature)": what a warm-up prepared, or what a call then had to load."""
+    import sys
+
+    from numba.core.dispatcher import Dispatcher
+
+    found = set()
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("clutor.") and mod is not None:
+            for d in vars(mod).values():
+                if isinstance(d, Dispatcher):
+                    found.update(f"{d.py_func.__module__}.{d.py_func.__qualname__}{sig}" for sig in d.overloads)
+    return found
 
 
 def cache_dir() -> Path | None:
