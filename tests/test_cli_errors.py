@@ -210,7 +210,7 @@ def test_the_first_run_compile_is_said_before_and_after(monkeypatch, capsys, cap
 
     from clutor.model import kernels
 
-    monkeypatch.setattr(kernels, "compiled", lambda: False)
+    monkeypatch.setattr(kernels, "compiled", lambda **_: False)
     monkeypatch.setattr(kernels, "_warm", False)  # as in a process that has not warmed them yet
     with caplog.at_level(logging.INFO, logger="clutor.kernels"):
         kernels.warmup()
@@ -224,7 +224,7 @@ def test_the_first_run_compile_is_said_before_and_after(monkeypatch, capsys, cap
     assert main(["generate", MODEL, "hi", *FAST]) == 0  # stderr is not a terminal here
     err = capsys.readouterr().err
     assert err.index("clutor: compiling the compute kernels") < err.index("clutor: compute kernels ready in") < err.index("generated")
-    monkeypatch.setattr(kernels, "compiled", lambda: True)
+    monkeypatch.setattr(kernels, "compiled", lambda **_: True)
     assert main(["warmup"]) == 0
     assert "already compiled" in capsys.readouterr().err
 
@@ -431,11 +431,11 @@ def test_kernel_compile_is_announced_on_a_terminal(monkeypatch):
 
     err = Terminal()
     monkeypatch.setattr(sys, "stderr", err)
-    monkeypatch.setattr(kernels, "warmup", lambda: time.sleep(3.5))  # a first run's compile, shortened
+    monkeypatch.setattr(kernels, "warmup", lambda **_: time.sleep(3.5))  # a first run's compile, shortened
     warm_kernels()
     assert "compiling the compute kernels" in err.getvalue() and err.getvalue().endswith("\r\x1b[K")
     err.seek(0)
     err.truncate()
-    monkeypatch.setattr(kernels, "warmup", lambda: None)  # cached: nothing said
+    monkeypatch.setattr(kernels, "warmup", lambda **_: None)  # cached: nothing said
     warm_kernels()
     assert err.getvalue() == ""

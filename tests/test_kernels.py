@@ -389,6 +389,37 @@ def test_open_loads_every_kernel_the_first_prompt_calls() -> None:
     assert not late, f"first loaded by the first prompt, not by Model.open: {late}"
 
 
+_EVERY_OPEN = r"""
+import asyncio, json, sys
+import clutor
+from clutor.model import kernels
+
+async def main(paths):
+    kernels.warmup(every_architecture=True)  # what `clutor warmup` runs
+    before, out = kernels.loaded(), []
+    for path in paths:
+        async with clutor.Model.open(path, io="memory"):
+            out.append([path, sorted(kernels.loaded() - before)])
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1:]))
+"""
+
+
+def test_clutor_warmup_prepares_what_every_architecture_opens_with() -> None:
+    """`clutor warmup` (kernels.warmup with every_architecture) compiles ahead of time every kernel an
+    open of any fixture architecture then loads, its Arch.warmup's included: a first run after it
+    compiles nothing."""
+    from conftest import FIXTURES
+
+    files = [str(p) for p in sorted(FIXTURES.glob("tiny-*-Q4_K_M.gguf"))] + [str(FIXTURES / "tiny-gemma4-F16.gguf")]
+    p = subprocess.run([sys.executable, "-c", _EVERY_OPEN, *files], capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    late = [(Path(path).name, new) for path, new in json.loads(p.stdout.strip().splitlines()[-1]) if new]
+    assert not late, f"loaded by Model.open after `clutor warmup`: {late}"
+
+
 def test_warmup_and_info() -> None:
     kernels.warmup()
     info = kernels.info()

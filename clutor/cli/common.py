@@ -170,11 +170,12 @@ def read_stdin() -> str:
     return buf.read().decode("utf-8", errors="replace") if buf is not None else sys.stdin.read()
 
 
-def warm_kernels() -> None:
+def warm_kernels(every_architecture: bool = False) -> None:
     """Compile the compute kernels (the first run on a machine, which takes a while) or load
     them from numba's cache, here in the main thread before any event loop, so Ctrl-C stops it at
     once; on a terminal, a line says what is going on if it takes more than two seconds. (Model.open
-    warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)"""
+    warms them too; afterwards that is instant, and no prefill speed ever includes compilation.)
+    every_architecture: also the kernels only some architectures call (kernels.warmup)."""
     from ..model import kernels
 
     done = threading.Event()
@@ -192,7 +193,7 @@ def warm_kernels() -> None:
     if teller is not None:
         teller.start()
     try:
-        kernels.warmup()
+        kernels.warmup(every_architecture=every_architecture)
     finally:
         done.set()
         if teller is not None:

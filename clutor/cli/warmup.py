@@ -16,11 +16,11 @@ def add_parser(sub):
 def run(args) -> int:
     from ..model import kernels
 
-    if kernels.compiled():
+    if kernels.compiled(every_architecture=True):
         print(f"clutor: the compute kernels are already compiled ({kernels.cache_dir()})", file=sys.stderr)
         return 0
-    warm_kernels()
-    state = kernels.compiled()
+    warm_kernels(every_architecture=True)
+    state = kernels.compiled(every_architecture=True)
     print(f"clutor: compute kernels compiled and cached in {kernels.cache_dir()}"
           + ("" if state is not False else " (numba did not keep them: is that directory writable?)"),
           file=sys.stderr)

@@ -578,14 +578,27 @@ def _blas(w, qtype, rb, n_rows, n_cols, x2, out2) -> None:
         np.matmul(x2, wc.T, out=out2[:, r0:r1])
 
 
-def _warm_drivers():
-    """The compiled drivers warmup() launches (each compiles its helpers with it)."""
+def _warm_drivers(every_architecture: bool = False):
+    """The compiled kernels warmup() launches (each compiles its helpers with it): the products' drivers,
+    the layer's (_warm_layer), and with every_architecture those only some architectures call."""
+    from . import dsa, ggmlmath, kvpages, norms, paged, rowwise, topk
+
+    layer = (norms._rmsnorm, rowwise._rowdot, topk._topk, paged._rope_write, paged._attend_pages, kvpages._gather,
+             rowwise._attend, _routing.negated_gate)
+    own = (ggmlmath._attend, _f16._dots, dsa._index_topk) if every_architecture else ()
     return [d for d in (_drv.dequantize_rows, _drv.dequantize_rows_serial, _drv.matmul_jobs_f32, _drv.matmul_jobs_q8, _drv.matmul_jobs_q8_serial,
-                        _drv.address, _act.quantize_activations, _routing.route_jobs, _routing.slot_sum)
+                        _drv.address, _act.quantize_activations, _routing.route_jobs, _routing.slot_sum) + layer + own
             if d is not None]
 
 
-def compiled() -> bool | None:
+def _architecture_warmups():
+    """Arch.warmup's kernels, for `clutor warmup` (no model): Gemma 4's and the sparse attention's."""
+    from . import dsa, ggmlmath
+
+    return (ggmlmath.warmup, _f16.warmup, dsa.warmup)
+
+
+def compiled(every_architecture: bool = False) -> bool | None:
     """Whether numba's on-disk cache holds this machine's code for every kernel warmup() needs (then
     warmup only loads it, in about a second); None when that cannot be told (caching off, another numba)."""
     global _cache_checked
@@ -593,7 +606,7 @@ def compiled() -> bool | None:
         _cache_checked = True
         _guard_cache()
     try:
-        for d in _warm_drivers():
+        for d in _warm_drivers(every_architecture):
             index = d._cache._cache_file._load_index()  # numba's: {(signature, machine, code hash): file}
             codegen = d.targetctx.codegen()
             if not any(key == d._cache._index_key(key[0], codegen) for key in index):
@@ -603,8 +616,9 @@ def compiled() -> bool | None:
         return None
 
 
-def warmup(settings: KernelSettings = DEFAULT) -> None:
-    """Compile (or load from the on-disk cache) every kernel, for writable and read-only weights.
+def warmup(settings: KernelSettings = DEFAULT, *, every_architecture: bool = False) -> None:
+    """Compile (or load from the on-disk cache) every kernel, for writable and read-only weights;
+    with every_architecture also those only some architectures call (their Arch.warmup's).
 
     The first run on a machine compiles them (about a minute on two cores) and says so before and
     after, as INFO records of the ``clutor.kernels`` logger; afterwards they load from numba's cache.
@@ -613,6 +627,11 @@ def warmup(settings: KernelSettings = DEFAULT) -> None:
     import time
 
     global _warm
+    if every_architecture:
+        warmup(settings)
+        for arch_warmup in _architecture_warmups():
+            arch_warmup()
+        return
     if _warm:  # compiled or loaded already in this process: nothing to say
         _warmup(settings)
         return
