@@ -269,6 +269,43 @@ def test_open_makes_the_cache_resident(model):
     run(main)
 
 
+def test_an_open_cancelled_while_populating_unmaps_only_after(model, monkeypatch):
+    """Cancelling open() while its thread faults the arena in waits for that thread before the arena is
+    closed (unmapping under it would crash the process), then the cancellation goes on."""
+    import threading
+    import time
+
+    from clutor.io import arena as arena_mod
+
+    events: list[str] = []
+    started = threading.Event()
+    populate, close = arena_mod.Arena.populate, arena_mod.Arena.close
+
+    def slow_populate(self):
+        started.set()
+        time.sleep(0.3)
+        populate(self)
+        events.append("populated")
+
+    def logged_close(self):
+        events.append("closed")
+        close(self)
+
+    monkeypatch.setattr(arena_mod.Arena, "populate", slow_populate)
+    monkeypatch.setattr(arena_mod.Arena, "close", logged_close)
+
+    async def main():
+        sb = await slot_bytes(model)
+        task = asyncio.ensure_future(ExpertStore.open(model.layout, 4 * sb, io="threads"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert events == ["populated", "closed"], events
+    run(main)
+
+
 def test_budget_errors(model):
     async def main():
         sb = await slot_bytes(model)

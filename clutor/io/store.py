@@ -260,9 +260,16 @@ class ExpertStore:
             align = be.align
         else:
             raise ClutorError(f"{files[0]}: backend alignment {be.align} not met after re-layout")
+        populating = asyncio.get_running_loop().run_in_executor(None, arena.populate)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, arena.populate)
+            await asyncio.shield(populating)
         except BaseException:
+            # cancelled (or failed): never unmap the arena while the thread may still be touching it
+            while not populating.done():
+                try:
+                    await asyncio.shield(populating)
+                except BaseException:
+                    continue
             await be.aclose()
             arena.close()
             raise
