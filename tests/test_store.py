@@ -269,7 +269,7 @@ def test_open_makes_the_cache_resident(model):
     run(main)
 
 
-def test_an_open_cancelled_while_populating_unmaps_only_after(model, monkeypatch):
+def test_an_open_cancelled_while_populating_unmaps_only_after(model, io, monkeypatch):
     """Cancelling open() while its thread faults the arena in waits for that thread before the arena is
     closed (unmapping under it would crash the process), then the cancellation goes on."""
     import threading
@@ -283,7 +283,7 @@ def test_an_open_cancelled_while_populating_unmaps_only_after(model, monkeypatch
 
     def slow_populate(self):
         started.set()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the open is cancelled meanwhile
         populate(self)
         events.append("populated")
 
@@ -291,12 +291,11 @@ def test_an_open_cancelled_while_populating_unmaps_only_after(model, monkeypatch
         events.append("closed")
         close(self)
 
-    monkeypatch.setattr(arena_mod.Arena, "populate", slow_populate)
-    monkeypatch.setattr(arena_mod.Arena, "close", logged_close)
-
     async def main():
         sb = await slot_bytes(model)
-        task = asyncio.ensure_future(ExpertStore.open(model.layout, 4 * sb, io="threads"))
+        monkeypatch.setattr(arena_mod.Arena, "populate", slow_populate)
+        monkeypatch.setattr(arena_mod.Arena, "close", logged_close)
+        task = asyncio.ensure_future(ExpertStore.open(model.layout, 4 * sb, io=io))
         while not started.is_set():
             await asyncio.sleep(0.01)
         task.cancel()
