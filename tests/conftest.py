@@ -244,17 +244,23 @@ def assert_streamed_equals_memory(arch: str, activations: str, *, io: str = "thr
         assert st.backend == io and st.misses > 0 and st.evictions > 0, f"{what}: {st}"
 
 
-def resident_bytes(addr: int) -> int:
-    """Resident bytes (smaps' Rss) of this process's mapping holding addr (Linux)."""
+def smaps_field(addr: int, field: str) -> list[str]:
+    """The values of one field (``Rss``, ``VmFlags``, ...) of this process's mapping holding addr, from
+    /proc/self/smaps (Linux)."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {addr:#x}")
+        elif inside and head == field + ":":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}, or it has no {field}")
+
+
+def resident_bytes(addr: int) -> int:
+    """Resident bytes (smaps' Rss, in kB there) of this process's mapping holding addr."""
+    return int(smaps_field(addr, "Rss")[0]) * 1024
 
 
 def run_on_loop(make: Callable[[], Awaitable], loop_kind: str = "asyncio"):

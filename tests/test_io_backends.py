@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import resident_bytes, run_on_loop
+from conftest import resident_bytes, run_on_loop, smaps_field
 
 from clutor.errors import ClosedError, ClutorError, ClutorIOError
 from clutor.io import backend as backend_mod
@@ -206,19 +206,6 @@ def test_arena_close_with_pinned_buffer_releases_pages_without_error():
     del iov
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of the mapping holding addr, from /proc/self/smaps."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 def test_arena_asks_for_huge_pages():
     """The slots are advised as transparent huge pages (smaps' VmFlags "hg"): an O_DIRECT read into
     them then pins a few 2 MiB pages, not 544 small ones a slab (clutor.io.arena)."""
@@ -227,7 +214,7 @@ def test_arena_asks_for_huge_pages():
     if not os.path.exists("/proc/self/smaps") or not os.path.exists(mode) or "[never]" in open(mode).read():
         pytest.skip("needs Linux with transparent huge pages (not 'never')")
     with Arena(2, 4 << 20) as a:
-        assert "hg" in _vm_flags(a.slot(1).ctypes.data)
+        assert "hg" in smaps_field(a.slot(1).ctypes.data, "VmFlags")
 
 
 def test_arena_populate_faults_every_page_in():
