@@ -248,13 +248,14 @@ def smaps_field(addr: int, field: str) -> list[str]:
     """The values of one field (``Rss``, ``VmFlags``, ...) of this process's mapping holding addr, from
     /proc/self/smaps (Linux)."""
     inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == field + ":":
-            return line.split()[1:]
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == field + ":":
+                return line.split()[1:]
     raise AssertionError(f"no mapping holds {addr:#x}, or it has no {field}")
 
 
