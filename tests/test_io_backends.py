@@ -11,6 +11,7 @@ import errno
 import hashlib
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,7 +212,7 @@ def test_arena_asks_for_huge_pages():
     them then pins a few 2 MiB pages, not 544 small ones a slab (clutor.io.arena)."""
     import os
     mode = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if not os.path.exists("/proc/self/smaps") or not os.path.exists(mode) or "[never]" in open(mode).read():
+    if not os.path.exists("/proc/self/smaps") or not os.path.exists(mode) or "[never]" in Path(mode).read_text():
         pytest.skip("needs Linux with transparent huge pages (not 'never')")
     with Arena(2, 4 << 20) as a:
         assert "hg" in smaps_field(a.slot(1).ctypes.data, "VmFlags")
