@@ -30,6 +30,18 @@ class AwaitableContext(Generic[T]):
             await obj.aclose()
 
 
+_LIBC: list = []
+
+
+def libc():
+    """The C library through ctypes (its calls drop the GIL; errno kept for ctypes.get_errno), loaded once."""
+    if not _LIBC:
+        import ctypes
+
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 def open_regular(path: str, what: str) -> int:
     """A read-only fd of ``path`` (blocking, close-on-exec), or ModelFileError naming the file when it
     is missing, unreadable or not a regular file. O_NONBLOCK for the open itself: opening a FIFO for

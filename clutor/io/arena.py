@@ -20,11 +20,11 @@ only after every backend using the arena has finished ``aclose()`` (no read may 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 
 import numpy as np
 
+from clutor._util import libc
 from clutor.errors import BudgetError, ClosedError
 
 __all__ = ["Arena", "round_up", "widen"]
@@ -163,11 +163,11 @@ class Arena:
         known at open, not mid-generation."""
         if self._mm is None:
             raise ClosedError("Arena is closed")
-        libc = _libc()
-        if libc is not None and self._nbytes:
+        if self._nbytes:
             # ctypes drops the GIL for the call (mmap.madvise would hold it throughout)
-            if libc.madvise(ctypes.c_void_p(self._all.ctypes.data), ctypes.c_size_t(self._nbytes),
-                            _MADV_POPULATE_WRITE) == 0:
+            madvise = libc().madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            if madvise(self._all.ctypes.data, self._nbytes, _MADV_POPULATE_WRITE) == 0:
                 return
         self._all[:: mmap.PAGESIZE] = 0  # an older kernel: one write in each page
 
@@ -193,13 +193,3 @@ class Arena:
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"{self._nbytes} bytes"
         return f"Arena(n_slots={self.n_slots}, n_spare={self.n_spare}, slot_bytes={self.slot_bytes}, {state})"
-
-
-def _libc():
-    """The C library, for madvise; None where it cannot be loaded."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):
-        return None

@@ -44,6 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
+from clutor._util import libc
 from clutor.errors import ClutorError
 from clutor.io.uring import RingBackend, UringUnavailable, _UNAVAILABLE
 
@@ -104,15 +105,15 @@ _SQE_BYTES = 64
 _CQE_BYTES = 16  # user_data u64, res s32, flags u32
 assert struct.calcsize("<BBHiQQIIQHHiQQ") == _SQE_BYTES
 
-_libc = None
+_sys_call = None
 
 
 def _syscall():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during each call
-        _libc.syscall.restype = ctypes.c_long
-    return _libc.syscall
+    global _sys_call
+    if _sys_call is None:
+        _sys_call = libc().syscall  # ctypes.CDLL: the GIL is released during each call
+        _sys_call.restype = ctypes.c_long
+    return _sys_call
 
 
 def _call(nr: int, *args) -> int:
