@@ -642,6 +642,7 @@ def warmup(settings: KernelSettings = DEFAULT, *, every_architecture: bool = Fal
                  "" if cached is False else " (or loading them)", cache_dir() or "memory only")
     t0 = time.perf_counter()
     _warmup(settings)
+    _warm_layer()  # (no settings in these: once a process)
     took = time.perf_counter() - t0
     if cached is not True or took > 5:
         log.info("compute kernels ready in %.0f s", took)
@@ -697,9 +698,7 @@ def _warmup(settings: KernelSettings) -> None:
             _apply_threads(threads)
             _run_jobs_q8(32, job, n_cols, x, out)
         _apply_threads(n)
-    _q8_floats(x, 32)  # a long prompt's activation blocks for BLAS (q8 mode), rounded from Python
     _warm_routing()
-    _warm_layer()
 
 
 def _warm_routing() -> None:
@@ -718,7 +717,8 @@ def _warm_routing() -> None:
 
 
 def _warm_layer() -> None:
-    """The compiled kernels of a layer around its products, as the runner calls them: the norms (rows
+    """The compiled kernels of a layer around its products, as the runner calls them: the BLAS path's
+    activation blocks, the norms (rows
     contiguous and strided), the router's row dots (one thread and several) and top-k, rotary attention
     over KV pages (values contiguous and a fused projection's strided ones) and the general attention
     (f16 pages gathered, keys and values as column ranges of them), the SwiGLU helpers. Without these a
@@ -727,6 +727,7 @@ def _warm_layer() -> None:
     kernels are its Arch.warmup's."""
     from . import kvpages, norms, paged, rowwise, topk
 
+    _q8_floats(np.zeros((1, 256), np.float32), 32)  # a long prompt's activation blocks for BLAS (q8 mode)
     x = np.zeros((2, 64), np.float32)
     w = np.ones(32, np.float32)
     for rows in (x[:, :32], np.ascontiguousarray(x[:, :32])):  # a row block's strided and contiguous views
