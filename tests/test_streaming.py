@@ -503,7 +503,7 @@ def test_prefetch_raises_accuracy_on_the_same_greedy_run(six_layers):
 
 
 def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_layers):
-    """prefetch=True in decode: after each layer's get() its misses are in flight and the next MoE layer's
+    """prefetch=True in decode: after each layer's take its misses are on their way and the next MoE layer's
     best-ranked predicted experts are queued; after the last layer's, the first layer's for the next token (read
     while the output and the sampling compute). A prefill step prefetches nothing."""
     from clutor.model.runner import PREFETCH_RANKS
@@ -514,8 +514,8 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
         async with clutor.Model.open(six_layers, io="threads", expert_cache=2 * 16 * slot, prefetch=True) as model:
             store = model.runner.experts
             calls: list[tuple[str, int]] = []
-            get_ready, prefetch = store.get_ready, store.prefetch
-            store.get_ready = lambda layer, experts: (calls.append(("get", layer)), get_ready(layer, experts))[1]
+            take, prefetch = store.take, store.prefetch
+            store.take = lambda layer, experts: (calls.append(("get", layer)), take(layer, experts))[1]
             asked: list[int] = []  # experts per prefetch call: one row's best-ranked predictions only
             store.prefetch = lambda layer, experts: (calls.append(("prefetch", layer)), asked.append(len(experts)),
                                                      prefetch(layer, experts))[2]
@@ -534,12 +534,15 @@ def test_decode_prefetches_each_next_moe_layer_and_the_next_tokens_first(six_lay
         assert s == [c for l in range(n) for c in (("get", l), ("prefetch", (l + 1) % n))], s
 
 
-def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(six_layers, monkeypatch):
-    """Streamed decode: each layer's expert groups but the last cost a trip to the compute thread each; the
-    last is computed by the trip that follows (the next layer's attention, or the step's output), its views
-    pinned until that trip has returned. So a step costs n_layers + 1 trips plus one per group not last,
-    and a layer whose experts are all cached costs none of its own. The tokens are those of io="memory"."""
+def test_streamed_layers_take_cached_experts_without_the_event_loop(six_layers, monkeypatch):
+    """Streamed decode runs the whole layer loop on the compute thread: a layer's cached experts are pinned
+    and computed there, the event loop not told at all; a layer with misses hands their reads to the loop
+    once (one post: the loop owns the backend) and computes its cached experts meanwhile. A lone sequence's
+    decode steps run one after another in one trip to the compute thread. The tokens are those of io="memory"."""
+    import threading
+
     import clutor.model.runner as runner_mod
+    from clutor.io.store import ExpertStore
 
     minimum, slot = _minimum(six_layers)
     prompt = "Once upon a time there was"
@@ -552,49 +555,59 @@ def test_a_layers_last_expert_group_rides_the_next_trip_to_the_compute_thread(si
     async def go():
         async with clutor.Model.open(six_layers, io="threads", expert_cache=3 * 16 * slot, prefetch=False) as model:
             store = model.runner.experts
+            loop_thread = threading.get_ident()
             trips = [0]
-            groups: list[int] = []  # per get_ready: groups it yielded
-            inner_compute, get_ready = runner_mod.compute, store.get_ready
+            posts = [0]  # calls handed to the loop from the compute thread
+            layers: list[int] = []  # per take: its misses
+            inner_compute, take, on_loop, submit = (runner_mod.compute, store.take, store._on_loop,
+                                                    store._submit_demand)
 
-            async def counting_compute(fn, *args):
+            async def counting_compute(fn, *args, **kw):
                 trips[0] += 1
-                return await inner_compute(fn, *args)
+                return await inner_compute(fn, *args, **kw)
 
-            async def counting_get_ready(layer, experts):
-                groups.append(0)
-                async for views in get_ready(layer, experts):
-                    groups[-1] += 1
-                    yield views
+            def counting_on_loop(fn, *args):
+                if threading.get_ident() != loop_thread:
+                    posts[0] += 1
+                return on_loop(fn, *args)
 
-            per_step: list[tuple[int, list[int]]] = []  # (trips, groups per get) of each step run
-            run_step = model.runner.run
+            def counting_take(layer, experts):
+                layers.append(0)
+                return take(layer, experts)
 
-            async def counting_run(plan):
-                trips[0] = 0
-                groups.clear()
+            def counting_submit(loads):
+                layers[-1] = len(loads)
+                return submit(loads)
+
+            per_step: list[tuple[int, list[int]]] = []  # (posts, misses per take) of each step run
+            run_now = model.runner.run_now
+
+            def counting_run_now(plan):
+                posts[0] = 0
+                layers.clear()
                 try:
-                    return await run_step(plan)
+                    return run_now(plan)
                 finally:
-                    per_step.append((trips[0], list(groups)))
+                    per_step.append((posts[0], list(layers)))
 
             monkeypatch.setattr(runner_mod, "compute", counting_compute)
-            store.get_ready = counting_get_ready
-            model.runner.run = counting_run
+            store.take, store._on_loop, store._submit_demand = counting_take, counting_on_loop, counting_submit
+            model.runner.run_now = counting_run_now
             toks = [o.token async for o in model.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
                     if o.token is not None]
-            return toks, per_step, model.config.n_layers, store
+            return toks, per_step, trips[0], model.config.n_layers, store
 
     want = run(reference())
-    toks, per_step, n, store = run(go())
+    toks, per_step, trips, n, store = run(go())
     assert toks == want
     decode = per_step[1:]  # the first step is the prefill
     assert len(decode) == 7
-    all_cached = 0
-    for t, g in decode:
-        assert len(g) == n and all(k >= 1 for k in g), g
-        assert t == n + 1 + sum(k - 1 for k in g), (t, g)
-        all_cached += sum(k == 1 for k in g)
-    assert all_cached > 0 and sum(sum(g) for _, g in decode) > all_cached  # both kinds of layer occurred
+    for posted, misses in decode:
+        assert len(misses) == n, misses
+        assert posted == sum(m > 0 for m in misses), (posted, misses)  # one post per layer with misses, else none
+    all_cached = sum(m == 0 for _, misses in decode for m in misses)
+    assert 0 < all_cached < 7 * n  # both kinds of layer occurred
+    assert trips == 2, trips  # the prefill, then the lone sequence's decode loop
     assert all(store.cache.pins(s) == 0 for s in range(store.n_slots))
     store.check()
 

@@ -12,8 +12,8 @@ for each decode token (the first two skipped) splits its wall time into:
 
     compute        the compute thread busy (attention, router, experts, output head, sampling)
     read wait      the compute thread idle while a demand read was in flight
-    hand-off       the compute thread idle with no demand read in flight: event-loop turns, the store's
-                   reservation, thread wake-ups between trips
+    hand-off       the compute thread outside those spans with no demand read in flight: the store's
+                   reservation (take), the step's glue, thread wake-ups
 
 and where the disk idled: the time any read (demand or prefetch) was in flight, the bandwidth the reads
 got meanwhile (the disk's speed in this run, next to fio's), and the time no read was in flight split by
@@ -27,7 +27,7 @@ prediction caught can overlap nothing else: this is the fastest the pipeline cou
 misses, without fewer of them (a better policy, a better prediction).
 
 --show N prints the first N tokens' events (ms from the step's start): ls = a layer's attention and
-router (with the previous layer's last expert group), eo = an expert group's products, fin = the last
+router (and the sum of the layer before), eo = an expert group's products, fin = the last
 layer's sum, output head and sampling, get = the store reserving a layer's experts (wanted, misses),
 sub / done = a batch of reads submitted / one expert's reads over (demand or prefetch).
 """
@@ -101,26 +101,16 @@ class Recorder:
                 return orig(self_, load)
             return f
 
-        def begin(orig):
-            async def f(self_, layer, experts):
+        def begin(orig):  # a take's reservation: (layer, experts asked, misses), None while it must wait
+            def f(self_, layer, experts, keys, wake):
                 t0 = _now()
-                out = await orig(self_, layer, experts)
-                ev.append(("get", t0, _now(), (layer, [int(e) for e in experts], [load.key[1] for load in out[1]])))
+                out = orig(self_, layer, experts, keys, wake)
+                if out is not None:
+                    ev.append(("get", t0, _now(), (layer, [int(e) for e in experts], sorted(k[1] for k in out[1].keys))))
                 return out
             return f
 
-        def run(orig):
-            async def f(self_, plan):
-                if self_.experts.immediate:  # io=memory: the step is run_now's, on the compute thread
-                    return await orig(self_, plan)
-                t0 = _now()
-                try:
-                    return await orig(self_, plan)
-                finally:
-                    ev.append(("run", t0, _now(), bool(plan.decode)))
-            return f
-
-        def run_now(orig):  # io=memory: every step (from run, or a generation's run_solo)
+        def run_now(orig):  # every step (from run, or a lone generation's run_solo)
             def f(self_, plan):
                 t0 = _now()
                 try:
@@ -131,8 +121,7 @@ class Recorder:
 
         self._wrap(store_mod.ExpertStore, "_submit", submit)
         self._wrap(store_mod.ExpertStore, "_finish", finish)
-        self._wrap(store_mod.ExpertStore, "_begin", begin)
-        self._wrap(runner_mod.Runner, "run", run)
+        self._wrap(store_mod.ExpertStore, "_try_begin", begin)
         self._wrap(runner_mod.Runner, "run_now", run_now)
         # io=memory: a layer's routed experts are one call (the resident table, or the general path inside it)
         self._wrap(runner_mod.Runner, "_routed_now",
@@ -194,10 +183,9 @@ def analyse(events: list[tuple], expert_bytes: int, disk_bps: float | None, skip
 
 def _disk_idle_by(reads, cpu, r0, r1) -> dict[str, float]:
     """The step's time with no read in flight, split by what the compute thread did meanwhile:
-    "attention L" (the trip of layer L's attention and router, which also runs the layer before's last
-    expert group), "output" (the trip of the last layer's sum, the head and sampling, with that layer's
-    last group), "experts" (the other expert groups' trips) or "nothing"; seconds. A group inside an
-    attention or output trip counts for that trip, so the parts add up to the idle time."""
+    "attention L" (layer L's attention and router), "output" (the last layer's sum, the head and
+    sampling), "experts" (the expert groups' products) or "nothing"; seconds. A group recorded inside an
+    attention or output span counts for that span, so the parts add up to the idle time."""
     out: dict[str, float] = {}
     # reads clipped to the step (a prefetch may start in the step before)
     for a, b in _gaps([(max(a, r0), min(b, r1)) for a, b in reads if b > r0 and a < r1], r0, r1):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from .layout import PARTS, ExpertLayout
 from .policies import Policy, make_policy
 from .views import ExpertBatch, ExpertView
 
-__all__ = ["ExpertStore", "StoreStats", "BackendFactory", "PREFETCH_DEPTH", "split_slots"]
+__all__ = ["ExpertStore", "StoreStats", "Taken", "BackendFactory", "PREFETCH_DEPTH", "split_slots"]
 
 # Opens a backend over (files, buffers); the default calls open_backend with the store's io/direct.
 BackendFactory = Callable[[Sequence[str], Sequence[memoryview]], Backend]
@@ -167,11 +168,13 @@ def slot_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> int:
 
 
 class _Load:
-    """One expert being read into a slot (or a spare): one read per part, one future for whoever waits."""
+    """One expert being read into a slot (or a spare): one read per part. Nothing in it belongs to a
+    thread: whoever waits for it registers a waiter, told (under the store's lock) when it is over."""
 
-    __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "done", "released", "waiters")
+    __slots__ = ("key", "slot", "spare", "prefetch", "handles", "remaining", "error", "over", "dropped", "released",
+                 "waiters")
 
-    def __init__(self, key, slot: int | None, spare: int | None, prefetch: bool, loop: asyncio.AbstractEventLoop):
+    def __init__(self, key, slot: int | None, spare: int | None, prefetch: bool):
         self.key = key
         self.slot = slot
         self.spare = spare
@@ -179,9 +182,131 @@ class _Load:
         self.handles: list[ReadHandle] | None = None  # None until handed to the backend
         self.remaining = 0             # reads submitted and not yet completed
         self.error: BaseException | None = None
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.over = False              # every read completed (ok or not), or the load was dropped unread
+        self.dropped = False           # ... dropped: a queued prefetch withdrawn, never read
         self.released = False          # (spare loads) the batch that owns the spare let go of it
-        self.waiters: list[Callable[["_Load"], None]] = []  # get_ready iterations told when it is over
+        self.waiters: list[Callable[["_Load"], None]] = []  # told once when it is over
+
+
+class _Arrivals:
+    """The loads one get waits for, collected as each ends (``_finish`` tells it, under the store's
+    lock), so the getter wakes once per group of loads that ended together, whatever their number.
+    Made and read under the store's lock."""
+
+    __slots__ = ("keys", "arrived", "left", "pending", "wake")
+
+    def __init__(self, loads: list[_Load], wake: Callable[[], None]):
+        self.keys = {load.key for load in loads}  # what the get waits for
+        self.arrived: list[_Load] = []
+        self.left = len(loads)       # loads not yet taken
+        self.pending: list[_Load] = []  # the loads it waits for that were not over when it was made
+        self.wake = wake
+        for load in loads:
+            if load.over:
+                self.arrived.append(load)
+            else:
+                load.waiters.append(self._arrive)
+                self.pending.append(load)
+
+    def _arrive(self, load: _Load) -> None:
+        self.arrived.append(load)
+        self.wake()
+
+    def take(self) -> set[tuple[int, int]]:
+        """The keys of the loads arrived since the last take; raises the first one's failure."""
+        group, self.arrived = self.arrived, []
+        self.left -= len(group)
+        for load in group:
+            if load.dropped:
+                raise ClosedError(f"the read of layer {load.key[0]} expert {load.key[1]} was withdrawn")
+            if load.error is not None:
+                raise load.error
+        return {load.key for load in group}
+
+    def detach(self) -> None:
+        for load in self.pending:
+            if not load.over and self._arrive in load.waiters:
+                load.waiters.remove(self._arrive)
+
+
+class _LoopWaker:
+    """Wakes a get() or get_ready() awaiting on the event loop; called by whichever thread ends its load."""
+
+    __slots__ = ("future", "_loop", "_thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: int):
+        self.future: asyncio.Future[None] | None = None  # set by the getter before each wait
+        self._loop, self._thread = loop, thread
+
+    def __call__(self) -> None:
+        fut = self.future
+        if fut is None or fut.done():
+            return
+        if threading.get_ident() == self._thread:
+            fut.set_result(None)
+        else:
+            self._loop.call_soon_threadsafe(_set_pending, fut)
+
+
+def _set_pending(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Taken:
+    """The groups of one ExpertStore.take(): an iterator of lists of views (first the cached experts,
+    then each group of reads that completed together) that blocks this thread until the next group is
+    in. The views stay valid until ``close()``, which releases them (``with`` closes too)."""
+
+    __slots__ = ("_store", "_layer", "_views", "_arrivals", "_release", "_first", "_open")
+
+    def __init__(self, store: "ExpertStore", layer: int, views: dict[int, ExpertView], arrivals: "_Arrivals",
+                 release: Callable[[], None]):
+        self._store, self._layer, self._views = store, layer, views
+        self._arrivals, self._release = arrivals, release
+        self._first = True
+        self._open = True
+
+    def __iter__(self) -> "Taken":
+        return self
+
+    def __next__(self) -> list[ExpertView]:
+        store, arrivals = self._store, self._arrivals
+        if self._first:
+            self._first = False
+            with store._mu:
+                ready = store._cached(self._layer, self._views, arrivals)
+            if ready:
+                return ready
+        if not arrivals.left:
+            raise StopIteration
+        with store._mu:
+            if not arrivals.arrived:
+                t0 = time.perf_counter()
+                try:
+                    while not arrivals.arrived:
+                        store._wait_locked()
+                finally:
+                    store._c.wait_seconds += time.perf_counter() - t0
+            keys = arrivals.take()
+        return store._in_order(self._layer, self._views, keys)
+
+    def close(self) -> None:
+        store = self._store
+        with store._mu:
+            if not self._open:
+                return
+            self._open = False
+            self._arrivals.detach()
+            self._release()
+            store._takers -= 1
+            store._check_drained()
+
+    def __enter__(self) -> "Taken":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass
@@ -303,21 +428,28 @@ class ExpertStore:
         self._c = _Counters()
         self._views: dict[int, ExpertView] = {}  # arena buffer -> the view last made of it (see _view)
         self._closed = False
+        # take() runs on another thread (the compute thread) beside the loop's completions: one lock
+        # over all of the store's state, and one condition for whatever waits on another thread
+        self._mu = threading.RLock()
+        self._cv = threading.Condition(self._mu)
+        self._loop_thread = threading.get_ident()
+        self._posted: set[_Load] = set()  # demand loads handed to the loop to submit, not yet submitted
+        self._pump_posted = False
+        self._takers = 0  # take() iterations open (their views may be in use on another thread)
+        self._freed_waiting = 0  # get()s on the loop waiting for a slot to come free
 
     # -- ExpertSource ----------------------------------------------------------------------------
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
         """The experts' bytes as views into the arena, pinned until ``batch.release()``."""
-        views, wait, release = await self._begin(layer, experts)
-        if wait:
-            t0 = time.perf_counter()
-            try:
-                for load in wait:
-                    await asyncio.shield(load.done)  # never cancels the read; raises its error
-            except BaseException:
+        views, arrivals, release = await self._begin(layer, experts, self._loop_waker())
+        try:
+            while arrivals.left:
+                await self._next_arrivals(arrivals)
+        except BaseException:
+            with self._mu:
+                arrivals.detach()
                 release()
-                raise
-            finally:
-                self._c.wait_seconds += time.perf_counter() - t0
+            raise
         return ExpertBatch([views[int(e)] for e in experts], release)
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
@@ -325,88 +457,113 @@ class ExpertStore:
         as their bytes arrive: first every cached one, then the reads that completed together, so the
         caller computes (one kernel launch per group) while the rest is read. Views stay valid until
         the iteration ends or the generator is closed; then all are released."""
-        views, wait, release = await self._begin(layer, experts)
-        # Loads over and not yet yielded; filled by _finish as each one ends (no future per load, no
-        # asyncio.wait: one wake-up of this iteration per group, whatever the number of reads).
-        arrived: list[_Load] = []
-        wake: list[asyncio.Future | None] = [None]
-
-        def on_arrival(load: _Load) -> None:
-            arrived.append(load)
-            fut = wake[0]
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-
+        views, arrivals, release = await self._begin(layer, experts, self._loop_waker())
         try:
-            waiting = {load.key for load in wait}
-            ready = [view for e, view in views.items() if (layer, e) not in waiting]
+            ready = self._cached(layer, views, arrivals)
             if ready:
                 yield ready
-            left = 0
-            for load in wait:
-                if load.done.done():
-                    arrived.append(load)
-                else:
-                    load.waiters.append(on_arrival)
-                    left += 1
-            left += len(arrived)
-            while left:
-                if not arrived:
-                    wake[0] = self._loop.create_future()
-                    t0 = time.perf_counter()
-                    try:
-                        await wake[0]
-                    finally:
-                        self._c.wait_seconds += time.perf_counter() - t0
-                        wake[0] = None
-                group = arrived[:]
-                arrived.clear()
-                left -= len(group)
-                for load in group:
-                    if load.done.cancelled():
-                        raise ClosedError(f"the read of layer {load.key[0]} expert {load.key[1]} was withdrawn")
-                    if load.error is not None:
-                        raise load.error
-                keys = {load.key for load in group}
-                # in request order, so a group's order does not depend on completion order
-                yield [views[e] for e in views if (layer, e) in keys]
+            while arrivals.left:
+                yield self._in_order(layer, views, await self._next_arrivals(arrivals))
         finally:
-            for load in wait:
-                if on_arrival in load.waiters:
-                    load.waiters.remove(on_arrival)
-            release()
+            with self._mu:
+                arrivals.detach()
+                release()
 
-    async def _begin(self, layer: int, experts: Sequence[int]):
-        """Reserve slots for the experts (hits pinned, misses placed) and submit the misses as one batch.
-        Returns ({expert: view}, loads to wait for, release callback)."""
+    def take(self, layer: int, experts: Sequence[int]) -> "Taken":
+        """get_ready() for a thread other than the event loop's (the compute thread's layer loop): the
+        same groups, from an iterator that blocks between them. A cached expert is pinned and handed
+        out here with no turn of the event loop; the misses' reads go to the loop to be submitted (the
+        backend is the loop's) and their completions wake this thread. ``close()`` (or ``with``)
+        releases the views."""
+        if threading.get_ident() == self._loop_thread:
+            raise ClutorError("ExpertStore.take() blocks: call it from a thread other than the event loop's")
+        with self._mu:
+            self._check_open()
+            keys = self._keys(layer, experts)
+            self._check_fits(keys)
+            while (got := self._try_begin(layer, experts, keys, self._cv.notify_all)) is None:
+                self._wait_locked()  # every slot and spare held by other callers: until a release
+            self._takers += 1
+        return Taken(self, layer, *got)
+
+    def _wait_locked(self) -> None:
+        """Block this (non-loop) thread, the lock held, until a load ends or a get releases; checked
+        every second for an event loop that is gone (nothing would ever wake this thread) or a
+        closed store."""
+        self._cv.wait(1.0)
+        if self._loop.is_closed():
+            raise ClosedError("the event loop that owns the expert store has closed")
         self._check_open()
-        keys = self._keys(layer, experts)
-        grants = await self._reserve_all(keys)
-        placed = self._place(layer, keys, grants)
-        self._end_prefetch(layer)
-        release = self._releaser(placed.slots, placed.spares)
-        if placed.submit:
-            self._submit(placed.submit, demand=True)
-        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
-        views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
-        return views, placed.wait, release
 
-    async def _reserve_all(self, keys: list[tuple[int, int]]) -> list[Grant | None]:
-        """One grant per key (None: a spare buffer's bypass read), waiting while other callers hold
-        every slot and spare; BudgetError when the keys could never fit at once."""
+    @staticmethod
+    def _cached(layer: int, views: dict[int, ExpertView], arrivals: _Arrivals) -> list[ExpertView]:
+        """The views not waiting for a read: the first group a get yields."""
+        return [view for e, view in views.items() if (layer, e) not in arrivals.keys]
+
+    @staticmethod
+    def _in_order(layer: int, views: dict[int, ExpertView], keys: set[tuple[int, int]]) -> list[ExpertView]:
+        # in request order, so a group's order does not depend on completion order
+        return [views[e] for e in views if (layer, e) in keys]
+
+    async def _next_arrivals(self, arrivals: _Arrivals) -> set[tuple[int, int]]:
+        """The keys of the loads ended since the last call (on the loop), waiting for one if none has."""
+        with self._mu:
+            if arrivals.arrived:
+                return arrivals.take()
+            wake = arrivals.wake.future = self._loop.create_future()
+        t0 = time.perf_counter()
+        try:
+            await wake
+        finally:
+            self._c.wait_seconds += time.perf_counter() - t0
+        with self._mu:
+            return arrivals.take()
+
+    def _loop_waker(self) -> "_LoopWaker":
+        return _LoopWaker(self._loop, self._loop_thread)
+
+    async def _begin(self, layer: int, experts: Sequence[int], wake: Callable[[], None]):
+        """(On the loop) reserve slots for the experts (hits pinned, misses placed) and submit the misses
+        as one batch, waiting while other callers hold every slot and spare. Returns ({expert: view},
+        the _Arrivals of the loads to wait for, release callback)."""
+        with self._mu:
+            self._check_open()
+            keys = self._keys(layer, experts)
+            self._check_fits(keys)
+        while True:
+            with self._mu:
+                self._check_open()
+                self._freed.clear()
+                got = self._try_begin(layer, experts, keys, wake)
+                if got is not None:
+                    return got
+                self._freed_waiting += 1
+            try:
+                await self._freed.wait()
+            finally:
+                with self._mu:
+                    self._freed_waiting -= 1
+
+    def _check_fits(self, keys: list[tuple[int, int]]) -> None:
         if len(keys) > self.n_slots + self.n_spare:
             raise BudgetError(
                 f"get() of {len(keys)} distinct experts cannot fit: the store has {self.n_slots} slots "
                 f"and {self.n_spare} spare buffers of {self.slot_bytes} bytes (budget {format_bytes(self.budget)})"
             )
-        while True:
-            grants = self._reserve(keys)
-            if grants is not None:
-                return grants
-            # Every slot and spare is held by other callers: wait for a release, then try again.
-            self._freed.clear()
-            await self._freed.wait()
-            self._check_open()
+
+    def _try_begin(self, layer: int, experts: Sequence[int], keys: list[tuple[int, int]], wake: Callable[[], None]):
+        """Under the lock: _begin's work, or None when every slot and spare is held by other callers."""
+        grants = self._reserve(keys)
+        if grants is None:
+            return None
+        placed = self._place(layer, keys, grants)
+        self._end_prefetch(layer)
+        release = self._releaser(placed.slots, placed.spares)
+        if placed.submit:
+            self._submit_demand(placed.submit)
+        # Views now, while the arena is surely open; the caller sees them only once the reads are in.
+        views = {int(e): self._view(layer, int(e), placed.where[(layer, int(e))]) for e in experts}
+        return views, _Arrivals(placed.wait, wake), release
 
     def _place(self, layer: int, keys: list[tuple[int, int]], grants: list[Grant | None]) -> _Placed:
         """Where each granted key's bytes are or will be, which reads to submit and which to wait for;
@@ -419,7 +576,7 @@ class ExpertStore:
             if layer_pf is not None:
                 layer_pf.pop(key, None)  # demanded: no longer the prefetcher's
             if grant is None:
-                load = _Load(key, None, self._spares.pop(), False, self._loop)
+                load = _Load(key, None, self._spares.pop(), False)
                 placed.spares.append(load)
                 placed.submit.append(load)
                 placed.wait.append(load)
@@ -435,7 +592,7 @@ class ExpertStore:
                 continue
             c.misses += 1
             if grant.state is SlotState.FREE:
-                load = _Load(key, grant.slot, None, False, self._loop)
+                load = _Load(key, grant.slot, None, False)
                 self._loads[grant.slot] = load
                 placed.submit.append(load)
             else:  # LOADING: a read is already on its way (a prefetch's, or another caller's)
@@ -456,22 +613,28 @@ class ExpertStore:
 
         def release() -> None:
             nonlocal released
-            if released:
-                return
-            released = True
-            for slot in slots:
-                self.cache.unpin(slot)
-            for load in spares:
-                load.released = True
-                if load.done.done():  # else _finish gives the spare back when its read completes
-                    self._spares.append(load.spare)
-            self._freed.set()
+            with self._mu:
+                if released:
+                    return
+                released = True
+                for slot in slots:
+                    self.cache.unpin(slot)
+                for load in spares:
+                    load.released = True
+                    if load.over:  # else _finish gives the spare back when its read completes
+                        self._spares.append(load.spare)
+                self._signal_freed()
 
         return release
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading experts expected soon into staged slots. Never blocks; see the module doc for
-        how long a prefetch lasts. Experts already present, or with no slot to stage into, are skipped."""
+        how long a prefetch lasts. Experts already present, or with no slot to stage into, are skipped.
+        Callable from any thread: the reads are handed to the backend on the event loop."""
+        with self._mu:
+            self._prefetch(layer, experts)
+
+    def _prefetch(self, layer: int, experts: Sequence[int]) -> None:
         self._check_open()
         keys = self._keys(layer, experts)
         old = self._pf.get(layer, {})
@@ -486,7 +649,7 @@ class ExpertStore:
             if grant is None:
                 self._c.prefetch_skipped += 1
                 continue
-            load = _Load(key, grant.slot, None, True, self._loop)
+            load = _Load(key, grant.slot, None, True)
             self._loads[grant.slot] = load
             self._pq.append(load)
             old[key] = load
@@ -510,26 +673,32 @@ class ExpertStore:
         calls this during decode with layer+1's router applied to the current hidden state, before the
         current layer's get()). No read, no slot: only the victim order may change. Valid until
         that layer's next get() or hint()."""
-        self._check_open()
-        self.cache.hint(int(layer), self._keys(layer, experts))
+        with self._mu:
+            self._check_open()
+            self.cache.hint(int(layer), self._keys(layer, experts))
 
     def cancel_prefetch(self, layer: int | None = None) -> None:
         """Give up the prefetch of ``layer`` (of every layer when None), as described in the module doc."""
-        for l in list(self._pf) if layer is None else [layer]:
-            self._end_prefetch(l)
+        with self._mu:
+            for l in list(self._pf) if layer is None else [layer]:
+                self._end_prefetch(l)
 
     async def aclose(self) -> None:
         """Wait for every read in flight, then release the backend and the arena. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._freed.set()  # wake waiting get()s so they see the store is closed
-        for layer in list(self._pf):
-            self._end_prefetch(layer)
-        while self._pq:  # prefetches of layers already ended but never submitted
-            self._drop_queued(self._pq[0])
-        if self._outstanding:
-            self._drained = self._loop.create_future()
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            self._signal_freed()  # wake waiting get()s and takes so they see the store is closed
+            for layer in list(self._pf):
+                self._end_prefetch(layer)
+            while self._pq:  # prefetches of layers already ended but never submitted
+                self._drop_queued(self._pq[0])
+            if self._busy():
+                self._drained = self._loop.create_future()
+        if self._drained is not None:
+            # reads in flight (their buffers are the kernel's), or a take() on another thread whose
+            # views are still being read: the arena is unmapped only after both
             await asyncio.shield(self._drained)
         await self.backend.aclose()
         self._views.clear()  # they reference the arena's mapping
@@ -549,13 +718,18 @@ class ExpertStore:
 
     def resident(self, layer: int, expert: int) -> bool:
         """The expert's bytes are in the cache now (a get() would not wait)."""
-        return self.cache.resident((layer, int(expert)))
+        with self._mu:
+            return self.cache.resident((layer, int(expert)))
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def stats(self) -> StoreStats:
+        with self._mu:
+            return self._stats()
+
+    def _stats(self) -> StoreStats:
         c = self._c
         return StoreStats(
             accesses=c.accesses,
@@ -581,6 +755,10 @@ class ExpertStore:
 
     def check(self) -> None:
         """Assert the store's bookkeeping is consistent; for tests. Raises AssertionError."""
+        with self._mu:
+            self._check()
+
+    def _check(self) -> None:
         cache = self.cache
         cache.check()
         for slot in range(self.n_slots):
@@ -588,7 +766,7 @@ class ExpertStore:
             assert loading == (slot in self._loads), f"slot {slot}: {cache.state(slot).name} but load record {slot in self._loads}"
         for slot, load in self._loads.items():
             assert cache.slot_of(load.key) == slot, f"load of {load.key} in slot {slot} not where the cache says"
-            assert (load.handles is None) == (load in self._pq), f"{load.key}: queued state disagrees"
+            assert (load.handles is None) == (load in self._pq or load in self._posted), f"{load.key}: queued state disagrees"
         for loads in self._pf.values():
             for key, load in loads.items():
                 assert load.prefetch, f"{key}: demanded load still listed as a prefetch"
@@ -677,7 +855,7 @@ class ExpertStore:
         self._pq.remove(load)
         del self._loads[load.slot]
         self.cache.fail(load.slot)  # never submitted: the slot is free again; counted as wasted
-        load.done.cancel()
+        load.over = load.dropped = True
         self._tell(load)
 
     @staticmethod
@@ -685,6 +863,35 @@ class ExpertStore:
         waiters, load.waiters = load.waiters, []
         for arrived in waiters:
             arrived(load)
+
+    # -- internals: threads ------------------------------------------------------------------------
+    def _on_loop(self, fn: Callable, *args) -> None:
+        """fn(*args) on the event loop's thread: now if this is it, else as soon as the loop turns
+        (not at all once the loop is closed: nothing there would run it)."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        elif not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # closed meanwhile
+                pass
+
+    def _signal_freed(self) -> None:
+        """A slot or spare came free (or the store closed): wake the gets waiting for one. Lock held.
+        (The loop is told only when a get waits there: a take's release costs it no turn.)"""
+        self._cv.notify_all()
+        if self._freed_waiting:
+            self._on_loop(self._freed.set)
+
+    def _busy(self) -> bool:
+        """Reads in flight or about to be submitted, or views in use by a take() on another thread."""
+        return bool(self._outstanding or self._posted or self._takers)
+
+    def _check_drained(self) -> None:
+        """Once closed: when nothing is busy any more, let aclose() unmap the arena. Lock held."""
+        drained = self._drained
+        if self._closed and drained is not None and not self._busy():
+            self._on_loop(_set_pending, drained)
 
     # -- internals: reads --------------------------------------------------------------------------
     def _parts_of(self, key: tuple[int, int]) -> tuple[_Part, ...]:
@@ -701,8 +908,35 @@ class ExpertStore:
     def _buffer_of(self, load: _Load) -> int:
         return load.slot if load.slot is not None else self.n_slots + load.spare
 
+    def _submit_demand(self, loads: list[_Load]) -> None:
+        """A get's misses to the backend, now on the loop; from another thread (take), through the loop
+        (the backend is the loop's), no prefetch going to the backend meanwhile."""
+        if threading.get_ident() == self._loop_thread:
+            self._submit(loads, demand=True)
+            return
+        self._posted.update(loads)
+        self._on_loop(self._submit_posted, loads)
+
+    def _submit_posted(self, loads: list[_Load]) -> None:
+        with self._mu:
+            self._posted.difference_update(loads)
+            if not self._closed:
+                self._submit(loads, demand=True)
+                return
+            for load in loads:  # closed before the loop got to them: never read
+                self._fail_unread(load, "the expert store closed before the read was submitted")
+            self._check_drained()
+
+    def _fail_unread(self, load: _Load, why: str) -> None:
+        """A load that will never be read: failed with an ExpertReadError naming its first slab."""
+        part = self._parts_of(load.key)[0]
+        load.handles = []
+        self._outstanding += 1
+        load.error = ExpertReadError(self._paths[part.file], part.offset, part.length, why, *load.key)
+        self._finish(load)
+
     def _submit(self, loads: list[_Load], demand: bool) -> None:
-        """Hand the reads of ``loads`` to the backend in one batch (demand first: see _yank)."""
+        """Hand the reads of ``loads`` to the backend in one batch (demand first: see _yank). On the loop."""
         if demand:
             self._yank_prefetches()
         requests = []
@@ -716,13 +950,8 @@ class ExpertStore:
             handles = self.backend.submit(requests)
         except Exception as err:
             why = err.reason if isinstance(err, ClutorIOError) else str(err) if isinstance(err, ClutorError) else repr(err)
-            r0 = requests[0]
             for load in loads:
-                load.handles = []
-                self._outstanding += 1
-                load.error = ExpertReadError(self._paths[r0.file], r0.offset, r0.length, f"submit failed: {why}",
-                                             *load.key)
-                self._finish(load)
+                self._fail_unread(load, f"submit failed: {why}")
             if demand:
                 self._pump()
             return
@@ -762,15 +991,31 @@ class ExpertStore:
     def _pump(self) -> None:
         """Hand queued prefetches to the backend, at most PREFETCH_DEPTH experts at a time, and only
         while no demand read is in flight (the loads outstanding beyond the prefetches: those include
-        prefetches a get() took over, which are demand now)."""
+        prefetches a get() took over, which are demand now, and the demand reads a take() has handed to the
+        loop). Called on another thread, it asks the loop to pump."""
         room = PREFETCH_DEPTH - len(self._pf_submitted)
-        if room <= 0 or not self._pq or self._closed or self._outstanding > len(self._pf_submitted):
+        if (room <= 0 or not self._pq or self._closed or self._posted
+                or self._outstanding > len(self._pf_submitted)):
+            return
+        if threading.get_ident() != self._loop_thread:
+            if not self._pump_posted:
+                self._pump_posted = True
+                self._on_loop(self._pump_on_loop)
             return
         batch = [self._pq.popleft() for _ in range(min(room, len(self._pq)))]
         self._submit(batch, demand=False)
 
+    def _pump_on_loop(self) -> None:
+        with self._mu:
+            self._pump_posted = False
+            self._pump()
+
     def _on_read(self, load: _Load, p: int, h: ReadHandle, t0: float) -> None:
-        """One of the load's reads is over (called by the backend as it takes the completion)."""
+        """One of the load's reads is over (called by the backend, on the loop, as it takes the completion)."""
+        with self._mu:
+            self._read_over(load, p, h, t0)
+
+    def _read_over(self, load: _Load, p: int, h: ReadHandle, t0: float) -> None:
         if load.handles is None or p >= len(load.handles) or load.handles[p] is not h:
             return  # withdrawn and re-queued: a newer read will fill this buffer
         fut = h.done
@@ -822,16 +1067,11 @@ class ExpertStore:
                     del layer_pf[load.key]
         elif load.released:
             self._spares.append(load.spare)
-        if load.error is None:
-            load.done.set_result(None)
-        else:
-            load.done.set_exception(load.error)
-            load.done.exception()  # the waiter may have been cancelled; do not log it as unretrieved
+        load.over = True
         self._tell(load)
-        self._freed.set()
+        self._signal_freed()
         if self._closed:
-            if self._outstanding == 0 and self._drained is not None and not self._drained.done():
-                self._drained.set_result(None)
+            self._check_drained()
         else:
             self._pump()
 

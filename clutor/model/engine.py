@@ -18,7 +18,7 @@ task per model runs the steps. Each round the engine
 4. applies the outcomes: sampled tokens to their requests, computed pages published for reuse,
    finished requests out of the batch.
 
-A lone sequence decoding from experts in memory (nothing waiting, nothing else in the batch) does not
+A lone sequence decoding (nothing waiting, nothing else in the batch) does not
 come back to the event loop between its tokens: the compute thread runs its steps one after another
 (``_solo_steps``: the same plan, run and outcome as a batched step, sampling included) and posts each
 token to its reader with call_soon_threadsafe, so a token costs no thread hand-off and the loop's own
@@ -495,9 +495,8 @@ class Engine:
 
     # -- a lone sequence's decode loop, on the compute thread ---------------------------------------
     def _solo_ready(self, batch: list[tuple[Request, int]]) -> bool:
-        """The step is one sequence's decode token, nothing waits for admission, and the experts never
-        wait for a read (each layer of a streamed source needs the loop for its I/O)."""
-        if not self.solo_decode or len(batch) != 1 or self._waiting or not self.runner.immediate:
+        """The step is one sequence's decode token and nothing waits for admission."""
+        if not self.solo_decode or len(batch) != 1 or self._waiting:
             return False
         r, n = batch[0]
         return r.kind == "generate" and n == 1 and r.n_gen > 0 and len(r.todo) == 1

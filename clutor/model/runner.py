@@ -2,13 +2,13 @@
 
     outcomes = await runner.run(plan)   # one Outcome per segment, in the plan's order
 
-Every numerical step runs on the compute thread (clutor.model.compute); the event loop does only the
-expert I/O: reserving a layer's experts, submitting the misses and taking completions from the
-ExpertSource. With a source whose experts never wait (io="memory") the whole step is one trip to
-the compute thread; a streaming source costs one trip per layer boundary, the rest of each layer
-computed group by group as its experts' bytes arrive. A layer's last group goes with the trip after it
-(the next layer's attention and router, or the step's output) rather than a trip of its own: nothing
-else could overlap that group's compute, and each trip costs a hand-off between threads.
+A step is one trip to the compute thread (clutor.model.compute), which runs the whole layer loop. With a
+source whose experts never wait (io="memory") it takes each layer's views directly; from the expert
+store it takes them with ``store.take``: the cached experts pinned and computed at once, with no turn
+of the event loop, while the loop submits the misses' reads and takes their completions, which wake the
+compute thread group by group as the bytes arrive. The event loop does only that expert I/O; a layer
+boundary costs no hand-off between threads (it had cost 0.5-0.6 ms a layer when every layer's experts
+went through the loop).
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ClutorError, ExpertReadError
+from ..errors import ExpertReadError
 from . import kernels
 from .compute import compute
 from .kernels import Job
@@ -118,60 +118,55 @@ class Runner:
         self.rows = 0   # rows computed over those steps
 
     # -- the step ----------------------------------------------------------------------------------
-    @property
-    def immediate(self) -> bool:
-        """The experts never wait for a read (io="memory"): a step needs nothing of the event loop."""
-        return self.experts.immediate
-
     async def run(self, plan: StepPlan) -> list[Outcome]:
         """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
         self._asking += 1
         try:
             async with self._lock:
-                if self.experts.immediate:
-                    # Experts mapped from the file never wait for a read: the whole step is one
-                    # trip to the compute thread instead of two per layer.
-                    return await compute(self.run_now, plan)
-                step = Step(plan, self.kv)
-                try:
-                    with self.profile.step("decode" if plan.decode else "prefill", plan.rows):
-                        return await self._run_streamed(step)
-                finally:
-                    self.steps += 1
-                    self.rows += plan.rows
+                return await compute(self.run_now, plan)
         finally:
             self._asking -= 1
 
     def run_now(self, plan: StepPlan) -> list[Outcome]:
-        """Compute thread, an immediate source only: the whole step in one call. Call it from run, or
-        from fn in run_solo (which holds the runner for it)."""
+        """Compute thread: the whole step in one call. Call it from run, or from fn in run_solo (which
+        holds the runner for it); never on the event loop, which a streaming source needs for its reads."""
         step = Step(plan, self.kv)
         try:
             with self.profile.step("decode" if plan.decode else "prefill", plan.rows):
-                return self._run_now(step)
+                return self._layers(step)
         finally:
             self.steps += 1
             self.rows += plan.rows
 
     async def run_solo(self, fn, *args, on_cancel=None):
         """Hold the runner and call fn(*args, run_now, asked) on the compute thread: fn runs steps with
-        run_now (an immediate source only) until it returns, and should return soon after asked() is
-        True (a forward is waiting for the runner). on_cancel() is called at once when the caller is
-        cancelled, to make fn return (fn's steps are never abandoned half-done)."""
-        if not self.experts.immediate:
-            raise ClutorError("run_solo needs experts that never wait for a read (io='memory')")
+        run_now until it returns, and should return soon after asked() is True (a forward is waiting for
+        the runner). on_cancel() is called at once when the caller is cancelled, to make fn return (fn's
+        steps are never abandoned half-done)."""
         async with self._lock:
             return await compute(fn, *args, self.run_now, lambda: self._asking > 0, on_cancel=on_cancel)
 
-    def _run_now(self, step: Step) -> list[Outcome]:
-        """The layer loop in one call on the compute thread, for an immediate source."""
+    def _layers(self, step: Step) -> list[Outcome]:
+        """The layer loop, on the compute thread: each layer's routed experts from the source at once
+        (_routed_now), or taken from the store group by group as their bytes arrive (_routed_taken)."""
+        streamed = not self.experts.immediate
+        before = self.experts.stats() if streamed and any(s.ledger is not None for s in step.segments) else None
+        step.accounting = before is not None
         x = h = ys = None
         for l in range(self.config.n_layers):
-            x, h, sel, w, _ = self._layer_start(l, x, h, ys, step)
+            x, h, sel, w, nxt = self._layer_start(l, x, h, ys, step)  # x [R, D]
             if sel is None:
                 ys = []
-                continue
-            ys = self._routed_now(l, h, sel, w)
+            elif streamed:
+                ys = self._routed_taken(l, h, sel, w, step, nxt)
+            else:
+                ys = self._routed_now(l, h, sel, w)
+        if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
+            share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
+            for s in step.segments:
+                if s.ledger is not None:
+                    s.ledger.bytes_prefetch += share
+                    s.ledger.steps += 1
         return self._finish(x, h, ys, step)
 
     def _routed_now(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray) -> "np.ndarray | list":
@@ -186,38 +181,6 @@ class Runner:
         out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
         return [out[e] for e in wanted]
 
-    async def _run_streamed(self, step: Step) -> list[Outcome]:
-        ledgers = [s.ledger for s in step.segments if s.ledger is not None]
-        before = self.experts.stats() if ledgers else None
-        step.accounting = before is not None
-        x = h = ys = None
-        for l in range(self.config.n_layers):
-            # One trip to the compute thread per layer boundary (each trip costs a thread hand-off):
-            # the previous layer's last expert group and sum (or the embedding), then this layer's
-            # attention and router.
-            x, h, sel, w, nxt = await self._trip(self._layer_start, l, x, h, ys, step)  # x [R, D]
-            ys = await self._routed_experts(l, x, h, sel, w, step, nxt) if sel is not None else []
-        if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
-            share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
-            for s in step.segments:
-                if s.ledger is not None:
-                    s.ledger.bytes_prefetch += share
-                    s.ledger.steps += 1
-        return await self._trip(self._finish, x, h, ys, step)
-
-    async def _trip(self, fn, *args):
-        """compute(fn, ...) whose ys may be a _Late layer: its views stay pinned until fn has returned
-        (fn computes them first), then they are released."""
-        late = next((a for a in args if isinstance(a, _Late)), None)
-        try:
-            return await compute(fn, *args)
-        finally:
-            if late is not None:
-                await late.groups.aclose()
-                # Let another forward waiting for the slots just released reserve before this one's
-                # next get() does (it would otherwise not suspend in between).
-                await asyncio.sleep(0)
-
     # -- compute thread ------------------------------------------------------------------------------
     def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
         """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
@@ -225,8 +188,6 @@ class Runner:
         experts [R, K], weights [R, K]; both None in a dense layer, and the next MoE layer's predicted
         experts: (all, those to prefetch) or None)."""
         arch, lw, prof = self.arch, self._w.layers[l], self.profile
-        if isinstance(ys, _Late):
-            ys = self._late_out(ys)
         if l == 0:
             step.prepare()
             with prof.span("embed"):
@@ -332,11 +293,6 @@ class Runner:
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
             return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 
-    def _late_out(self, late: "_Late") -> list[tuple[np.ndarray, np.ndarray]]:
-        """A layer's routed outputs, its last group computed now: in the order the layer asked for them."""
-        late.ys.update(self._experts_out(late.l, late.h, late.sel, late.w, late.views))
-        return [late.ys[e] for e in late.wanted if e in late.ys]
-
     def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: "list | np.ndarray") -> np.ndarray:
         """The layer's output from x and the routed experts' outputs (arch.ffn_out: by default x + them
         + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are
@@ -372,8 +328,6 @@ class Runner:
         rows wanted (all of a segment's, or its last: the others' logits would cost a [V, D] product
         per row for nothing), or the final hidden states; then each segment's head."""
         cfg, plan = self.config, step.plan
-        if isinstance(ys, _Late):
-            ys = self._late_out(ys)
         with self.profile.span("shared + sum"):
             x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
         step.commit()
@@ -437,14 +391,12 @@ class Runner:
             pf = _by_votes(sel[:, :PREFETCH_RANKS])
         return _by_votes(sel)[: self._max_batch], pf[: self._max_batch]
 
-    # -- event loop: expert I/O ------------------------------------------------------------------------
-    async def _routed_experts(self, l: int, x: np.ndarray, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                              step: Step, nxt: tuple[list[int], list[int]] | None
-                              ) -> "list[tuple[np.ndarray, np.ndarray]] | _Late":
-        """Layer l's routed experts for every row of the step: each expert read once, computed on the
-        compute thread group by group as its bytes arrive, while the rest are still being read; the
-        last group left to the next trip (a _Late). An expert whose read fails fails the segments
-        routed to it; the others go on without it."""
+    # -- compute thread: streamed experts --------------------------------------------------------------
+    def _routed_taken(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray, step: Step,
+                      nxt: tuple[list[int], list[int]] | None) -> "list[tuple[np.ndarray, np.ndarray]]":
+        """Layer l's routed experts for every row of the step from the streaming source: each expert read
+        once, computed group by group as its bytes arrive (the cached ones first, while the misses are
+        read). An expert whose read fails fails the segments routed to it; the others go on without it."""
         wanted = _by_votes(sel)  # each expert once per layer per step
         ys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         layer = self._moe_index[l]
@@ -458,38 +410,28 @@ class Runner:
             chunk, todo = todo[: self._max_batch], todo[self._max_batch :]
             before = self.experts.stats() if users is not None else None
             hits: list[int] = []
-            groups = self.experts.get_ready(layer, chunk)
-            tail: list | None = None   # the last group's views, left to the next trip
-            late: _Late | None = None  # ... handed over: the iteration (and its pins) is the next trip's to close
+            groups = self.experts.take(layer, chunk)
             try:
-                t_wait = time.perf_counter()
                 first_group = True
-                arrived = 0
-                async for views in groups:
+                while True:
+                    t_wait = time.perf_counter()
+                    views = next(groups, None)
                     self.profile.add("wait for reads", time.perf_counter() - t_wait)
+                    if views is None:
+                        break
                     if first_group and before is not None and self.experts.stats().hits > before.hits:
                         hits = [v.expert for v in views]  # the first group is the cached experts, if any
                     first_group = False
                     if first_get and nxt is not None and self._prefetch:
-                        # This layer's experts are pinned and its misses submitted: queue the experts
-                        # the next MoE layer's router picks from the current hidden state, read once
-                        # this layer's misses are in (the store's idle-disk rule) while it computes.
-                        # (In a prefill nearly every expert is demanded anyway.)
+                        # This layer's experts are pinned and its misses on their way: queue the experts
+                        # the next MoE layer's router picks from the current hidden state, read once this
+                        # layer's misses are in (the store's idle-disk rule) while it computes. (In a
+                        # prefill nearly every expert is demanded anyway.)
                         self.experts.prefetch(self._moe_index[ahead], nxt[1])
                     first_get = False
-                    arrived += len(views)
-                    if not todo and arrived == len(chunk):
-                        # The layer's last group: computed by the next trip to the compute thread, its
-                        # views pinned until then (the iteration stays open).
-                        tail = views
-                        break
-                    ys.update(await compute(self._experts_out, l, h, sel, w, views))
-                    t_wait = time.perf_counter()
+                    ys.update(self._experts_out(l, h, sel, w, views))
                 if before is not None:
                     _charge(step, users, chunk, hits, before, self.experts.stats())
-                if tail is not None:
-                    late = _Late(l, h, sel, w, ys, tail, wanted, groups)
-                    return late
             except ExpertReadError as e:
                 if e.layer != layer or e.expert not in chunk:
                     raise
@@ -498,25 +440,9 @@ class Runner:
                 step.fail_rows(np.nonzero((sel == e.expert).any(axis=1))[0], e)
                 todo = [x for x in chunk if x not in ys and x != e.expert] + todo
             finally:
-                if late is None:
-                    await groups.aclose()
+                groups.close()
             first_get = False
-            # Let another forward waiting for the slots just released reserve before this one does
-            # again (a forward whose next layer is all hits would otherwise never suspend).
-            await asyncio.sleep(0)
         return [ys[e] for e in wanted if e in ys]
-
-
-class _Late:
-    """A layer's routed experts whose last group is still to compute: the outputs so far (ys), the
-    views of that group (pinned until ``groups``, the store's iteration, is closed), and the order the
-    layer asked for its experts in (wanted)."""
-
-    __slots__ = ("l", "h", "sel", "w", "ys", "views", "wanted", "groups")
-
-    def __init__(self, l, h, sel, w, ys, views, wanted, groups):
-        self.l, self.h, self.sel, self.w = l, h, sel, w
-        self.ys, self.views, self.wanted, self.groups = ys, views, wanted, groups
 
 
 def _users(sel: np.ndarray, seg_of_row: np.ndarray) -> dict[int, list[int]]:

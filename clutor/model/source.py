@@ -1,13 +1,14 @@
 """The model's only door to routed experts.
 
-``ExpertSource`` is what the layer loop awaits; the disk-streaming ExpertStore (clutor.io.store) and
-the in-memory source below both implement it, so the model never knows where experts come from.
+``ExpertSource`` is what the layer loop (on the compute thread) takes experts from; the disk-streaming
+ExpertStore (clutor.io.store) and the in-memory source below both implement it, so the model never
+knows where experts come from.
 """
 from __future__ import annotations
 
 import mmap
 import os
-from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -21,10 +22,11 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 
 @runtime_checkable
 class ExpertSource(Protocol):
-    """Where the layer loop gets routed experts from. ``capacity``: the most distinct experts one
-    get may hold pinned at once (0 = no limit); ``slot_bytes``: what one cached expert occupies (a
-    routing trace's header carries it, so the simulator models the same cache); ``stats()``: the
-    store's counters, None where nothing is cached."""
+    """Where the layer loop gets routed experts from: ``views_now()`` where they never wait for a read
+    (``immediate``), else ``take()``, whose groups block the compute thread until their bytes are in.
+    ``capacity``: the most distinct experts one get may hold pinned at once (0 = no limit);
+    ``slot_bytes``: what one cached expert occupies (a routing trace's header carries it, so the
+    simulator models the same cache); ``stats()``: the store's counters, None where nothing is cached."""
 
     capacity: int
     slot_bytes: int
@@ -34,6 +36,7 @@ class ExpertSource(Protocol):
     def stats(self) -> StoreStats | None: ...
     async def get(self, layer: int, experts: Sequence[int]) -> ExpertBatch: ...
     def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]: ...
+    def take(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]: ...
     def prefetch(self, layer: int, experts: Sequence[int]) -> None: ...
     def hint(self, layer: int, experts: Sequence[int]) -> None: ...
     def views_now(self, layer: int, experts: Sequence[int]) -> list[ExpertView]: ...
@@ -132,6 +135,9 @@ class InMemoryExperts:
 
     async def get_ready(self, layer: int, experts: Sequence[int]) -> AsyncIterator[list[ExpertView]]:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
+
+    def take(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
+        return iter([self.views_now(layer, list(dict.fromkeys(int(e) for e in experts)))])
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
