@@ -1,6 +1,7 @@
 """Small helpers with no better home."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +29,28 @@ class AwaitableContext(Generic[T]):
         obj, self._obj = self._obj, None
         if obj is not None:
             await obj.aclose()
+
+
+_EXITING = threading.Event()
+_EXIT_WATCHED: list = []
+
+
+def watch_exit() -> None:
+    """From now on, exiting() tells when the interpreter begins to exit. Call it after creating a thread
+    pool that exit joins (concurrent.futures registers its join as it is imported): threading's exit
+    hooks run newest first, so this flag is set before that join, which atexit's hooks are not."""
+    if not _EXIT_WATCHED:
+        _EXIT_WATCHED.append(True)
+        try:
+            threading._register_atexit(_EXITING.set)  # (3.9+; a private hook, hence the guard)
+        except (AttributeError, RuntimeError):  # not there, or already exiting
+            pass
+
+
+def exiting() -> bool:
+    """The interpreter has begun to exit (see watch_exit): a thread waiting for an event loop that is no
+    longer run should give up, or the exit would wait for it forever."""
+    return _EXITING.is_set()
 
 
 _LIBC: list = []

@@ -457,3 +457,22 @@ def test_expert_cache_note_quotes_the_request():
         layout = expert_layout(f, read_arch(f))
     budget, why = resolve_budget("1MiB", layout, 2, 0)
     assert budget == 1 << 20 and why == "as asked: 1MiB = 1.00 MiB"
+
+
+# -- a streamed step waits on the loop's reads: an interpreter that exits with the loop stopped ---------
+def test_exit_with_the_loop_stopped_mid_generation_does_not_hang():
+    """A streamed generation's steps run on the compute thread and wait there for the event loop to take
+    their reads' completions. A program that stops running its loop mid-generation and exits (the loop
+    never closed) must still exit: the interpreter joins the compute thread, whose wait sees the exit and
+    fails the step instead of waiting for a loop that will never run again."""
+    p = _child(f"""
+        import asyncio, os, time, clutor
+        loop = asyncio.new_event_loop()
+        model = loop.run_until_complete(clutor.Model.open({str(MODEL)!r}, io="threads", expert_cache="30%"))
+        gen = model.generate("Once upon a time", max_tokens=500, ignore_eos=True, temperature=0)
+        loop.run_until_complete(gen.__anext__())      # the first token; the decode goes on on the compute thread
+        time.sleep(0.5)                               # ... until it waits for a read the stopped loop never takes
+        print("exiting", flush=True)
+    """, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "exiting" in p.stdout

@@ -40,7 +40,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from .._util import AwaitableContext
+from .._util import AwaitableContext, exiting
 from ..errors import BudgetError, ClosedError, ClutorError, ClutorIOError, ExpertReadError
 from ..units import format_bytes
 from .arena import Arena, round_up, widen
@@ -488,11 +488,13 @@ class ExpertStore:
 
     def _wait_locked(self) -> None:
         """Block this (non-loop) thread, the lock held, until a load ends or a get releases; checked
-        every second for an event loop that is gone (nothing would ever wake this thread) or a
-        closed store."""
-        self._cv.wait(1.0)
-        if self._loop.is_closed():
-            raise ClosedError("the event loop that owns the expert store has closed")
+        twice a second for a closed store, and for an event loop that will never run again (closed, or
+        the interpreter exiting with the loop stopped: its exit waits for this thread)."""
+        if self._cv.wait(0.5):
+            return
+        if self._loop.is_closed() or exiting():
+            raise ClosedError("the event loop that owns the expert store has closed"
+                              if self._loop.is_closed() else "the interpreter is exiting with its event loop stopped")
         self._check_open()
 
     @staticmethod

@@ -17,6 +17,8 @@ import os
 import threading
 from typing import Callable, TypeVar
 
+from .._util import watch_exit
+
 __all__ = ["compute"]
 
 R = TypeVar("R")
@@ -32,6 +34,10 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         if _executor is None:
             _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clutor-compute",
                                                               initializer=_yield_to_the_loop)
+            # A streamed step waits on this thread for the event loop to take its reads: when the
+            # interpreter exits with its loop stopped mid-generation, that wait must end (the exit joins
+            # this thread), so the store's waits watch for the exit.
+            watch_exit()
         return _executor
 
 
