@@ -386,6 +386,63 @@ def test_concurrent_overlapping_gets(model, io, loop_kind):
     run(main, loop_kind)
 
 
+def test_takes_from_other_threads_beside_gets_on_the_loop(model, io):
+    """take() from two threads other than the loop's (as the compute thread calls it), each computing on
+    its views a while, beside get()s and prefetches on the loop: exact bytes, every expert asked for handed
+    out once, no buffer read into while in use, the bookkeeping consistent at the end; take() on the loop's
+    own thread is refused (it blocks)."""
+    import threading
+    import time
+
+    from clutor.errors import ClutorError
+
+    async def main():
+        sb = await slot_bytes(model)
+        made: list[Probe] = []
+        async with ExpertStore.open(model.layout, 12 * sb, policy="lrfu", backend=probe_factory(io, made)) as store:
+            with pytest.raises(ClutorError, match="thread other than the event loop"):
+                store.take(0, [1])
+            errors: list = []
+            threads: set[int] = set()
+
+            def taker(seed: int) -> None:
+                threads.add(threading.get_ident())
+                rng = random.Random(seed)
+                for _ in range(60):
+                    layer = rng.randrange(N_LAYERS)
+                    experts = rng.sample(range(N_EXPERTS), 3)
+                    if rng.random() < 0.3:
+                        store.prefetch(rng.randrange(N_LAYERS), rng.sample(range(N_EXPERTS), 2))
+                    got: list[int] = []
+                    with store.take(layer, experts) as groups:
+                        for group in groups:
+                            time.sleep(rng.random() * 0.001)
+                            got += [v.expert for v in group]
+                            errors.extend((layer, v.expert) for v in group if not model.matches(v))
+                    if sorted(got) != sorted(experts):
+                        errors.append(("handed out", layer, experts, got))
+
+            async def getter(seed: int) -> None:
+                rng = random.Random(100 + seed)
+                for _ in range(20):
+                    layer = rng.randrange(N_LAYERS)
+                    with await store.get(layer, rng.sample(range(N_EXPERTS), 3)) as batch:
+                        await asyncio.sleep(rng.random() * 0.002)
+                        errors.extend((layer, v.expert) for v in batch if not model.matches(v))
+
+            await asyncio.gather(asyncio.to_thread(taker, 1), asyncio.to_thread(taker, 2),
+                                 *(getter(i) for i in range(6)))
+            assert not errors, errors[:5]
+            assert len(threads) == 2 and threading.get_ident() not in threads
+            st = store.stats()
+            assert st.accesses == 2 * 60 * 3 + 6 * 20 * 3 and st.hits > 0 and st.evictions > 0
+            assert_stats_add_up(st)
+            await settle(store, made[0])
+            assert_consistent(store, model)
+            assert not made[0].violations
+    run(main)
+
+
 def test_cancellation_at_random_moments(model, io):
     async def main():
         sb = await slot_bytes(model)
