@@ -8,6 +8,15 @@ read Backend (io_uring or a thread pool), and an ExpertCache with a replacement 
         ...compute with batch[i].gate / .up / .down...
     store.prefetch(layer + 1, predicted_ids)             # never blocks
 
+    with store.take(layer, expert_ids) as groups:        # from another thread (the model's compute thread):
+        for views in groups:                             # the cached experts at once, then the reads as they
+            ...                                          # arrive; blocks between groups, never the loop
+
+Threads: the backend belongs to the event loop (submissions and completions happen there); everything
+else may be called from any thread, under one lock (``_mu``). A take() pins its cached experts on its
+own thread with no turn of the loop, hands its misses to the loop to submit, and is woken (a condition
+on the same lock) as their completions are taken.
+
 Memory: ``slot_bytes`` is the largest expert with each of its 3 slabs widened to block alignment,
 and ``(n_slots + n_spare) * slot_bytes <= budget`` always; nothing else grows with the model.
 

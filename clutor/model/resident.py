@@ -239,8 +239,7 @@ class StreamedExperts:
         streamed = StreamedExperts.of(source, arch, layers, cfg, settings)  # None without a layout
         acc = streamed.group(l, h, sel, w, views, acc)  # None: the general path computes this group
 
-    The views must stay pinned while group() runs (the store's get_ready pins them until its
-    iteration goes on or closes)."""
+    The views must stay pinned while group() runs (the store's take() pins them until it is closed)."""
 
     def __init__(self, layout, arch: "Arch", layers, cfg: "ModelConfig", settings: "KernelSettings"):
         self._layout, self._arch, self._layers, self._cfg, self._settings = layout, arch, layers, cfg, settings
