@@ -6,9 +6,8 @@ A step is one trip to the compute thread (clutor.model.compute), which runs the 
 source whose experts never wait (io="memory") it takes each layer's views directly; from the expert
 store it takes them with ``store.take``: the cached experts pinned and computed at once, with no turn
 of the event loop, while the loop submits the misses' reads and takes their completions, which wake the
-compute thread group by group as the bytes arrive. The event loop does only that expert I/O; a layer
-boundary costs no hand-off between threads (it had cost 0.5-0.6 ms a layer when every layer's experts
-went through the loop).
+compute thread group by group as the bytes arrive. The event loop does only that expert I/O, and a
+layer boundary costs no hand-off between threads.
 
 Per layer (the architecture's methods, clutor.model.arch.common):
     x = x + arch.attention(lw, l, x, step, rope)     the sequences' own KV state, through ``step``
