@@ -526,7 +526,8 @@ class ExpertStore:
         try:
             await wake
         finally:
-            self._c.wait_seconds += time.perf_counter() - t0
+            with self._mu:  # (a take on another thread adds to it too)
+                self._c.wait_seconds += time.perf_counter() - t0
         with self._mu:
             return arrivals.take()
 
