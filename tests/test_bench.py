@@ -495,3 +495,33 @@ def test_the_disk_bound_falls_back_to_small_pages_when_fio_cannot_take_huge_ones
         huge_free=True)
     assert d.bytes_per_second == float(1 << 30) and not d.huge_pages
     assert "4 KiB pages" in d.note and "could not take huge pages" in d.note and "not permitted" in d.note
+
+
+def test_bench_concurrency_repeat_pairs_each_round_with_its_own_bound(tiny, capsys, monkeypatch):
+    """--concurrency with --repeat 3: three rounds, each running every stream count's in-RAM bound beside
+    its streamed row (the bound of a noisy machine's slow spell and its row fall in the same round); a row
+    is its median round, with that round's bound, and lists every round's tok/s and ratios."""
+    real, calls = bench_cli._compute_run, []
+
+    def counted(args, common, streams, progress):
+        calls.append(streams)
+        return real(args, common, streams, progress)
+
+    monkeypatch.setattr(bench_cli, "_compute_run", counted)
+    argv = [tiny, "--concurrency", "1,2", "--budgets", "50%", "--prefetch", "off", "--io", "threads",
+            "--tokens", "4", "--prompt-tokens", "8", "--fio-seconds", "0", "--repeat", "3"]
+    parser = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers())
+    assert bench_cli.run(parser.parse_args(argv + ["--json"])) == 0
+    rows = json.loads(capsys.readouterr().out)["concurrency"][0]["rows"]
+    assert calls == [1, 2, 1, 2, 1, 2]  # interleaved rounds
+    for row in rows:
+        assert len(row["rounds"]) == 3
+        tps = sorted(r["tps"] for r in row["rounds"])
+        assert row["result"]["aggregate_decode_tps"] == tps[1]  # the median round
+        mine = next(r for r in row["rounds"] if r["tps"] == tps[1])
+        assert row["bounds"]["of_own_bound"] == mine["of_own"]  # ... with its own round's bound
+        assert row["compute"]["result"]["aggregate_decode_tps"] > 0
+    calls.clear()
+    assert bench_cli.run(parser.parse_args(argv)) == 0
+    out = capsys.readouterr().out
+    assert "rounds (--repeat" in out and out.count(" / ") >= 2 * 3, out

@@ -396,9 +396,22 @@ def _render_concurrency_table(report: dict, c: dict) -> str:
                  "serve faster")
         parts += ["", "fio around each row, GiB/s (before: slab x 32, slab x 128; after: the same; the disk bound takes "
                       f"the fastest; {pages}): " + ", ".join(fio)]
+    spread = [_rounds_line(row) for row in c["rows"] if len(row.get("rounds") or ()) > 1]
+    if spread:
+        parts += ["", "rounds (--repeat; each streamed run beside its own in-RAM bound; the row above is the median "
+                      "round): tok/s, of bound, of own", *spread]
     if c.get("llama"):
         parts += ["", _render_llama(c["llama"], c["rows"])]
     return "\n".join(parts)
+
+
+def _rounds_line(row: dict) -> str:
+    def cells(key: str, fmt) -> str:
+        vals = [r[key] for r in row["rounds"]]
+        return " / ".join("-" if v is None else fmt(v) for v in vals)
+
+    return (f"  {row['streams']}: {cells('tps', _rate)}; of bound {cells('of_bound', _pct)}; "
+            f"of own {cells('of_own', _pct)}")
 
 
 def _render_llama(llama: list[dict], rows: list[dict]) -> str:

@@ -156,7 +156,9 @@ def add_parser(sub):
     m.add_argument("--drop-caches", action="store_true", help="drop the page cache before every run (root)")
     m.add_argument("--repeat", type=_positive, default=1,
                    help="run each configuration N times, rounds interleaved; rows show the median, and a fastest "
-                        "is named only when its runs all beat every other row's (needs N >= 2)")
+                        "is named only when its runs all beat every other row's (needs N >= 2). With "
+                        "--concurrency, each round runs every stream count's in-RAM bound and its streamed row "
+                        "side by side; a row is its median round, and every round's ratios are listed")
     m.add_argument("--fio-seconds", type=float, default=5.0,
                    help="fio disk measurement length, before the run and before each streamed row (0: skip)")
     m.add_argument("--no-bounds", action="store_true",
@@ -283,9 +285,9 @@ def run(args) -> int:
         # each stream count's bound is measured once (with the first table) and llama.cpp runs with the first.
         combos = _combos(args)
         n_llama = (2 if isinstance(args.cap, int) else 1) if args.vs_llama_cpp else 0
-        n = len(args.concurrency)
+        n = len(args.concurrency) * args.repeat
         progress = _Progress(len(combos) * n + _bounded(args) * n + n_llama)
-        computes: dict[int, dict] = {}
+        computes: dict[int, list[dict]] = {}
         report["concurrency"] = [_concurrency(args, common, report["disk"]["bytes_per_second"], file_bytes,
                                               combo, progress, computes, llama=i == 0 and args.vs_llama_cpp)
                                  for i, combo in enumerate(combos)]
@@ -368,32 +370,44 @@ def _row_disk_after(args, disk: dict | None) -> dict | None:
 
 
 def _concurrency(args, common: dict, disk_bps: float | None, file_bytes: int, combo: tuple,
-                 progress: "_Progress", computes: dict[int, dict], *, llama: bool) -> dict:
-    """One run per stream count at one (budget, prefetch, policy), capped when --cap SIZE is given; with
-    the bounds, fio around each and the in-RAM run of the same workload (from ``computes``, stream count
-    -> result, run and kept there the first time a count is met); with llama, llama.cpp's one stream in
-    the same cap and in RAM."""
+                 progress: "_Progress", computes: dict[int, list[dict]], *, llama: bool) -> dict:
+    """One run per stream count and round (--repeat) at one (budget, prefetch, policy), capped when --cap
+    SIZE is given; with the bounds, fio around each and the in-RAM run of the same workload in the same
+    round (from ``computes``, stream count -> one result per round, run and kept there the first time a
+    count is met: no budget changes it). A row is its median round (by tok/s) with that round's bounds,
+    and lists every round's. With llama, llama.cpp's one stream in the same cap and in RAM."""
     from ..bench.runner import preload, run_worker
 
     budget, prefetch, policy = combo
     cap = args.cap if isinstance(args.cap, int) else None
     bounded = _bounded(args)
+    rounds: dict[int, list[dict]] = {n: [] for n in args.concurrency}
+    for k in range(args.repeat):
+        # Rounds interleaved: a slow spell of a shared machine lands on the in-RAM run and its streamed twin
+        # alike, instead of on one row's every run.
+        for n in args.concurrency:
+            if bounded and len(computes.setdefault(n, [])) <= k:
+                computes[n].append(_compute_run(args, common, n, progress))
+            compute = computes[n][k] if bounded else None
+            disk = _row_disk(args) if bounded else None
+            progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
+                           + (", capped" if cap else "") + (f", round {k + 1}/{args.repeat}" if args.repeat > 1 else ""))
+            opts = {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n, "trace": bounded}
+            o = run_worker(args.model, "clutor", opts, cap=cap, drop_caches=cap is not None or args.drop_caches,
+                           timeout=args.timeout)
+            r = o.result or {}
+            _say(f"{r['aggregate_decode_tps']:.3g} tok/s aggregate ({o.seconds:.0f} s)" if o.ok else f"FAILED: {o.error}")
+            disk = _row_disk_after(args, disk) if bounded else None
+            row = {"streams": n, **o.to_json(), "compute": compute, "disk": disk}
+            row["bounds"] = _row_bounds(o.result, compute, disk, "aggregate_decode_tps") if bounded and o.ok else None
+            rounds[n].append(row)
     rows = []
     for n in args.concurrency:
-        if bounded and n not in computes:
-            computes[n] = _compute_run(args, common, n, progress)
-        compute = computes.get(n)
-        disk = _row_disk(args) if bounded else None
-        progress.start(f"clutor {n} stream(s), budget {budget.text}, prefetch {_onoff(prefetch)}, {policy}"
-                       + (", capped" if cap else ""))
-        opts = {**_clutor_args(args, common, budget, prefetch, policy), "concurrency": n, "trace": bounded}
-        o = run_worker(args.model, "clutor", opts, cap=cap, drop_caches=cap is not None or args.drop_caches,
-                       timeout=args.timeout)
-        r = o.result or {}
-        _say(f"{r['aggregate_decode_tps']:.3g} tok/s aggregate ({o.seconds:.0f} s)" if o.ok else f"FAILED: {o.error}")
-        disk = _row_disk_after(args, disk) if bounded else None
-        row = {"streams": n, **o.to_json(), "compute": compute, "disk": disk}
-        row["bounds"] = _row_bounds(o.result, compute, disk, "aggregate_decode_tps") if bounded and o.ok else None
+        done = sorted((row for row in rounds[n] if row["ok"]), key=lambda row: row["result"]["aggregate_decode_tps"])
+        row = dict(done[(len(done) - 1) // 2] if done else rounds[n][0])  # the median round (the lower of an even count)
+        row["rounds"] = [{"tps": x["result"]["aggregate_decode_tps"] if x["ok"] else None,
+                          "of_bound": (x.get("bounds") or {}).get("of_bound"),
+                          "of_own": (x.get("bounds") or {}).get("of_own_bound")} for x in rounds[n]]
         rows.append(row)
     llama_rows = []
     if llama:
