@@ -35,6 +35,9 @@ def test_split_and_dependency_bound():
     assert m["read_wait"] == pytest.approx((9.5 - 9 + 15 - 11.5) * MS)
     assert m["handoff"] == pytest.approx((20 - busy - 4) * MS)
     assert m["misses"] == 1
+    # the wait is layer 1's (its get came last before both idle spans); layer 0 had neither misses nor wait
+    assert s["by_layer"][1] == pytest.approx({"wait": (0.5 + 3.5) * MS, "misses": 1})
+    assert s["by_layer"][0] == {"wait": 0.0, "misses": 0}
     # the miss reads 4 ms at the given bandwidth, its layer's 2 cached experts cover 2 of them
     assert m["dependency_bound"] == pytest.approx((busy + 2) * MS)
 

@@ -152,12 +152,22 @@ def analyse(events: list[tuple], expert_bytes: int, disk_bps: float | None, skip
     reads = [(e[1], e[2]) for e in events if e[0] == "done"]  # every expert's reads, demand or prefetch
     cpu = [e for e in events if e[0] in ("ls", "eo", "fin")]
     idle_by: dict[str, float] = {}
+    by_layer: dict[int, dict[str, float]] = {}  # layer -> {"wait": s, "misses": n}, summed over the steps
     rows = []
     for _, r0, r1, _ in steps:
         busy = _union(spans, r0, r1)
         idle = [(a, b) for a, b in _gaps(spans, r0, r1)]
-        waiting = sum(_union(demand, a, b) for a, b in idle)
         gets = [e for e in events if e[0] == "get" and r0 <= e[1] <= r1]
+        waiting = 0.0
+        for a, b in idle:
+            w = _union(demand, a, b)
+            waiting += w
+            before = [g for g in gets if g[1] < b]  # a wait belongs to the last layer to ask before it ended
+            if w and before:
+                d = by_layer.setdefault(before[-1][3][0], {"wait": 0.0, "misses": 0.0})
+                d["wait"] += w
+        for g in gets:
+            by_layer.setdefault(g[3][0], {"wait": 0.0, "misses": 0.0})["misses"] += len(g[3][2])
         misses = sum(len(g[3][2]) for g in gets)
         dep = None
         if disk_bps:
@@ -178,7 +188,9 @@ def analyse(events: list[tuple], expert_bytes: int, disk_bps: float | None, skip
             "disk_bytes_per_second": disk_bps, "expert_bytes": expert_bytes,
             # the disk's own speed in the run: bytes of the experts read over the time any read was in flight
             "busy_bytes_per_second": sum(r["reads"] for r in rows) * expert_bytes / disk_total if disk_total else None,
-            "disk_idle_by": {k: v / len(rows) for k, v in sorted(idle_by.items(), key=lambda kv: -kv[1])}}
+            "disk_idle_by": {k: v / len(rows) for k, v in sorted(idle_by.items(), key=lambda kv: -kv[1])},
+            # per token: each MoE layer's misses and the read wait after its get
+            "by_layer": {l: {k: v / len(rows) for k, v in d.items()} for l, d in sorted(by_layer.items())} if rows else {}}
 
 
 def _disk_idle_by(reads, cpu, r0, r1) -> dict[str, float]:
@@ -269,6 +281,9 @@ def main(argv=None) -> int:
           f" (experts {1e3 * s['per_expert_compute']:.2f} ms each)"
           f" + read wait {1e3 * m['read_wait']:.1f} + hand-off {1e3 * m['handoff']:.1f}; {m['misses']:.2f} misses/token;"
           + (f" demand reads p50 {s['demand_read_ms']['p50']:.1f} ms" if s["demand_read_ms"]["n"] else ""))
+    if s["by_layer"]:
+        print("read wait by layer, ms per token (misses per token): " + ", ".join(
+            f"L{l} {1e3 * d['wait']:.1f} ({d['misses']:.2f})" for l, d in s["by_layer"].items()))
     if m.get("dependency_bound") and expert_bytes:
         print(f"dependency bound on these misses at {bps / 2**20:.0f} MiB/s: {1e3 * m['dependency_bound']:.1f} ms/token"
               f" ({m['dependency_bound'] / m['wall']:.2f} of the wall time); compute alone {1e3 * m['compute']:.1f}")
