@@ -69,12 +69,13 @@ async def record(path: str, prompts: int, tokens: int, seed: int):
 
 
 class Tally:
+    """One predictor's score: experts it named that were routed (right), named and not routed (wrong),
+    routed in all, over ``tokens`` decode steps."""
+
     def __init__(self):
         self.right = self.wrong = self.routed = self.tokens = 0
 
-    def add(self, named: set, routed: set, scope: set | None = None) -> None:
-        if scope is not None:
-            named, routed = named & scope, routed & scope
+    def add(self, named: set, routed: set) -> None:
         self.right += len(named & routed)
         self.wrong += len(named - routed)
         self.routed += len(routed)
@@ -83,6 +84,37 @@ class Tally:
     def row(self, what: str) -> str:
         return (f"| {what} | {self.right / max(1, self.routed):.3f} | {self.wrong / max(1, self.tokens):.2f} "
                 f"| {self.routed / max(1, self.tokens):.2f} |")
+
+
+def score(seqs: list[list[dict]], named, embed) -> dict[str, Tally]:
+    """Every predictor's Tally over the recorded sequences (see record). named(layer, x [1, D]) -> the
+    experts that layer's router picks on x; embed(ids [1]) -> the embedding [1, D] the first layer reads."""
+    layers = sorted({l for steps in seqs for s in steps for l in s})
+    first = layers[0]
+    tallies: dict[str, Tally] = {}
+
+    def tally(what: str) -> Tally:
+        return tallies.setdefault(what, Tally())
+
+    for prev, cur in ((p, c) for steps in seqs for p, c in zip([{}] + steps, steps)):
+        for i, l in enumerate(layers[1:], 1):
+            if l in cur and layers[i - 1] in cur:
+                tally(f"layer {l}: layer {layers[i - 1]}'s residual").add(named(l, cur[layers[i - 1]][2]),
+                                                                           set(cur[l][1][0].tolist()))
+        if first not in cur or first not in prev or layers[-1] not in prev:
+            continue  # a sequence's first decode step: no previous token to predict from
+        ids, sel, _ = cur[first]
+        routed = set(sel[0].tolist())
+        before = set(prev[first][1][0].tolist())
+        emb = embed(ids)  # [1, D]
+        attn = prev[first][2] - embed(prev[first][0])  # the previous token's attention output there [1, D]
+        guesses = {"last residual": named(first, prev[layers[-1]][2]), "embedding": named(first, emb),
+                   "embedding + last attention": named(first, emb + attn), "previous token": before}
+        for what, g in guesses.items():
+            tally(f"layer {first}: {what}").add(g, routed)
+            if what != "previous token":
+                tally(f"layer {first}, new: {what}").add(g - before, routed - before)
+    return tallies
 
 
 def main() -> int:
@@ -100,35 +132,10 @@ def main() -> int:
         sel, _ = arch.route(lw, arch.router_input(lw, x, arch.ffn_input(lw, x)))
         return set(sel[0].tolist())
 
-    layers = sorted({l for steps in seqs for s in steps for l in s})
-    first = layers[0]
-    tallies: dict[str, Tally] = {}
-
-    def tally(what: str) -> Tally:
-        return tallies.setdefault(what, Tally())
-
-    for prev, cur in ((p, c) for steps in seqs for p, c in zip([{}] + steps, steps)):
-        for i, l in enumerate(layers[1:], 1):
-            if l in cur and layers[i - 1] in cur:
-                tally(f"layer {l}: layer {layers[i - 1]}'s residual").add(named(l, cur[layers[i - 1]][2]),
-                                                                           set(cur[l][1][0].tolist()))
-        if first not in cur or first not in prev or layers[-1] not in prev:
-            continue
-        ids, sel, _ = cur[first]
-        routed = set(sel[0].tolist())
-        before = set(prev[first][1][0].tolist())
-        new = routed - before
-        emb = arch.embed(w.tok_embd.rows(ids))  # [1, D]
-        attn = prev[first][2] - arch.embed(w.tok_embd.rows(prev[first][0]))  # the previous token's attention output
-        guesses = {"last residual": named(first, prev[layers[-1]][2]), "embedding": named(first, emb),
-                   "embedding + last attention": named(first, emb + attn), "previous token": before}
-        for what, g in guesses.items():
-            tally(f"layer {first}: {what}").add(g, routed)
-            if what != "previous token":
-                tally(f"layer {first}, new: {what}").add(g - before, new)
+    tallies = score(seqs, named, lambda ids: arch.embed(w.tok_embd.rows(ids)))
     n = sum(len(steps) for steps in seqs)
     print(f"{a.model}: {a.prompts} prompts x {a.tokens} sampled tokens ({n} decode steps recorded), "
-          f"top-{runner.arch.cfg.n_expert_used} of {runner.arch.cfg.n_expert}\n")
+          f"top-{arch.cfg.n_expert_used} of {arch.cfg.n_expert}\n")
     print("| predictor | right (share of routed) | wrong per token | routed per token |")
     print("| --- | --- | --- | --- |")
     for what, t in sorted(tallies.items()):
