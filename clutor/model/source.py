@@ -23,7 +23,8 @@ __all__ = ["ExpertSource", "InMemoryExperts"]
 @runtime_checkable
 class ExpertSource(Protocol):
     """Where the layer loop gets routed experts from: ``views_now()`` where they never wait for a read
-    (``immediate``), else ``take()``, whose groups block the compute thread until their bytes are in.
+    (``immediate``), else ``take()``, whose groups block the compute thread until their bytes are in
+    (an iterator the caller closes: ``close()`` releases the views).
     ``capacity``: the most distinct experts one get may hold pinned at once (0 = no limit);
     ``slot_bytes``: what one cached expert occupies (a routing trace's header carries it, so the
     simulator models the same cache); ``stats()``: the store's counters, None where nothing is cached."""
@@ -137,7 +138,7 @@ class InMemoryExperts:
         yield list(await self.get(layer, list(dict.fromkeys(int(e) for e in experts))))
 
     def take(self, layer: int, experts: Sequence[int]) -> Iterator[list[ExpertView]]:
-        return iter([self.views_now(layer, list(dict.fromkeys(int(e) for e in experts)))])
+        yield self.views_now(layer, list(dict.fromkeys(int(e) for e in experts)))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         pass
