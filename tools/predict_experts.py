@@ -11,7 +11,8 @@ predictor named (right) and the experts named that it did not route (wrong, per 
   ``last residual``: its router on the previous token's last residual (what prefetch reads while the
   previous token's last layers and output head compute); ``embedding``: its router on the new token's
   embedding alone (known right after sampling, before the layer's attention); ``embedding + last
-  attention``: the new token's embedding plus the previous token's attention output at that layer;
+  attention``: the new token's embedding plus the previous token's attention output at that layer
+  (where the first MoE layer is the model's first);
   ``previous token``: the experts the previous token routed there (what a recency cache keeps);
   and ``new`` rows: the same, counting only experts the previous token did not route (the ones a cache
   of recent experts misses, where a prediction would pay).
@@ -107,9 +108,11 @@ def score(seqs: list[list[dict]], named, embed) -> dict[str, Tally]:
         routed = set(sel[0].tolist())
         before = set(prev[first][1][0].tolist())
         emb = embed(ids)  # [1, D]
-        attn = prev[first][2] - embed(prev[first][0])  # the previous token's attention output there [1, D]
         guesses = {"last residual": named(first, prev[layers[-1]][2]), "embedding": named(first, emb),
-                   "embedding + last attention": named(first, emb + attn), "previous token": before}
+                   "previous token": before}
+        if first == 0:  # its residual is the embedding plus its attention (after dense layers, it is not)
+            attn = prev[first][2] - embed(prev[first][0])  # the previous token's attention output there [1, D]
+            guesses["embedding + last attention"] = named(first, emb + attn)
         for what, g in guesses.items():
             tally(f"layer {first}: {what}").add(g, routed)
             if what != "previous token":
