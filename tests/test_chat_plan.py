@@ -109,10 +109,21 @@ def test_bad_tool_arguments_name_the_field(tok):
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
 
 
+MEASURE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
+                                            "unit": {"enum": ["c", "f"]}}, "required": ["n", "unit"],
+           "additionalProperties": False}
+# the same, as Pydantic writes it: each argument's schema in $defs, referred to from the root
+MEASURE_REFS = {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}, "unit": {"$ref": "#/$defs/Unit"}},
+                "required": ["n", "unit"], "additionalProperties": False,
+                "$defs": {"N": {"type": "integer", "minimum": 0, "maximum": 50}, "Unit": {"enum": ["c", "f"]}}}
+
+
+@pytest.mark.parametrize("params", [MEASURE, MEASURE_REFS], ids=["inline", "refs"])
 @pytest.mark.parametrize("fam", FAMILIES + (HERMES_FALLBACK,), ids=lambda f: f.name)
-def test_what_the_call_grammar_allows_the_parser_reads(tok, fam):
+def test_what_the_call_grammar_allows_the_parser_reads(tok, fam, params):
     """Walk each family's tool-call grammar at random (uniform among the allowed tokens): the text is
-    always one call its own parser reads, with arguments valid for the tool."""
+    always one call its own parser reads, with arguments valid for the tool (its $refs resolved where
+    the grammar embeds its schema)."""
     np = pytest.importorskip("numpy")
     pytest.importorskip("llguidance")
     jsonschema = pytest.importorskip("jsonschema")
@@ -120,9 +131,6 @@ def test_what_the_call_grammar_allows_the_parser_reads(tok, fam):
     from clutor.grammar import Grammar
     from clutor.grammar.constraint import lark_literal
 
-    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
-                                               "unit": {"enum": ["c", "f"]}}, "required": ["n", "unit"],
-              "additionalProperties": False}
     tool = Tool("measure", params)
     g = Grammar.lark(tok, "start: calls\n" + fam.call_grammar([tool], False, lambda s: lark_literal(tok, s)))
     rng = np.random.default_rng(0)

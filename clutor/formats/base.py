@@ -39,11 +39,23 @@ class Tool:
     parameters: dict = field(default_factory=dict)
     description: str = ""
 
-    def param_type(self, key: str) -> object:
-        """The schema 'type' of one argument (None when the schema does not say)."""
+    def spec(self, key: str) -> dict | None:
+        """One argument's schema, a local ``$ref`` ("#/$defs/Name", "#/definitions/Name") followed."""
         props = self.parameters.get("properties") if isinstance(self.parameters, dict) else None
         spec = props.get(key) if isinstance(props, dict) else None
-        return spec.get("type") if isinstance(spec, dict) else None
+        for _ in range(8):  # (a chain of references; a cycle ends here)
+            ref = spec.get("$ref") if isinstance(spec, dict) else None
+            if not isinstance(ref, str):
+                break
+            where, _, name = ref.rpartition("/")
+            table = self.parameters.get(where[2:]) if where in ("#/$defs", "#/definitions") else None
+            spec = table.get(name.replace("~1", "/").replace("~0", "~")) if isinstance(table, dict) else None
+        return spec if isinstance(spec, dict) else None
+
+    def param_type(self, key: str) -> object:
+        """The schema 'type' of one argument (None when the schema does not say)."""
+        spec = self.spec(key)
+        return spec.get("type") if spec is not None else None
 
     def is_string(self, key: str) -> bool:
         """Whether the argument is written as raw text (XML formats): a string, or nothing known."""

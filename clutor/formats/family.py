@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from .base import StreamParser, Tool, new_call_id
 
-__all__ = ["Family", "Lit", "json_rule", "text_until"]
+__all__ = ["Family", "Lit", "json_rule", "nested", "part", "text_until"]
 
 # lit(text) -> a Lark term producing exactly this text: the special token when the vocabulary has it
 # as a control token (it cannot be spelled in bytes), else the quoted string.
@@ -50,7 +50,10 @@ def param_rules(tool: Tool, stop: str, defs: list[str], element: Callable[[str, 
     required = set((tool.parameters or {}).get("required") or ())
     parts = []
     for key, spec in props.items():
-        value = raw_text(spec, stop, defs) if tool.is_string(key) else json_rule(spec if isinstance(spec, dict) else {})
+        if tool.is_string(key):
+            value = raw_text(tool.spec(key) or spec, stop, defs)
+        else:
+            value = json_rule(part(object_schema(tool), spec) if isinstance(spec, dict) else {})
         one = element(key, value)
         parts.append(one if key in required else f"({one})?")
     return " ".join(parts)
@@ -85,6 +88,54 @@ def raw_text(spec, stop: str, defs: list[str]) -> str:
 def object_schema(tool: Tool) -> dict:
     p = tool.parameters if isinstance(tool.parameters, dict) and tool.parameters else {"type": "object"}
     return p
+
+
+# A tool's schema may refer into itself ("$ref": "#/$defs/Item", as Pydantic writes them, or "#"). When
+# the grammar embeds it in a larger schema (the call's {"name", "arguments"} object) or uses one of its
+# properties alone, those pointers would resolve against the wrong document. So the tool's schema moves
+# whole into the new document's $defs under a key, and its local pointers are prefixed to point there.
+def nested(schema: dict, key: str, defs: dict) -> dict:
+    """What to put where ``schema`` is embedded in another schema: ``schema`` itself when it has no
+    local ``$ref``, else a reference to ``defs[key]``, a copy of it whose pointers lead there (the
+    caller puts ``defs`` in its root's ``$defs``)."""
+    moved = _rerooted(schema, f"#/$defs/{key}")
+    if moved is None:
+        return schema
+    defs[key] = moved
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def part(tool_schema: dict, spec: dict) -> dict:
+    """``spec``, one part of ``tool_schema`` (a property's schema), as a schema of its own whose local
+    ``$ref``s still lead into ``tool_schema``."""
+    moved = _rerooted(spec, "#/$defs/tool")
+    if moved is None:
+        return spec
+    moved["$defs"] = {**(moved.get("$defs") or {}), "tool": _rerooted(tool_schema, "#/$defs/tool") or tool_schema}
+    return moved
+
+
+def _rerooted(schema: dict, prefix: str) -> dict | None:
+    """A copy of ``schema`` with each local pointer ("#", "#/...") under ``prefix``; None when it has none.
+    (Iterative: a client's schema may nest as deep as JSON allows.)"""
+    import json
+
+    text = json.dumps(schema, ensure_ascii=False)
+    if '"$ref"' not in text:
+        return None
+    copy = json.loads(text)
+    found, stack = False, [copy]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                node["$ref"] = prefix + ref[1:]
+                found = True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return copy if found else None
 
 
 class Family:

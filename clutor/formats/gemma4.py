@@ -13,7 +13,7 @@ import json
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, held_suffix, json_string_end
-from .family import Family, Lit, alternatives, json_rule, raw_text, repeat_calls
+from .family import Family, Lit, alternatives, json_rule, part, raw_text, repeat_calls
 
 __all__ = ["GEMMA4", "Gemma4Args"]
 
@@ -242,9 +242,9 @@ class _Gemma4(Family):
             for key in required + [key for key in props if key not in required]:
                 spec = props[key]
                 if t.is_string(key):
-                    value = f"{lit(QUOTE)} {raw_text(spec, QUOTE, defs)} {lit(QUOTE)}"
+                    value = f"{lit(QUOTE)} {raw_text(t.spec(key) or spec, QUOTE, defs)} {lit(QUOTE)}"
                 else:
-                    value = json_rule(spec if isinstance(spec, dict) else {})
+                    value = json_rule(part(t.parameters, spec) if isinstance(spec, dict) else {})
                 parts.append((key in required, f'"{key}:" {value}'))
             # required arguments first, in order, then any optional ones, comma-separated
             req = [one for r, one in parts if r]

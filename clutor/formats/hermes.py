@@ -13,7 +13,7 @@ import json
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, ValueScanner, loads_or
-from .family import Family, Lit, alternatives, json_rule, object_schema, repeat_calls
+from .family import Family, Lit, alternatives, json_rule, nested, object_schema, repeat_calls
 from .json_fields import object_fields, string_field
 
 __all__ = ["HERMES", "HERMES_FALLBACK", "hermes_body"]
@@ -83,8 +83,12 @@ class _Hermes(Family):
     def call_grammar(self, tools: Sequence[Tool], parallel: bool, lit: Lit) -> str:
         rules = {}
         for k, t in enumerate(tools):
-            schema = {"type": "object", "properties": {"name": {"const": t.name}, "arguments": object_schema(t)},
+            defs: dict = {}
+            schema = {"type": "object", "properties": {"name": {"const": t.name},
+                                                       "arguments": nested(object_schema(t), "tool", defs)},
                       "required": ["name", "arguments"], "additionalProperties": False}
+            if defs:
+                schema["$defs"] = defs
             rules[f"call{k}"] = f'{lit(OPEN)} "\\n" {json_rule(schema)} "\\n" {lit(CLOSE)}'
         return alternatives(rules) + "\n" + repeat_calls(parallel, '"\\n"')
 

@@ -14,7 +14,7 @@ import string
 from typing import Sequence
 
 from .base import CallBody, MarkerParser, Opener, Tool, scan_json_value
-from .family import Family, Lit, alternatives, json_rule, object_schema
+from .family import Family, Lit, alternatives, json_rule, nested, object_schema
 from .json_fields import object_fields, string_field
 
 __all__ = ["MISTRAL", "MISTRAL_ARGS"]
@@ -84,9 +84,14 @@ class _Mistral(Family):
             rules = {f"call{k}": f'{lit(CALLS)} "{t.name}" {lit(ARGS)} {json_rule(object_schema(t))}'
                      for k, t in enumerate(tools)}
             return alternatives(rules) + "\ncalls: call" + ("+" if parallel else "")
-        one = {"oneOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": object_schema(t)},
-                          "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+        defs: dict = {}
+        one = {"oneOf": [{"type": "object", "properties": {"name": {"const": t.name},
+                                                           "arguments": nested(object_schema(t), f"tool{k}", defs)},
+                          "required": ["name", "arguments"], "additionalProperties": False}
+                         for k, t in enumerate(tools)]}
         array = {"type": "array", "items": one, "minItems": 1}
+        if defs:
+            array["$defs"] = defs
         if not parallel:
             array["maxItems"] = 1
         return f"calls: {lit(CALLS)} {json_rule(array)}"
