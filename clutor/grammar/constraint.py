@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ClutorError
+from . import compiler
 from .vocab import ll_tokenizer
 
 __all__ = ["Grammar", "GrammarError", "Matcher", "MaskStats", "WHITESPACE"]
@@ -40,20 +41,36 @@ def _limits():
     return LLParserLimits(verbose_errors=False)
 
 
+def _compile(ll, llg: str, what: str):
+    """The matcher every generation copies (on a compiler thread: the native compiler recurses)."""
+    from llguidance import LLMatcher
+
+    is_error, msgs = LLMatcher.validate_grammar_with_warnings(llg, ll, limits=_limits())
+    if is_error:
+        raise GrammarError(f"{what}: {_brief(msgs[0] if msgs else 'invalid grammar')}")
+    m = LLMatcher(ll, llg, log_level=0, limits=_limits())
+    if m.is_error():
+        raise GrammarError(f"{what}: {_brief(m.get_error() or 'invalid grammar')}")
+    return m
+
+
+def _brief(msg: str, limit: int = 600) -> str:
+    """llguidance's message, cut: it quotes the grammar's offending line, which may be a megabyte long."""
+    lines = [ln if len(ln) <= 200 else ln[:200] + "..." for ln in msg.splitlines()]
+    out = "\n".join(lines)
+    return out if len(out) <= limit else out[:limit] + "..."
+
+
 class Grammar:
     """A compiled constraint for one tokenizer. Build with the class methods; ``matcher()`` per generation."""
 
     def __init__(self, tokenizer, llg: str, what: str):
-        from llguidance import LLMatcher
-
         self.tokenizer = tokenizer
         self.what = what
         self._ll = ll_tokenizer(tokenizer)
-        is_error, msgs = LLMatcher.validate_grammar_with_warnings(llg, self._ll, limits=_limits())
-        if is_error:
-            raise GrammarError(f"{what}: {msgs[0] if msgs else 'invalid grammar'}")
-        self._llg = llg
         self.n_vocab = tokenizer.n_vocab
+        # compiled once, on a compiler thread (see compiler.py); each matcher starts from a copy
+        self._proto = compiler.run(_compile, self._ll, llg, what)
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -61,6 +78,7 @@ class Grammar:
         """A Lark grammar in llguidance's dialect (``%json {...}`` embeds a JSON schema)."""
         from llguidance import LLMatcher
 
+        compiler.check(text, what)
         return cls(tokenizer, LLMatcher.grammar_from_lark(text), what)
 
     @classmethod
@@ -68,6 +86,7 @@ class Grammar:
         """A GBNF grammar as llama-server's ``grammar`` field takes it (root rule ``root``)."""
         from llguidance.gbnf_to_lark import any_to_lark
 
+        compiler.check(text, what)  # before converting: the converter is Python, and recursive
         try:
             lark = any_to_lark(text)
         except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions on bad input
@@ -101,8 +120,18 @@ def json_term(schema: dict, *, strict: bool = True) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
     s = dict(schema)
-    opts = dict(s.get("x-guidance") or {})
-    opts.setdefault("whitespace_pattern", WHITESPACE)
+    opts = s.get("x-guidance")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise GrammarError(f"'x-guidance' must be an object of llguidance's JSON options, got {type(opts).__name__}")
+    opts = dict(opts)
+    if "whitespace_pattern" in opts:
+        raise GrammarError("'x-guidance.whitespace_pattern' cannot be set: whitespace between JSON tokens is "
+                           "bounded by this server (set 'whitespace_flexible': false for none)")
+    if opts.get("whitespace_flexible", True) is not False:
+        opts.pop("whitespace_flexible", None)
+        opts["whitespace_pattern"] = WHITESPACE
     if not strict:
         opts.setdefault("lenient", True)
     s["x-guidance"] = opts
@@ -131,10 +160,8 @@ class Matcher:
     """One generation's place in a grammar; ``matcher(ids, logits) -> logits`` (see the module docstring)."""
 
     def __init__(self, grammar: Grammar):
-        from llguidance import LLMatcher
-
         self.grammar = grammar
-        self._m = LLMatcher(grammar._ll, grammar._llg, log_level=0, limits=_limits())
+        self._m = grammar._proto.deep_copy()
         self.n_vocab = grammar.n_vocab
         self._words = (self.n_vocab + 31) // 32
         self._bits = np.empty(self._words, dtype=np.int32)  # [V/32] one bit per token
