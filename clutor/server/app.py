@@ -247,19 +247,22 @@ def _metrics(state: ServerState):
     return metrics
 
 
+# (each shaped by the API the path belongs to: errors.error_body)
 async def _api_error(request: Request, e: APIError) -> Response:
-    return JSON(e.body(), e.status, e.headers)
+    return JSON(e.body(request.url.path), e.status, e.headers)
 
 
 async def _http_error(request: Request, e: HTTPException) -> Response:
     path = shown(request.url.path)
     msg = {404: f"no route {path}", 405: f"{request.method} is not allowed on {path}"}
-    return JSON(error_body(e.status_code, msg.get(e.status_code, str(e.detail))), e.status_code, e.headers)
+    return JSON(error_body(e.status_code, msg.get(e.status_code, str(e.detail)), path=request.url.path),
+                e.status_code, e.headers)
 
 
 async def _internal(request: Request, e: Exception) -> Response:
     # The FrontDoor logs it (Starlette re-raises after this reply); the client gets JSON, not a text page.
-    return JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"), 500)
+    return JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error", path=request.url.path),
+                500)
 
 
 # -- generation -------------------------------------------------------------------------------------

@@ -14,13 +14,13 @@ through before the constrained part.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from ..errors import ClutorError
 from ..formats import HARMONY, Family, StreamParser, Tool, family_for, starts_in_reasoning, think_tags
 from ..formats.family import text_until
 from .errors import APIError, bad_request
+from .jsontext import loads
 from .labels import shown
 
 __all__ = ["ChatPlan", "plan_chat", "REASONING_FORMATS"]
@@ -388,10 +388,7 @@ def _call(c, where: str) -> dict:
                                  "'arguments': '...'}}}}")
     args = f.get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise bad_request(f"{where}.function.arguments", f"'{where}.function.arguments' is not valid JSON") from None
+        args = loads(args, f"{where}.function.arguments", f"'{where}.function.arguments'") if args.strip() else {}
     if not isinstance(args, dict):
         raise bad_request(f"{where}.function.arguments", f"'{where}.function.arguments' must be a JSON object")
     cid = c.get("id")

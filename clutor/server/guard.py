@@ -57,7 +57,8 @@ class FrontDoor:
             self._server.metrics.requests[(label, status)] += 1
             log.info("- %s %s %d %s", scope.get("method", "-"), label, status, for_log(message))
             headers = {"connection": "close"} if close else {}
-            await JSON(error_body(status, message, code=code), status, headers)(scope, receive, send)
+            await JSON(error_body(status, message, code=code, path=_route_path(scope)), status,
+                       headers)(scope, receive, send)
             return
         out = _Outcome()
 
@@ -80,8 +81,8 @@ class FrontDoor:
             log.error("unexpected error on %s %s: %s: %s", scope.get("method", "-"), label, type(e).__name__,
                       for_log(str(e)), exc_info=e)
             if out.status is None:
-                await JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error"),
-                           500)(scope, receive, counted_send)
+                await JSON(error_body(500, f"internal error: {type(e).__name__}", code="internal_error",
+                                      path=_route_path(scope)), 500)(scope, receive, counted_send)
         status = out.status if out.complete or not out.client_left else 499
         requests = self._server.metrics.requests
 
@@ -142,7 +143,8 @@ class KeyCheck:
         self._keys = {key.encode("utf-8"), key.encode("latin-1", "ignore") if _latin1(key) else b""} - {b""}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and _route_path(scope).startswith("/v1"):
+        path = _route_path(scope) if scope["type"] == "http" else ""
+        if path.startswith("/v1"):
             auth = x_key = b""
             for name, value in scope.get("headers") or []:
                 if name == b"authorization":
@@ -155,7 +157,7 @@ class KeyCheck:
                 ok |= hmac.compare_digest(given, k)
             if not ok:
                 resp = JSON(error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                       code="invalid_api_key"), 401, {"www-authenticate": "Bearer"})
+                                       code="invalid_api_key", path=path), 401, {"www-authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)

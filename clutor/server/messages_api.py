@@ -15,18 +15,13 @@ import json
 from ..formats import Delta, Message
 from ..formats.base import loads_or
 from .blocks import Blocks, Fill, Start, Stop
-from .errors import bad_request
+from .errors import ANTHROPIC, bad_request
 from .labels import shown
 
 __all__ = ["parse_messages", "MessagesShaper", "anthropic_error"]
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                503: "overloaded_error"}
-
-
 def anthropic_error(e) -> dict:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+    return e.body(ANTHROPIC)
 
 
 def parse_messages(body: dict, tokenizer, n_ctx: int, d, recurrent: bool = False):

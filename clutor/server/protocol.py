@@ -73,8 +73,10 @@ def protocol_class(http: str, limits: Limits, metrics: Metrics) -> type:
                 {"limits": limits, "metrics": metrics, "max_connections": limits.connections(), "http": http})
 
 
-def _raw_response(status: int, reason: str, message: str, code: str, extra: bytes = b"") -> bytes:
-    body = json_bytes(error_body(status, message, code=code))
+def _raw_response(status: int, reason: str, message: str, code: str, extra: bytes = b"",
+                  path: str | None = None) -> bytes:
+    """A whole error response written straight to the transport, shaped for ``path``'s API when known."""
+    body = json_bytes(error_body(status, message, code=code, path=path))
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n").encode() + extra + b"\r\n" + body
 
@@ -182,10 +184,15 @@ class _Bounded:
             self.transport.close()
             return
         self.transport.write(_raw_response(400, "Bad Request", f"invalid HTTP request: {msg.rstrip('.')}",
-                                           "bad_http_request"))
+                                           "bad_http_request", path=self._path()))
         self.transport.close()
 
     # -- reading: the head and the body, each against its clock ---------------------------------------
+    def _path(self) -> str | None:
+        """The current request's path, once its head was parsed (its errors take that API's shape)."""
+        c = self.cycle
+        return c.scope.get("path") if c is not None and not c.response_complete else None
+
     def _in_request(self) -> bool:
         c = self.cycle
         return c is not None and not c.response_complete
@@ -243,7 +250,7 @@ class _Bounded:
             c.message_event.set()
         if answerable:
             self.transport.write(_raw_response(408, "Request Timeout", f"the request's {what[4:]} did not arrive "
-                                               f"within {seconds:.0f} s", "request_timeout"))
+                                               f"within {seconds:.0f} s", "request_timeout", path=self._path()))
         self.transport.close()
 
     # -- writing: a client that takes nothing ------------------------------------------------------

@@ -8,7 +8,6 @@ read in chat_plan.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import threading
 import weakref
@@ -17,6 +16,7 @@ from typing import Literal
 
 from ..model.sampling import SamplingParams
 from .errors import bad_request
+from .jsontext import loads
 from .labels import shown
 
 __all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model",
@@ -64,20 +64,10 @@ def decode_body(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400 saying what is wrong with it (run off the event loop:
     a body may be megabytes). Standard JSON only: NaN and Infinity are refused, and so are numbers of
     more than 4300 digits and nesting too deep for the decoder (a 10^5-deep array)."""
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        raise bad_request(None, "the request body is not valid JSON for this server: arrays or objects nested "
-                                "too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(None, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    body = loads(raw, None, "the request body")
     if not isinstance(body, dict):
         raise bad_request(None, f"the request body must be a JSON object, got {_kind(body)}")
     return body
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def check_model(body: dict, served: str) -> None:
@@ -128,7 +118,7 @@ def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenReque
 def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, limit_name: str,
             default_max: int | None, logprobs: int | None) -> GenRequest:
     n = body.get("n", 1)
-    if n is not None and n != 1:
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad_request("n", f"'n' must be 1 (one choice per request), got {shown(n)}")
     if body.get("logit_bias"):
         raise bad_request("logit_bias", "'logit_bias' is not supported by this server")
@@ -290,8 +280,9 @@ def _num(body: dict, name: str, default: float, lo: float | None, hi: float | No
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad_request(name, f"'{name}' must be a number, got {_kind(v)}")
-    if not math.isfinite(v):
-        raise bad_request(name, f"'{name}' must be a finite number, got {v}")
+    if isinstance(v, int) and abs(v) > 1.7e308 or isinstance(v, float) and not math.isfinite(v):
+        # (an integer is exact in JSON, and may be too large for a float: math.isfinite would overflow)
+        raise bad_request(name, f"'{name}' must be a finite number, got {shown(v)}")
     if lo is not None and (v <= lo if open_low else v < lo) or hi is not None and v > hi:
         lo_s = "-inf" if lo is None else f"{lo:g}"
         hi_s = "inf" if hi is None else f"{hi:g}"
