@@ -40,6 +40,9 @@ def add_parser(sub):
                    help="requests waiting beyond the --max-sequences in the batch; more get 429")
     lim = Limits()
     p.add_argument("--max-body", type=int, default=lim.max_body, help="largest request body, bytes (more: 413)")
+    p.add_argument("--max-head", type=int, default=lim.max_head,
+                   help="largest request line and headers, bytes (more: 431)")
+    p.add_argument("--max-headers", type=int, default=lim.max_headers, help="most header lines (more: 431)")
     p.add_argument("--max-connections", type=int, default=None,
                    help="open connections at once; more get 503 (default: from the file-descriptor limit, at most 1024)")
     p.add_argument("--header-timeout", type=float, default=lim.header_timeout,
@@ -98,7 +101,8 @@ def _server_modules():
 
 def _limits(args) -> Limits:
     try:
-        return Limits(max_body=args.max_body, max_connections=args.max_connections,
+        return Limits(max_body=args.max_body, max_head=args.max_head, max_headers=args.max_headers,
+                      max_connections=args.max_connections,
                       header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                       write_timeout=args.write_timeout)
     except ValueError as e:  # "Limits.header_timeout must be a positive number, got 0.0"

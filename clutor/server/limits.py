@@ -17,6 +17,8 @@ __all__ = ["Limits"]
 class Limits:
     """What one client may make the server hold, and for how long.
 
+    A request's head (its request line and headers) may be at most ``max_head`` bytes and
+    ``max_headers`` lines, counted as the bytes arrive, before the HTTP parser holds them.
     Timeouts are in seconds. A request's head (request line and headers) must arrive within
     ``header_timeout`` of its first byte (of the connection's opening for the first request); its
     body within ``body_timeout`` of the head, plus one second per ``min_body_rate`` bytes received,
@@ -27,6 +29,8 @@ class Limits:
     """
 
     max_body: int = 8 << 20          # request body bytes (413 beyond)
+    max_head: int = 16 << 10         # request line and headers, bytes (431 beyond; uvicorn's h11 bound)
+    max_headers: int = 100           # header lines (431 beyond; llama-server's bound)
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     min_body_rate: int = 64 << 10    # bytes/s that buy one more second of body_timeout
@@ -42,7 +46,8 @@ class Limits:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ValueError(f"Limits.{f.name} must be a positive number, got {v!r}")
-        for name in ("max_body", "min_body_rate", "tokenize_concurrency", "max_connections"):
+        for name in ("max_body", "max_head", "max_headers", "min_body_rate", "tokenize_concurrency",
+                     "max_connections"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, int):
                 raise ValueError(f"Limits.{name} must be an integer, got {v!r}")

@@ -44,7 +44,8 @@ class Metrics:
                [(f'{{endpoint="{prom_label(e)}",status="{int(s)}"}}', n) for (e, s), n in sorted(self.requests.items())])
         metric("connections_open", "gauge", "HTTP connections open.", [("", self.connections)])
         metric("connections_closed_total", "counter", "Connections the server cut: a header, body or write "
-                                                      "timeout, over the connection cap, or an unparsable request.",
+                                                      "timeout, over the connection cap, a head over its bounds, or "
+                                                      "an unparsable request.",
                [(f'{{reason="{prom_label(r)}"}}', n) for r, n in sorted(self.closed.items())])
         metric("prompt_tokens_total", "counter", "Prompt tokens of generation requests.", [("", self.prompt_tokens)])
         metric("cached_prompt_tokens_total", "counter", "Prompt tokens whose KV was reused.", [("", self.cached_tokens)])

@@ -12,7 +12,10 @@ uvicorn times out only idle keep-alive connections. Here, per connection (the nu
 - a client that half-closes (sends FIN after its request) still gets its answer: the connection
   stays open for writing until the response is complete, then closes. The app learns of the
   half-close through ``scope["extensions"]["clutor.connection"]`` (a Connection, below);
-- a request the parser refuses gets OpenAI's JSON error body and is counted, not a text/plain page;
+- a request head (request line and headers) over ``max_head`` bytes or ``max_headers`` lines gets
+  431 and is closed, counted as its bytes arrive, before the parser holds them (httptools itself
+  bounds neither: a client could make the server hold gigabytes of headers);
+- a request the parser refuses gets a JSON error body and is counted, not a text/plain page;
 - each request's fate is told to the app as ``scope["extensions"]["clutor.delivery"]``, a future:
   True once the last bytes of its response left our buffer (into the kernel's), False if the
   connection was cut or lost first, or the app ended without completing a response. A handler
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +86,7 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: byte
 
 
 _last_log: dict[str, float] = {}
+_HEAD_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a head (llhttp and h11 take a bare LF too)
 
 
 def _note(metrics: Metrics, reason: str, message: str) -> None:
@@ -113,6 +118,10 @@ class _Bounded:
         self._write_timer: asyncio.TimerHandle | None = None
         self._tails: list[asyncio.Future] = []  # deliveries of complete responses still in our buffer
         self._limits: tuple[int, int] | None = None  # the transport's (low, high) while a tail drains
+        self._head = 0         # bytes of the head being read (while the header clock runs)
+        self._head_lines = 0   # its line breaks
+        self._head_tail = b""  # its last bytes: a head's end may straddle two reads
+        self._refused = False  # answered at the connection level and closing: the rest is not parsed
         conn, app = self._conn, self.app
 
         async def app_with_connection(scope, receive, send):
@@ -158,12 +167,42 @@ class _Bounded:
         self.metrics.connections = len(self.connections)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._read_phase is None and not self._in_request():
             self._arm_read("header")  # the first bytes of the next request on a kept-alive connection
         elif self._read_phase == "body":
             self._body_seen += len(data)
+        if self._read_phase == "header" and not self._head_fits(data):
+            return
         super().data_received(data)
         self._follow()
+
+    def _head_fits(self, data: bytes) -> bool:
+        """Count the head's bytes and lines in ``data`` (up to the blank line that ends it); over a bound,
+        answer 431 and close without handing the parser any of it."""
+        lim = self.limits
+        carry = self._head_tail
+        end = _HEAD_END.search(carry + data) if b"\n" in data else None
+        part = data if end is None else data[: max(0, end.end() - len(carry))]
+        self._head += len(part)
+        self._head_lines += part.count(b"\n")
+        self._head_tail = (carry + data)[-3:] if end is None else b""
+        lines = self._head_lines - (1 if end is None else 2)  # header lines: not the request line, nor the blank
+        if self._head <= lim.max_head and lines <= lim.max_headers:
+            if end is not None:
+                self._head = self._head_lines = 0
+            return True
+        what = (f"over {lim.max_head} bytes" if self._head > lim.max_head else f"over {lim.max_headers} header lines")
+        _note(self.metrics, "head_too_large", f"a request head {what}: 431")
+        self._refused = True
+        self._conn.closed = "head_too_large"
+        self._disarm_read()
+        self.transport.write(_raw_response(431, "Request Header Fields Too Large",
+                                           f"the request's head (request line and headers) is {what}, this "
+                                           f"server's limit", "headers_too_large"))
+        self.transport.close()
+        return False
 
     def eof_received(self):
         c = self.cycle
@@ -200,6 +239,8 @@ class _Bounded:
     def _arm_read(self, phase: str) -> None:
         self._disarm_read()
         self._read_phase, self._phase_start, self._body_seen = phase, time.monotonic(), 0
+        if phase == "header":
+            self._head, self._head_lines, self._head_tail = 0, 0, b""
         self._read_timer = self.loop.call_later(self._read_allowance(), self._read_expired)
 
     def _disarm_read(self) -> None:

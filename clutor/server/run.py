@@ -57,7 +57,9 @@ class Server(uvicorn.Server):
         cfg = uvicorn.Config(app, lifespan="on", access_log=False, log_config=None,
                              timeout_graceful_shutdown=max(float(drain_timeout), 0.0),
                              http=protocol_class(self.http, limits, metrics),
-                             timeout_keep_alive=limits.keep_alive_timeout, **config)
+                             timeout_keep_alive=limits.keep_alive_timeout,
+                             # (the connection layer bounds the head first, with its JSON 431)
+                             h11_max_incomplete_event_size=limits.max_head + (64 << 10), **config)
         super().__init__(cfg)
         self._app = app
 
