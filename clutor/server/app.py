@@ -439,21 +439,9 @@ class _Generation(Response):
         self._log()
 
     async def _watch(self, receive) -> None:
-        """Return when the client is gone. A half-close (the client sent all it will and waits) counts
-        for a whole response only: nothing is written before its end, so a client that half-closed
-        cannot be told from one that left, and generating for nobody could take minutes. A stream's
-        first write tells them apart, so a half-closed client still gets its stream."""
-        eof = getattr(self.conn, "eof", None) if not self.req.stream else None
-        gone = asyncio.ensure_future(_disconnected(receive))
-        if eof is None:
-            await gone
-            return
-        half = asyncio.ensure_future(eof.wait())
-        try:
-            await asyncio.wait({gone, half}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            half.cancel()
+        """Return when the client is gone (a half-closed client that still waits is not: the connection
+        layer tells the two apart)."""
+        await _disconnected(receive)
 
     async def _run(self, send) -> None:
         s, req = self.s, self.req

@@ -10,8 +10,11 @@ uvicorn times out only idle keep-alive connections. Here, per connection (the nu
 - beyond ``max_connections`` a new connection gets 503 and is closed at once, before it can hold
   a file descriptor for long;
 - a client that half-closes (sends FIN after its request) still gets its answer: the connection
-  stays open for writing until the response is complete, then closes. The app learns of the
-  half-close through ``scope["extensions"]["clutor.connection"]`` (a Connection, below);
+  stays open for writing until the response is complete, then closes. A client that closed its
+  socket and left sends the same FIN; until the response starts, a ``100 Continue`` each second
+  (which HTTP/1.1 clients skip before the final response) tells the two apart, as the socket of a
+  client that left answers it with a reset: the connection is then dropped and the app sees the
+  client leave (which cancels its generation);
 - a request head (request line and headers) over ``max_head`` bytes or ``max_headers`` lines gets
   431 and is closed, counted as its bytes arrive, before the parser holds them (httptools itself
   bounds neither: a client could make the server hold gigabytes of headers);
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -86,7 +90,16 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: byte
 
 
 _last_log: dict[str, float] = {}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_TCP_CLOSE = 7  # tcp_info's state once the peer's reset arrived (linux/tcp_states.h)
 _HEAD_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a head (llhttp and h11 take a bare LF too)
+
+
+def _tcp_state(sock) -> int | None:
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _note(metrics: Metrics, reason: str, message: str) -> None:
@@ -122,6 +135,8 @@ class _Bounded:
         self._head_lines = 0   # its line breaks
         self._head_tail = b""  # its last bytes: a head's end may straddle two reads
         self._refused = False  # answered at the connection level and closing: the rest is not parsed
+        self._probe_timer: asyncio.TimerHandle | None = None  # after a half-close, until the response starts
+        self._probed = 0.0     # when the last 100 Continue went out
         conn, app = self._conn, self.app
 
         async def app_with_connection(scope, receive, send):
@@ -159,9 +174,10 @@ class _Bounded:
     def connection_lost(self, exc) -> None:
         self._conn.lost = True
         self._disarm_read()
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        for t in (self._write_timer, self._probe_timer):
+            if t is not None:
+                t.cancel()
+        self._write_timer = self._probe_timer = None
         self._settle_tails(False)  # (a tail that drained was settled in resume_writing, before this)
         super().connection_lost(exc)
         self.metrics.connections = len(self.connections)
@@ -208,8 +224,31 @@ class _Bounded:
         c = self.cycle
         if c is not None and not c.response_complete and not c.more_body and self._seen_cycle is c:
             self._conn.eof.set()  # a whole request, not answered yet: keep the connection to answer it
+            self._probe()
             return True
         return False  # idle, or a request that can never complete: close
+
+    def _probe(self) -> None:
+        """After a half-close, until the response starts: has the client left? Every second a
+        100 Continue goes out; a socket that was closed answers it with a reset, seen in TCP_INFO
+        within a quarter second (at once on a local network)."""
+        self._probe_timer = None
+        c = self.cycle
+        if (c is None or c.response_started or self.transport.is_closing()
+                or c.scope.get("http_version") != "1.1"):  # (HTTP/1.0 has no 1xx: it gets its answer unprobed)
+            return
+        state = _tcp_state(self.transport.get_extra_info("socket"))
+        if state is None:  # no TCP_INFO here: answer, whoever is there
+            return
+        if state == _TCP_CLOSE:
+            self.transport.abort()  # the app sees the client leave
+            return
+        delay = 0.25
+        now = time.monotonic()
+        if now - self._probed >= 1.0:
+            self.transport.write(_CONTINUE)
+            self._probed, delay = now, 0.02
+        self._probe_timer = self.loop.call_later(delay, self._probe)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # (may start a pipelined request already read)
