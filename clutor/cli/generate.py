@@ -47,16 +47,16 @@ def run(args):
 
 
 async def _generate(args, prompt: str, template: str | None) -> int:
-    from ..model.chat import chat_prompt
+    from ..model.chat import chat_ids
     from ..model.model import Model
 
     async with Model.open(args.model, **model_kwargs(args)) as model:
         special = args.special
         if args.chat or template is not None or args.system is not None:
             messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-            prompt = chat_prompt(model.tokenizer, messages + [{"role": "user", "content": prompt}], template=template,
-                                 name=args.chat_template or "tokenizer.chat_template")
-            special = True
+            # (--special: the prompt's own control-token texts are tokens too)
+            prompt = chat_ids(model.tokenizer, messages + [{"role": "user", "content": prompt}], template=template,
+                              name=args.chat_template or "tokenizer.chat_template", special_in_content=args.special)
         async for out in model.generate(prompt, special=special, **sampling_kwargs(args, model.n_ctx)):
             if out.text:
                 write_out(out.text)

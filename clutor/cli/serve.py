@@ -59,6 +59,9 @@ def add_parser(sub):
                         "content; none: left in the content as the model wrote it (as llama-server's)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the model file's own")
+    p.add_argument("--special-in-content", action="store_true",
+                   help="parse control-token texts (<|im_start|>, <|endoftext|>) in messages and tools as tokens, "
+                        "as llama-server does; by default they are text, and only the template's markup is tokens")
     p.add_argument("--pooling", default="mean", choices=("mean", "last"),
                    help="how /v1/embeddings pools a text's final hidden states")
     p.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
@@ -144,7 +147,8 @@ async def run(args) -> int:
     defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                        reasoning_format=args.reasoning_format, chat_template=template)
+                        reasoning_format=args.reasoning_format, chat_template=template,
+                        special_in_content=args.special_in_content)
     app = create_app(open_model(), served_model_name=args.served_model_name or model_id(args.model),
                      api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, defaults=defaults,

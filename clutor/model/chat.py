@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ClutorError
 
-__all__ = ["render_chat", "chat_prompt", "chat_ids", "chat_turn", "CHATML_TEMPLATE"]
+__all__ = ["render_chat", "chat_prompt", "chat_ids", "chat_turn", "quote_content", "CHATML_TEMPLATE"]
 
 _FIELD = "tokenizer.chat_template"
 
@@ -312,11 +312,30 @@ def chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     return text
 
 
-def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True, **extra: object) -> list[int]:
+def quote_content(tokenizer, value):
+    """``value`` (messages, tools, template arguments: JSON-like) with every string in it quoted
+    (Tokenizer.quote): what a conversation's authors wrote stays text in the prompt, whatever control
+    tokens it spells."""
+    if isinstance(value, str):
+        return tokenizer.quote(value)
+    if isinstance(value, dict):
+        return {k: quote_content(tokenizer, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [quote_content(tokenizer, v) for v in value]
+    return value
+
+
+def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+             special_in_content: bool = False, **extra: object) -> list[int]:
     """The token ids of a conversation rendered through the tokenizer's chat template (``chat_prompt``),
-    BOS/EOS added per the file, special tokens parsed."""
+    BOS/EOS added per the file. Special tokens are parsed in the template's markup only; the messages'
+    own text (and the tools', and ``extra``'s) is text, unless ``special_in_content`` (llama-server's
+    way: a user's "<|im_start|>" is then a token)."""
+    if not special_in_content:
+        messages = quote_content(tokenizer, messages)
+        extra = {k: v if k in ("template", "name") else quote_content(tokenizer, v) for k, v in extra.items()}
     return tokenizer.encode(chat_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra),
-                            special=True)
+                            special=True, quoted=not special_in_content)
 
 
 def chat_turn(tokenizer, messages: list[dict], **extra: object) -> tuple[list[int], tuple[int, ...]]:

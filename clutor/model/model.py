@@ -313,15 +313,19 @@ class Model:
         self._check_open()
         return generate(self, prompt, **options)
 
-    def chat(self, messages: Sequence[dict], **options) -> AsyncIterator["GenerationChunk"]:
+    def chat(self, messages: Sequence[dict], *, special_in_content: bool = False,
+             **options) -> AsyncIterator["GenerationChunk"]:
         """Stream the assistant's reply to messages ([{"role": ..., "content": ...}]) through the file's
         chat template; options as for generate. The next turn's prompt starts with this one's tokens,
-        so its KV cache is reused (GenerationStats.cached_tokens says how many)."""
+        so its KV cache is reused (GenerationStats.cached_tokens says how many). The messages' text is
+        tokenised as text (a "<|im_start|>" in it is not the token) unless ``special_in_content``."""
+        from functools import partial
+
         from .chat import chat_ids, chat_turn
 
         self._check_open()
         # A recurrent state cannot be cut back: it is kept where the next turn departs (chat_turn).
-        render = chat_turn if self.kv.recurrent else chat_ids
+        render = partial(chat_turn if self.kv.recurrent else chat_ids, special_in_content=special_in_content)
         return self.generate(_Deferred(render, self.tokenizer, list(messages)), **options)
 
     def engine_stats(self):

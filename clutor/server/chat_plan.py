@@ -14,7 +14,7 @@ through before the constrained part.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ClutorError
 from ..formats import HARMONY, Family, StreamParser, Tool, family_for, starts_in_reasoning, think_tags
@@ -52,8 +52,11 @@ class ChatPlan:
 
 
 def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: str = "auto",
-              template: str | None = None, recurrent: bool = False, n_ctx: int | None = None) -> ChatPlan:
-    """``messages``: the request's messages already checked for shape (``chat_messages``).
+              template: str | None = None, recurrent: bool = False, n_ctx: int | None = None,
+              special_in_content: bool = False) -> ChatPlan:
+    """``messages``: the request's messages already checked for shape (``chat_messages``). Their text,
+    the tools' and the template arguments' is tokenised as text, special tokens parsed only in the
+    template's markup, unless ``special_in_content`` (llama-server's way).
     recurrent: the model has recurrent layers: ``keep`` says where they keep their state for the next
     turn (clutor.model.chat.chat_turn's rule: the conversation without the generation prompt).
     n_ctx: a prompt that cannot fit it is refused before it is tokenised (requests.check_size)."""
@@ -74,11 +77,18 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         raise bad_request("add_generation_prompt", "'add_generation_prompt' must be a boolean")
     offered = tools if tools and choice != "none" else []
 
-    msgs = _for_template(messages, fam, template, offered)
+    from ..model.chat import chat_prompt, quote_content
+
+    quote = not special_in_content
+    shown_tools = offered
+    if quote:  # what the client wrote stays text: quoted before the family's markup joins it
+        messages, kwargs = quote_content(tokenizer, messages), quote_content(tokenizer, kwargs)
+        shown_tools = [replace(t, description=tokenizer.quote(t.description),
+                               parameters=quote_content(tokenizer, t.parameters)) for t in offered]
+    msgs = _for_template(messages, fam, template, shown_tools)
     extra = dict(kwargs)
-    if offered and fam.native and fam.tools_prompt(offered) is None:
-        extra["tools"] = [_openai_tool(t) for t in offered]
-    from ..model.chat import chat_ids, chat_prompt
+    if offered and fam.native and fam.tools_prompt(shown_tools) is None:
+        extra["tools"] = [_openai_tool(t) for t in shown_tools]
 
     try:
         prompt = chat_prompt(tokenizer, msgs, template=template, add_generation_prompt=gen, **extra)
@@ -88,11 +98,12 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
         from .requests import check_size
 
         check_size(prompt, tokenizer, n_ctx, "messages")
-    ids = tokenizer.encode(prompt, special=True)
+    ids = tokenizer.encode(prompt, special=True, quoted=quote)
     keep: tuple[int, ...] = ()
     if recurrent and gen:
         try:
-            base = chat_ids(tokenizer, msgs, add_generation_prompt=False, template=template, **extra)
+            base = tokenizer.encode(chat_prompt(tokenizer, msgs, add_generation_prompt=False, template=template,
+                                                **extra), special=True, quoted=quote)
         except ClutorError:
             base = []
         keep = (len(base),) if 0 < len(base) < len(ids) and ids[: len(base)] == base else ()

@@ -42,6 +42,7 @@ class Defaults:
     completion_max_tokens: int = 16  # /v1/completions without max_tokens, as OpenAI; chat: rest of the context
     reasoning_format: str = "auto"   # --reasoning-format: reasoning apart (auto, deepseek) or left in content (none)
     chat_template: str | None = None  # --chat-template: the file's own template when None
+    special_in_content: bool = False  # --special-in-content: control-token texts in messages are tokens
 
 
 @dataclass
@@ -84,7 +85,8 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool =
     if "functions" in body and body["functions"]:
         raise bad_request("functions", "'functions' is OpenAI's deprecated form: send 'tools' instead")
     plan = plan_chat(body, chat_messages(body.get("messages")), tokenizer, reasoning_format=d.reasoning_format,
-                     template=d.chat_template, recurrent=recurrent, n_ctx=n_ctx)
+                     template=d.chat_template, recurrent=recurrent, n_ctx=n_ctx,
+                     special_in_content=d.special_in_content)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)

@@ -12,6 +12,10 @@ bytes ``llama_token_to_piece`` gives. What llama.cpp does around the tokenizer p
 - Special-token partition: user-defined tokens are always cut out of the text; control and unknown
   ones only with ``special=True``. The longest special text (in bytes) is cut first everywhere, then
   the next, and so on; what remains is plain text for the tokenizer.
+- Quoting (``quote``, ``encode(..., quoted=True)``): a conversation's own text (what users, tools and
+  earlier replies wrote) goes into a template whose markup is special tokens. Quoted text keeps its
+  control-token texts as text, so a user's "<|im_start|>" cannot forge a turn, nor "<|endoftext|>"
+  end the prompt, while the template's markup around it is still parsed.
 - SentencePiece vocabularies put a space before each plain fragment that starts the text or follows a
   special token (``add_space_prefix``), and write spaces as "▁".
 - BOS (and EOS) per ``add_bos_token``/``add_eos_token``; absent, llama.cpp's default for the
@@ -36,7 +40,12 @@ from .bpe import ByteLevelBPE, SpaceBPE, raw_bytes, token_text_bytes
 from .pretokenize import KNOWN_PRE, pre_tokenizer
 from .spm import SPACE, SentencePiece
 
-__all__ = ["Tokenizer", "StreamDecoder"]
+__all__ = ["Tokenizer", "StreamDecoder", "QUOTE"]
+
+# Put after the first character of a control-token text in quoted text, so that the text no longer
+# matches the token (a noncharacter: no text a person writes holds it next to a token's text, and
+# where one does, quoting adds one more, so unquoting gives it back).
+QUOTE = "\uffff"
 
 # Token attributes: llama.cpp's llama_token_attr bits.
 _UNKNOWN, _UNUSED, _NORMAL, _CONTROL, _USER, _BYTE = 1, 2, 4, 8, 16, 32
@@ -170,6 +179,10 @@ class Tokenizer:
         # Specials cut out of the text, longest (in bytes) first, like llama.cpp's partition.
         special_ids.sort(key=lambda i: (-len(raw_bytes(tokens[i])), i))
         self._special = tuple((tokens[i], i, attrs[i]) for i in special_ids)
+        # what quoting breaks: the control tokens, and gpt-oss's markup that llama.cpp makes user-defined
+        markup = set(_GPT_OSS_USER) | {"<|end|>"}
+        self._quoted = tuple(k for k, (t, _, a) in enumerate(self._special) if t and (a & _SPECIAL or t in markup))
+        self._quote_res: dict[int, tuple[re.Pattern, re.Pattern]] = {}
         self._special_by_first: dict[str, list[int]] = {}
         for k, (t, _, _) in enumerate(self._special):
             self._special_by_first.setdefault(t[0], []).append(k)
@@ -242,7 +255,34 @@ class Tokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------
 
-    def encode(self, text: str, special: bool = False, add_bos: bool | None = None) -> list[int]:
+    def quote(self, text: str) -> str:
+        """``text`` with each control-token text in it broken by ``QUOTE`` after its first character,
+        so that ``encode(..., special=True, quoted=True)`` reads it as the plain text it was."""
+        for k in self._quoted_in(text):
+            t = self._special[k][0]
+            text = self._quote_re(k)[0].sub(lambda m, a=t[0], b=t[1:]: a + QUOTE + m.group(1) + b, text)
+        return text
+
+    def _quoted_in(self, text: str) -> list[int]:
+        keys = [k for k in self._quoted if self._special[k][0][1:] in text and self._special[k][0][0] in text]
+        return keys
+
+    def _quote_re(self, k: int) -> tuple[re.Pattern, re.Pattern]:
+        res = self._quote_res.get(k)
+        if res is None:
+            t = self._special[k][0]
+            a, b = re.escape(t[0]), re.escape(t[1:])
+            res = self._quote_res[k] = (re.compile(f"{a}({QUOTE}*){b}"), re.compile(f"{a}{QUOTE}({QUOTE}*){b}"))
+        return res
+
+    def _unquote(self, text: str) -> str:
+        for k in reversed(self._quoted_in(text)):
+            t = self._special[k][0]
+            text = self._quote_re(k)[1].sub(lambda m, a=t[0], b=t[1:]: a + m.group(1) + b, text)
+        return text
+
+    def encode(self, text: str, special: bool = False, add_bos: bool | None = None,
+               quoted: bool = False) -> list[int]:
         """Token ids of ``text`` as llama.cpp's ``llama_tokenize(text, add_special, parse_special=special)``.
 
         ``add_bos=None`` follows the file (``add_bos_token``, and ``add_eos_token`` for an EOS at the
@@ -250,6 +290,7 @@ class Tokenizer:
         Text that is not valid Unicode (lone surrogates, as Python gives for undecodable bytes in
         argv or a file read with errors="surrogateescape") is tokenized as its bytes decoded with
         U+FFFD for each invalid sequence, as llama.cpp's tools do with invalid UTF-8 input.
+        ``quoted``: the text holds ``quote``d parts, read as the text they were quoted from.
         """
         text = _valid_text(text)
         ids: list[int] = []
@@ -258,6 +299,8 @@ class Tokenizer:
                 raise ModelFileError(self.path, "tokenizer.ggml.bos_token_id", "a token id to prepend", "absent")
             ids.append(self._bos_id)
         frags = self._partition(text, special)
+        if quoted:
+            frags = [self._unquote(f) if isinstance(f, str) and QUOTE in f else f for f in frags]
         if self._spm is not None:
             after_special = True  # the first fragment counts as following a special token
             for frag in frags:
