@@ -18,6 +18,11 @@ uvicorn times out only idle keep-alive connections. Here, per connection (the nu
 - a request head (request line and headers) over ``max_head`` bytes or ``max_headers`` lines gets
   431 and is closed, counted as its bytes arrive, before the parser holds them (httptools itself
   bounds neither: a client could make the server hold gigabytes of headers);
+- a response that closes the connection while the client is still sending the request's body (a
+  413) does not close it at once: the server sends its FIN and reads and drops what the client
+  sends, up to ``_LINGER_BYTES`` or ``_LINGER_SECONDS`` (nginx's lingering close). Closed at once,
+  the unread bytes would make the kernel reset the connection, and a client still writing (httpx,
+  so the OpenAI and Anthropic clients) would see a broken pipe, never the 413;
 - a request the parser refuses gets a JSON error body and is counted, not a text/plain page;
 - each request's fate is told to the app as ``scope["extensions"]["clutor.delivery"]``, a future:
   True once the last bytes of its response left our buffer (into the kernel's), False if the
@@ -91,6 +96,8 @@ def _raw_response(status: int, reason: str, message: str, code: str, extra: byte
 
 _last_log: dict[str, float] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LINGER_BYTES = 64 << 20  # of a refused body, read and dropped before the connection closes
+_LINGER_SECONDS = 5.0
 _TCP_CLOSE = 7  # tcp_info's state once the peer's reset arrived (linux/tcp_states.h)
 _HEAD_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a head (llhttp and h11 take a bare LF too)
 
@@ -110,6 +117,24 @@ def _note(metrics: Metrics, reason: str, message: str) -> None:
         log.info("connection closed: %s", message)
 
 
+class _Lingering:
+    """The connection's transport as uvicorn's request cycles see it: its ``close`` lingers while the
+    client is still sending a body (the protocol's ``_linger`` decides)."""
+
+    def __init__(self, transport, protocol: "_Bounded"):
+        self._t, self._p = transport, protocol
+
+    def close(self) -> None:
+        if not self._p._linger():
+            self._t.close()
+
+    def is_closing(self) -> bool:
+        return self._p._lingering or self._t.is_closing()
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
 class _Bounded:
     """Mixed in before uvicorn's HttpToolsProtocol or H11Protocol (both keep ``self.cycle``, a
     RequestResponseCycle with ``more_body``, ``response_started``, ``response_complete``,
@@ -122,6 +147,10 @@ class _Bounded:
     # -- connection ---------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.transport = _Lingering(transport, self)
+        self._raw = transport
+        self._lingering = False
+        self._lingered = 0  # bytes dropped while lingering
         self._conn = Connection()
         self._read_timer: asyncio.TimerHandle | None = None
         self._read_phase: str | None = None   # "header" | "body" while a timer runs
@@ -185,6 +214,11 @@ class _Bounded:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._lingering:
+            self._lingered += len(data)
+            if self._lingered > _LINGER_BYTES:
+                self._raw.close()
+            return
         if self._read_phase is None and not self._in_request():
             self._arm_read("header")  # the first bytes of the next request on a kept-alive connection
         elif self._read_phase == "body":
@@ -220,7 +254,28 @@ class _Bounded:
         self.transport.close()
         return False
 
+    def _linger(self) -> bool:
+        """On a close: is the client still sending the body of a request already answered? Then send
+        our FIN and read on, dropping the bytes, until the client's FIN or a bound, and say so."""
+        if self._lingering:
+            return True
+        c = self.cycle
+        if (c is None or not c.response_complete or not c.more_body or self._refused or self._conn.lost
+                or self._conn.closed is not None or self._raw.is_closing()):
+            return False
+        self._lingering = True
+        self._disarm_read()
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
+        self._raw.write_eof()  # (after what is buffered: the response)
+        self._raw.resume_reading()  # (uvicorn pauses reading a body the app does not take)
+        self._read_timer = self.loop.call_later(_LINGER_SECONDS, self._raw.close)
+        return True
+
     def eof_received(self):
+        if self._lingering:
+            return False  # the client sent all: close
         c = self.cycle
         if c is not None and not c.response_complete and not c.more_body and self._seen_cycle is c:
             self._conn.eof.set()  # a whole request, not answered yet: keep the connection to answer it
