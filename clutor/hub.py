@@ -56,7 +56,23 @@ def parse_ref(text: str) -> HubRef:
                           "e.g. Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M")
     if ":" in text and not quant.strip():
         raise ClutorError(f"{text!r}: nothing after ':' (a quant such as Q4_K_M, or a .gguf file in the repo)")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # the Hub's own rules (length, "--", leading and trailing marks)
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise ClutorError(f"{_shown_name(text)}: not a Hugging Face repo name: {_hub_rule(str(e))}") from None
     return HubRef(repo, quant.strip() or None)
+
+
+def _shown_name(text: str, most: int = 80) -> str:
+    return repr(text if len(text) <= most else text[:most] + "...")
+
+
+def _hub_rule(message: str) -> str:
+    """huggingface_hub's message without the name it repeats (``...: 'name'.``)."""
+    return re.sub(r":\s*'[^']*'\.?$", "", message.strip()).rstrip(".")
 
 
 def looks_like_ref(text: str) -> bool:

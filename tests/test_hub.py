@@ -108,6 +108,13 @@ def test_names_on_the_command_line(tmp_path, monkeypatch):
     for bad in ("justaname", "a/b/c", "a/b:", "/b", "a/:x"):
         with pytest.raises(hub.ClutorError):
             hub.parse_ref(bad)
+    # names only the Hub's own validator refuses: one line naming its rule, no traceback
+    for bad, rule in (("a" * 100 + "/b", "maximum length is 96"), ("a/" + "b" * 100 + ":Q4_K_M", "maximum length"),
+                      ("a/b--c", "Cannot have -- or .."), ("a/.b", "cannot start or end")):
+        with pytest.raises(hub.ClutorError, match=rule) as e:
+            hub.parse_ref(bad)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 400
+    assert main(["pull", "a/" + "b" * 100]) == 1
     assert hub.looks_like_ref("a/b:Q8_0") and hub.looks_like_ref("a/b")
     assert not hub.looks_like_ref("models/x.gguf")  # a missing file stays a file, and its error names it
     (tmp_path / "a").mkdir()
