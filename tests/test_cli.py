@@ -20,6 +20,15 @@ def test_every_command_has_help_with_an_example(capsys):
         assert "example" in out.lower(), name
 
 
+def test_clutor_alone_prints_the_overview(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["clutor"])
+    assert main() == 0
+    cap = capsys.readouterr()
+    assert cap.err == "" and "Run Mixture-of-Experts GGUF models" in cap.out
+    for name in COMMANDS:
+        assert name in cap.out, name
+
+
 def test_info(capsys):
     assert main(["info", str(fixture_path("qwen2moe", "Q4_K_M"))]) == 0
     out = capsys.readouterr().out

@@ -62,7 +62,11 @@ def run_coro(coro):
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every failure ends as one `clutor: error:` line and exit code 1 (Ctrl-C: 130)."""
     sleeping_kernel_workers()
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if not argv:  # `clutor` alone: the overview, as `clutor --help`
+            build_parser().print_help()
+            return 0
         args = build_parser().parse_args(argv)
         if args.command != "serve":  # serve logs with timestamps, configured by itself
             _log_to_stderr()
