@@ -181,6 +181,10 @@ def test_each_llama_cpp_flag_means_what_it_means_there(capsys):
     for flag in ("-ngl", "--mlock", "-fa", "--no-mmap", "--jinja"):
         assert f"clutor: note: {flag} ignored: " in err, flag
     assert a.prompt == "hi" and a.max_tokens == 128  # -ngl did not become -n gl
+    from clutor.cli.common import model_kwargs
+
+    for flags, kv in ((("-ctk", "q8_0", "-ctv", "q8_0"), "q8_0"), (("--cache-type-v", "f32"), "f32"), ((), "f16")):
+        assert model_kwargs(_parse("generate", MODEL, "hi", *flags))["kv_type"] == kv, flags
     _parse("serve", MODEL, "-cb", "--metrics", "--n-gpu-layers", "99")
     assert "-cb ignored: always on" in capsys.readouterr().err
 
@@ -188,6 +192,10 @@ def test_each_llama_cpp_flag_means_what_it_means_there(capsys):
 @pytest.mark.parametrize("argv, says", [
     (["generate", MODEL, "hi", "-ngx", "3"], "unknown option -ngx"),
     (["generate", MODEL, "hi", "-n32"], "for -n 32, write it so"),     # never glued: -n32 is not -n 32
+    (["generate", MODEL, "hi", "-ctx", "3"], "unknown option -ctx (`clutor generate --help`"),  # not "-c tx"
+    (["generate", MODEL, "hi", "-ctk", "f16", "-ctv", "q8_0"], "-ctk f16 with -ctv q8_0: keys and values"),
+    (["generate", MODEL, "hi", "--kv-type", "f32", "-ctk", "q8_0"], "--kv-type f32 with -ctk/-ctv q8_0"),
+    (["generate", MODEL, "hi", "-ctk", "q4_9"], "argument -ctk/--cache-type-k: invalid choice"),
     (["chat", MODEL, "-sysx", "a"], "unknown option -sysx"),
     (["generate", MODEL, "hi", "--max-tok", "3"], "unrecognized arguments: --max-tok"),  # no abbreviations
     (["generate", MODEL, "hi", "-n", "gl"], "invalid int value: 'gl'"),

@@ -97,6 +97,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "capped at --max-sequences full contexts); when full, the newest request waits")
     b.add_argument("--kv-type", choices=KV_TYPES, default=DEFAULTS.kv_type,
                    help="what keys and values are stored as (llama.cpp's default is f16)")
+    for short, long, what in (("-ctk", "--cache-type-k", "keys"), ("-ctv", "--cache-type-v", "values")):
+        b.add_argument(short, long, choices=KV_TYPES, default=None, metavar="TYPE",
+                       help=f"llama.cpp's name for the {what}' type: keys and values share one type here "
+                            "(--kv-type), so -ctk and -ctv must agree")
     b.add_argument("--prefix-cache", default=DEFAULTS.prefix_cache, metavar="SIZE",
                    help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
 
@@ -120,6 +124,21 @@ def sampling_kwargs(args, n_ctx: int | None = None) -> dict:
                 stop=args.stop, ignore_eos=args.ignore_eos)
 
 
+def _kv_type(args) -> str:
+    """--kv-type, or the one type llama.cpp's -ctk / -ctv name."""
+    k, v = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    given = {t for t in (k, v) if t is not None}
+    if len(given) > 1:
+        raise ClutorError(f"-ctk {k} with -ctv {v}: keys and values stored as different types are not supported "
+                          "here; give both the same type (or --kv-type TYPE)")
+    if not given:
+        return args.kv_type
+    t = given.pop()
+    if args.kv_type not in (DEFAULTS.kv_type, t):
+        raise ClutorError(f"--kv-type {args.kv_type} with -ctk/-ctv {t}: give one type")
+    return t
+
+
 def model_kwargs(args) -> dict:
     if args.threads is not None and args.threads < 1:
         raise ClutorError(f"-t/--threads must be >= 1, got {args.threads}")
@@ -130,7 +149,7 @@ def model_kwargs(args) -> dict:
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
                 step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, kv_cache=args.kv_cache,
-                kv_type=args.kv_type, activations=args.activations, threads=args.threads, progress=load_progress())
+                kv_type=_kv_type(args), activations=args.activations, threads=args.threads, progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:

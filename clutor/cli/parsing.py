@@ -50,7 +50,8 @@ class Parser(argparse.ArgumentParser):
                 continue  # -sys, -p=TEXT, -1, -0.5
             if "-" + a in known:
                 hint = f"; did you mean -{a}?"
-            elif a[:2] in known and known[a[:2]].nargs != 0:
+            elif a[:2] in known and known[a[:2]].nargs != 0 and a[2:3] in "0123456789.":
+                # (only a number glued on is surely a value: -ctk is llama.cpp's option, not -c tk)
                 hint = f" (for {a[:2]} {a[2:]}, write it so: a value is never glued to its option)"
             else:
                 hint = ""
