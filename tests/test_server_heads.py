@@ -16,17 +16,10 @@ pytest.importorskip("uvicorn", reason="the server extra is not installed")
 import httpx  # noqa: E402
 
 from clutor.server import Limits  # noqa: E402
-from test_server_hardening import HTTP, _json_body, _LoopCPU, _raw, _read_until_closed, _request, _server, \
-    _statuses  # noqa: E402
+from test_server_hardening import (_json_body, _LoopCPU, _raw, _read_until_closed, _request,  # noqa: E402,F401
+                                   _server, _statuses, srv)  # (srv: the fixture, one server per HTTP parser)
 
 REFUSED = 'clutor_connections_closed_total{reason="head_too_large"}'
-
-
-@pytest.fixture(scope="module", params=HTTP)
-def srv(request):
-    s = _server(request.param)
-    yield s
-    s.stop()
 
 
 def _headers(n: int, size: int = 20) -> dict[str, str]:

@@ -12,14 +12,7 @@ pytest.importorskip("uvicorn", reason="the server extra is not installed")
 import httpx  # noqa: E402
 
 from clutor.server.protocol import _LINGER_BYTES  # noqa: E402
-from test_server_hardening import HTTP, _json_body, _read_until_closed, _request, _server, _statuses  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=HTTP)
-def srv(request):
-    s = _server(request.param)
-    yield s
-    s.stop()
+from test_server_hardening import _json_body, _read_until_closed, _request, _statuses, srv  # noqa: E402,F401
 
 
 def _check_413(r: httpx.Response, path: str) -> None:
