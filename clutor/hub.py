@@ -62,12 +62,8 @@ def parse_ref(text: str) -> HubRef:
     try:  # the Hub's own rules (length, "--", leading and trailing marks)
         validate_repo_id(repo)
     except HFValidationError as e:
-        raise ClutorError(f"{_shown_name(text)}: not a Hugging Face repo name: {_hub_rule(str(e))}") from None
+        raise ClutorError(f"{text!r}: not a Hugging Face repo name: {_hub_rule(str(e))}") from None
     return HubRef(repo, quant.strip() or None)
-
-
-def _shown_name(text: str, most: int = 80) -> str:
-    return repr(text if len(text) <= most else text[:most] + "...")
 
 
 def _hub_rule(message: str) -> str:

@@ -325,17 +325,18 @@ def quote_content(tokenizer, value):
     return value
 
 
-def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-             special_in_content: bool = False, **extra: object) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True, template: str | None = None,
+             name: str = _FIELD, special_in_content: bool = False, **extra: object) -> list[int]:
     """The token ids of a conversation rendered through the tokenizer's chat template (``chat_prompt``),
     BOS/EOS added per the file. Special tokens are parsed in the template's markup only; the messages'
     own text (and the tools', and ``extra``'s) is text, unless ``special_in_content`` (llama-server's
     way: a user's "<|im_start|>" is then a token)."""
     if not special_in_content:
         messages = quote_content(tokenizer, messages)
-        extra = {k: v if k in ("template", "name") else quote_content(tokenizer, v) for k, v in extra.items()}
-    return tokenizer.encode(chat_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra),
-                            special=True, quoted=not special_in_content)
+        extra = quote_content(tokenizer, extra)
+    text = chat_prompt(tokenizer, messages, add_generation_prompt=add_generation_prompt, template=template, name=name,
+                       **extra)
+    return tokenizer.encode(text, special=True, quoted=not special_in_content)
 
 
 def chat_turn(tokenizer, messages: list[dict], **extra: object) -> tuple[list[int], tuple[int, ...]]:

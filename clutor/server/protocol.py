@@ -233,11 +233,12 @@ class _Bounded:
         answer 431 and close without handing the parser any of it."""
         lim = self.limits
         carry = self._head_tail
-        end = _HEAD_END.search(carry + data) if b"\n" in data else None
+        buf = carry + data if carry else data
+        end = _HEAD_END.search(buf) if b"\n" in data else None
         part = data if end is None else data[: max(0, end.end() - len(carry))]
         self._head += len(part)
         self._head_lines += part.count(b"\n")
-        self._head_tail = (carry + data)[-3:] if end is None else b""
+        self._head_tail = buf[-3:] if end is None else b""
         lines = self._head_lines - (1 if end is None else 2)  # header lines: not the request line, nor the blank
         if self._head <= lim.max_head and lines <= lim.max_headers:
             if end is not None:

@@ -181,7 +181,8 @@ class Tokenizer:
         self._special = tuple((tokens[i], i, attrs[i]) for i in special_ids)
         # what quoting breaks: the control tokens, and gpt-oss's markup that llama.cpp makes user-defined
         markup = set(_GPT_OSS_USER) | {"<|end|>"}
-        self._quoted = tuple(k for k, (t, _, a) in enumerate(self._special) if t and (a & _SPECIAL or t in markup))
+        self._quoted = frozenset(k for k, (t, _, a) in enumerate(self._special)
+                                 if t and (a & _SPECIAL or t in markup))
         self._quote_res: dict[int, tuple[re.Pattern, re.Pattern]] = {}
         self._special_by_first: dict[str, list[int]] = {}
         for k, (t, _, _) in enumerate(self._special):
@@ -264,8 +265,16 @@ class Tokenizer:
         return text
 
     def _quoted_in(self, text: str) -> list[int]:
-        keys = [k for k in self._quoted if self._special[k][0][1:] in text and self._special[k][0][0] in text]
-        return keys
+        """The quotable specials whose text (or quoted text) may be in ``text``, in partition order."""
+        return [k for k in self._candidates(text) if k in self._quoted and self._special[k][0][1:] in text]
+
+    def _candidates(self, text: str) -> list[int]:
+        """Specials whose first character occurs in ``text``, in partition order: only these can occur
+        (this keeps vocabularies with thousands of user-defined tokens, DeepSeek's, cheap)."""
+        present: set[int] = set()
+        for c in set(text) & self._special_by_first.keys():
+            present.update(self._special_by_first[c])
+        return sorted(present)
 
     def _quote_re(self, k: int) -> tuple[re.Pattern, re.Pattern]:
         res = self._quote_res.get(k)
@@ -343,14 +352,8 @@ class Tokenizer:
         """Split ``text`` into raw-text fragments and special-token ids (llama.cpp's st_partition)."""
         if not text:
             return []
-        # Only specials whose first character occurs can occur; this keeps vocabularies with
-        # thousands of user-defined tokens (DeepSeek) cheap.
-        present: set[int] = set()
-        chars = set(text)
-        for c in chars & self._special_by_first.keys():
-            present.update(self._special_by_first[c])
         frags: list[str | int] = [text]
-        for k in sorted(present):
+        for k in self._candidates(text):
             tok_text, tok_id, attr = self._special[k]
             if not special and attr & _SPECIAL:
                 continue
