@@ -132,6 +132,36 @@ def _numpy_blas_is_openblas() -> bool:
         return True
 
 
+def cgroup_room() -> int | None:
+    """Bytes this process's memory cgroup may still take (its limit less its usage; v1 or v2), or None
+    where it has no limit or none can be read: /proc/meminfo's MemAvailable speaks of the host, which
+    a container's or a benchmark's cap never lets the process have."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1
+            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+        elif controllers == "":  # v2's unified hierarchy
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        else:
+            continue
+        try:
+            with open(files[0]) as f:
+                limit = f.read().strip()
+            with open(files[1]) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            continue
+        return max(0, int(limit) - usage)
+    return None
+
+
 def proc_bytes(path: str, key: str) -> int | None:
     """A ``KEY:  N kB`` field of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes, or
     None where the file or the field cannot be read (not Linux)."""

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-master", action="store_true", help="keep the master as OUT.f32.gguf / OUT.f16.gguf")
     ap.add_argument("--master", choices=("F32", "F16"), default="F32", help="type of the master --quantize converts")
     ap.add_argument("--layers", type=int, default=None, help="the preset with this many layers")
+    ap.add_argument("--ctx", type=int, default=None, help="the preset with this context_length (long-prompt benchmarks)")
     ap.add_argument("--source", type=Path, default=None,
                     help=f"real-olmoe-* presets: the trained model to widen (default {default_source()})")
     args = ap.parse_args(argv)
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{args.preset} keeps the trained file's Q8_0 blocks: --type and --quantize do not apply")
     elif args.source is not None:
         ap.error("--source applies to the real-olmoe-* presets only")
+    if args.preset in WIDE_PRESETS and args.ctx is not None:
+        ap.error("--ctx applies to the random-weight presets (a widened model keeps its trained context)")
     if args.quantize and args.qtype:
         ap.error("--type and --quantize are exclusive (--quantize always starts from an F32 master)")
     if args.llama_quantizer and not args.quantize:
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         preset = PRESETS[args.preset]
         if args.layers is not None:
             preset = dataclasses.replace(preset, n_layer=args.layers, name=f"{preset.name}-{args.layers}l")
+        if args.ctx is not None:
+            preset = dataclasses.replace(preset, n_ctx=args.ctx)
         if args.quantize:
             master = args.out.with_suffix(f".{args.master.lower()}.gguf")
             write_model(master, preset, seed=args.seed, qtype=args.master, progress=progress)

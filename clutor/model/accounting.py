@@ -30,6 +30,7 @@ class Ledger:
     bytes_prefetch: float = 0.0  # its share of what its steps read ahead
     wait_seconds: float = 0.0   # its share of the time its steps waited for reads
     steps: int = 0              # steps it took part in
+    windows: int = 0            # of them, prompt windows (each expert read once per layer for the whole window)
 
     def add(self, accesses: float = 0.0, hits: float = 0.0, misses: float = 0.0, bytes_demand: float = 0.0,
             wait_seconds: float = 0.0) -> None:

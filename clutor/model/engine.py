@@ -15,6 +15,10 @@ task per model runs the steps. Each round the engine
    when it resumes) instead of the process growing;
 3. hands the plan to the runner (clutor.model.runner), which computes it as ONE forward: the dense
    products run once over all rows, and each layer reads the union of the experts its rows route to;
+   a prompt longer than step_tokens goes instead as a window of up to ``prefill_window`` tokens in
+   one step of its own (each layer's experts read once for the whole window), which the runner runs
+   a slice at a time (``prefill_slice`` seconds of work) between the other sequences' steps, so it
+   never freezes their decoding; one window at a time, longer prompts waiting their turn;
 4. applies the outcomes: sampled tokens to their requests, computed pages published for reuse,
    finished requests out of the batch.
 
@@ -51,7 +55,7 @@ from .plan import StepPlan, Want
 
 if TYPE_CHECKING:
     from .kv import KVPool
-    from .runner import Runner
+    from .runner import Runner, Sliced
     from .sampling import Sampler
     from .state import SequenceState
 
@@ -140,7 +144,8 @@ class Engine:
     """Owns a model's requests and runs their steps (see the module docstring)."""
 
     def __init__(self, runner: "Runner", pool: "KVPool", *, name: str, n_vocab: int, n_ctx: int,
-                 max_sequences: int, step_tokens: int, max_queue: int | None = None):
+                 max_sequences: int, step_tokens: int, max_queue: int | None = None, prefill_window: int = 0,
+                 prefill_slice: float = 0.1):
         self.runner = runner
         self.pool = pool
         self.name = name  # for error messages: the model's path
@@ -148,6 +153,9 @@ class Engine:
         self.n_ctx = n_ctx
         self.max_sequences = max_sequences
         self.step_tokens = step_tokens
+        self.prefill_window = prefill_window  # tokens of a prompt one windowed step takes (0: chunks only)
+        self.prefill_slice = prefill_slice  # seconds of a window's work between the other steps
+        self._window: tuple[Request, "Sliced"] | None = None  # the long prompt's step under way
         self.max_queue = max_queue  # None: no limit
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -237,7 +245,7 @@ class Engine:
         self._stop_solo = True
         if req in self._waiting:
             self._waiting.remove(req)
-        elif id(req) not in self._in_step:
+        elif id(req) not in self._in_step and not self._windowed(req):
             self._retire(req)
         if self._wake is not None:
             self._wake.set()  # its room may let a waiting request in
@@ -288,19 +296,87 @@ class Engine:
                 raise
 
     async def _loop(self) -> None:
-        while not self._closed:
-            self._admit()
-            batch = self._schedule()
-            if not batch:
-                if self._closed or (not self._waiting and not self._active):
-                    return  # the next submit starts a new task
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if self._solo_ready(batch):
-                await self._solo(batch[0][0])
-            else:
-                await self._step(batch)
+        try:
+            while not self._closed:
+                self._admit()
+                if self._window is None:
+                    self._start_window()
+                batch = self._schedule()
+                if not batch and self._window is None:
+                    if self._closed or (not self._waiting and not self._active):
+                        return  # the next submit starts a new task
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if batch:
+                    if self._window is None and self._solo_ready(batch):
+                        await self._solo(batch[0][0])
+                    else:
+                        await self._step(batch)
+                if self._window is not None:
+                    await self._advance_window()
+        finally:
+            if self._window is not None:  # closed (or failed) between two slices: nothing of it is pinned
+                r, job = self._window
+                self._window = None
+                job.close()
+                self._end_window(r, job)
+                self._drop(r)
+
+    # -- a long prompt's window --------------------------------------------------------------------
+    def _windowed(self, req: "Request") -> bool:
+        return self._window is not None and self._window[0] is req
+
+    def _long(self, r: "Request") -> bool:
+        """r's next step would be a prompt window (windows on, its prompt left longer than a chunk)."""
+        return self.prefill_window > self.step_tokens and len(r.todo) > self.step_tokens
+
+    def _start_window(self) -> None:
+        """The oldest long prompt's next window, its pages reserved, as a step to run in slices."""
+        r = min((q for q in self._active if self._long(q)), key=lambda q: q.admitted, default=None)
+        if r is None:
+            return
+        n = min(len(r.todo), self.prefill_window)
+        if not self._reserve(r, n, []):
+            return
+        plan = self._plan([(r, n)])
+        r.copies = []
+        r.started = True
+        self._window = r, self.runner.start(plan)
+
+    async def _advance_window(self) -> None:
+        """One slice of the window's work; its outcome applied once it has finished."""
+        r, job = self._window
+        try:
+            finished = await self.runner.run_slice(job, self.prefill_slice)
+        except Exception as e:  # noqa: BLE001 - the window's error is its request's, never lost
+            self._window = None
+            self._end_window(r, job)
+            self._fail(r, e)
+            return
+        if not finished:
+            if r.released:  # its reader left: the rest of the window is not computed
+                self._window = None
+                job.close()
+                self._end_window(r, job)
+                self._retire(r)
+            return
+        self._window = None
+        self._end_window(r, job)
+        oc = job.outcomes[0]
+        if oc.error is not None:
+            self._fail(r, oc.error)
+            return
+        r.ledger.windows += 1
+        self._apply(r, job.plan.segments[0], oc.value, time.perf_counter(), _put)
+        if r.released or r.done:
+            self._retire(r)
+        if self._waiting:
+            self._wake.set()
+
+    def _end_window(self, r: "Request", job: "Sliced") -> None:
+        if job.plan.copies:
+            self.pool.done(job.plan.copies)
 
     def _admit(self) -> None:
         """Waiting requests into the batch, oldest first, while there is a place and KV room; one that
@@ -349,7 +425,8 @@ class Engine:
         with the pages it writes reserved; preempting the most recent requests when the pool is full."""
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self._active if r.n_gen > 0 and len(r.todo) == 1]
-        prefilling = [r for r in self._active if not (r.n_gen > 0 and len(r.todo) == 1)]
+        # a long prompt waits for its window (the one under way, or the next), never goes in chunks
+        prefilling = [r for r in self._active if not (r.n_gen > 0 and len(r.todo) == 1) and not self._long(r)]
         room = max(self.step_tokens - len(decoding), min(32, self.step_tokens))
         for r in decoding + prefilling:
             if r not in self._active:  # preempted while planning this step
@@ -378,7 +455,7 @@ class Engine:
                 r.copies += self.pool.reserve(r.seq, r.seq.n + n)
                 return True
             except NoRoom as e:
-                planned = {id(q) for q, _ in batch}
+                planned = {id(q) for q, _ in batch} | ({id(self._window[0])} if self._window else set())
                 victims = [q for q in self._active if q is not r and id(q) not in planned]
                 victim = max(victims, key=lambda q: q.admitted, default=None)
                 if victim is not None and victim.admitted > r.admitted:

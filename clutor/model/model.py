@@ -25,7 +25,8 @@ from .gguf import GGUFFile
 from . import kernels
 from .engine import Engine, Request
 from .kv import PAGE, KVPool, NoRoom, sizes as kv_sizes
-from .options import DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_kv_budget
+from .options import (DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_kv_budget, resolve_window,
+                      window_bytes_per_token)
 from .plan import StepPlan, Want
 from .profile import NO_PROFILE, Profile
 from .runner import Runner
@@ -45,7 +46,7 @@ class Model:
 
     def __init__(self, path: str, f: GGUFFile, arch: Arch, dense: DenseWeights, tokenizer: Tokenizer,
                  experts: ExpertSource, kv: KVPool, n_ctx: int, *, options: ModelOptions, cache_note: str,
-                 kv_note: str = "", trace: TraceWriter | None = None):
+                 kv_note: str = "", trace: TraceWriter | None = None, window: tuple[int, str] = (0, "off")):
         cfg = arch.cfg
         self.path = path
         self.arch = arch
@@ -75,9 +76,12 @@ class Model:
         # (runner.PREFETCH_MIN_TOKENS). True: every decode step; False: never.
         prefetch = False if options.io == "memory" else options.prefetch
         self.runner = Runner(arch, dense, experts, kv, n_ctx=n_ctx, kernels_=self.kernels, prefetch=prefetch,
+                             tile_rows=options.step_tokens, slice_seconds=options.prefill_slice_ms / 1000,
                              profile=self.profile, trace=trace)
+        self.prefill_window, self.window_note = window  # tokens of a prompt one prefill step takes (0: chunks)
         self.engine = Engine(self.runner, kv, name=path, n_vocab=cfg.n_vocab, n_ctx=n_ctx,
-                             max_sequences=options.max_sequences, step_tokens=options.step_tokens)
+                             max_sequences=options.max_sequences, step_tokens=options.step_tokens,
+                             prefill_window=self.prefill_window, prefill_slice=options.prefill_slice_ms / 1000)
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -85,7 +89,8 @@ class Model:
              expert_cache: int | str | None = DEFAULTS.expert_cache, prefetch: bool | None = DEFAULTS.prefetch,
              policy: str = DEFAULTS.policy, io: str = DEFAULTS.io, direct: bool = DEFAULTS.direct,
              trace: str | os.PathLike | None = None, max_sequences: int = DEFAULTS.max_sequences,
-             step_tokens: int = DEFAULTS.step_tokens, prefix_cache: int | str = DEFAULTS.prefix_cache,
+             step_tokens: int = DEFAULTS.step_tokens, prefill_window: int | None = DEFAULTS.prefill_window,
+             prefill_slice_ms: float = DEFAULTS.prefill_slice_ms, prefix_cache: int | str = DEFAULTS.prefix_cache,
              kv_cache: int | str | None = DEFAULTS.kv_cache, kv_type: str = DEFAULTS.kv_type,
              activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
              profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
@@ -105,7 +110,15 @@ class Model:
         trace: write the routing of every token to this JSONL file (the simulator's format).
         max_sequences: generations advanced together in one batched step; more wait their turn.
         step_tokens: tokens one step computes at most over all sequences: long prompts are prefilled in
-            chunks of what is left after every decoding sequence's token, so they never freeze the others.
+            chunks of what is left after every decoding sequence's token, so they never freeze the others;
+            a long prompt's window runs its attention in tiles of step_tokens.
+        prefill_window: tokens of a long prompt one prefill step takes, every layer's experts read once for
+            all of them (in chunks of step_tokens, a prompt reads each expert once per chunk). None
+            (default): as many as half of the memory left after the dense weights, the expert cache and the
+            KV pool holds (clutor.model.options.window_bytes_per_token), at most n_ctx; 0: off. Recurrent
+            architectures (their states are checkpointed per step) prefill in chunks.
+        prefill_slice_ms: a long prompt's window pauses after about this much work to let the other
+            sequences' decode steps run, so a long prompt never freezes them.
         prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
             starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off. They
             live in the KV pool and are given up first when live sequences need the room.
@@ -134,7 +147,8 @@ class Model:
         sleeping_kernel_workers()
         opts = ModelOptions(n_ctx=n_ctx, expert_cache=expert_cache, prefetch=prefetch, policy=policy, io=io,
                             direct=direct, trace=os.fspath(trace) if trace is not None else None,
-                            max_sequences=max_sequences, step_tokens=step_tokens, prefix_cache=prefix_cache,
+                            max_sequences=max_sequences, step_tokens=step_tokens, prefill_window=prefill_window,
+                            prefill_slice_ms=prefill_slice_ms, prefix_cache=prefix_cache,
                             kv_cache=kv_cache, kv_type=kv_type, activations=activations, threads=threads,
                             profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
@@ -164,8 +178,15 @@ class Model:
                     budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes, avail)
                 page, state = kv_sizes(arch.layer_states(), opts.kv_type)
                 one = state + -(-ctx // PAGE) * page  # one sequence at n_ctx
+                free = avail - dense_bytes - (budget[0] if budget else 0)
                 kv_budget = resolve_kv_budget(opts.kv_cache, one_context=one, all_contexts=opts.max_sequences * one,
-                                              free=avail - dense_bytes - (budget[0] if budget else 0), avail=avail)
+                                              free=free, avail=avail)
+                if state:  # a recurrent state is checkpointed between steps: its prompts go in chunks
+                    window = 0, f"off: {cfg.arch}'s recurrent layers prefill in chunks of step_tokens"
+                else:
+                    window = resolve_window(opts.prefill_window, free=free - kv_budget[0], n_ctx=ctx,
+                                            per_token=window_bytes_per_token(cfg.n_embd, cfg.n_expert_used),
+                                            step_tokens=opts.step_tokens)
                 dense = load_dense(f, arch, _progress_of(progress, dense_bytes))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup(opts.kernels)
@@ -173,9 +194,9 @@ class Model:
             except BaseException:
                 f.close()
                 raise
-            return f, arch, tok, dense, layout, ctx, budget, kv_budget
+            return f, arch, tok, dense, layout, ctx, budget, kv_budget, window
 
-        f, arch, tok, dense, layout, ctx, budget, kv_budget = await asyncio.to_thread(load)
+        f, arch, tok, dense, layout, ctx, budget, kv_budget, window = await asyncio.to_thread(load)
         cfg = arch.cfg
         experts: ExpertSource | None = None
         trace: TraceWriter | None = None
@@ -196,7 +217,7 @@ class Model:
                 trace = TraceWriter(opts.trace, TraceHeader(len(cfg.moe_layers), cfg.n_expert, cfg.n_expert_used,
                                                             experts.slot_bytes), protect=f.paths)
             return cls(path, f, arch, dense, tok, experts, pool, ctx, options=opts, cache_note=why,
-                       kv_note=kv_budget[1], trace=trace)
+                       kv_note=kv_budget[1], trace=trace, window=window)
         except BaseException:
             # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
             # eventfd, arena), the KV pool and the file's fds before re-raising.

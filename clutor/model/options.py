@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._util import proc_bytes
+from .._util import cgroup_room, proc_bytes
 from ..errors import BudgetError, ClutorError
 from ..io.layout import ExpertLayout
 from ..io.policies import DEFAULT_POLICY, POLICIES
@@ -13,7 +13,8 @@ from .kernel_settings import KernelSettings
 
 KV_TYPES = ("f32", "f16", "q8_0")  # KV pool element types (clutor.model.kv)
 
-__all__ = ["ModelOptions", "DEFAULTS", "IO_CHOICES", "KV_TYPES", "parse_size", "resolve_budget", "resolve_kv_budget", "mem_available"]
+__all__ = ["ModelOptions", "DEFAULTS", "IO_CHOICES", "KV_TYPES", "parse_size", "resolve_budget", "resolve_kv_budget",
+           "resolve_window", "window_bytes_per_token", "mem_available"]
 
 IO_CHOICES = ("auto", "uring", "threads", "memory")
 
@@ -29,6 +30,8 @@ class ModelOptions:
     trace: str | None = None               # JSONL routing trace written while running
     max_sequences: int = 16                # live sequences in one batched step
     step_tokens: int = 256                 # tokens one step computes at most (prompts are chunked)
+    prefill_window: int | None = None      # tokens of a prompt one prefill step takes (None: from memory, 0: off)
+    prefill_slice_ms: float = 100.0        # work a long prefill does between other sequences' decode steps
     prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
     kv_cache: int | str | None = None      # KV pool bytes, "2GiB", "10%" of available memory, None = default
     kv_type: str = "f16"                   # f32 | f16 (llama.cpp's default) | q8_0
@@ -49,6 +52,12 @@ class ModelOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ClutorError(f"{name} must be an integer >= 1, got {v!r}")
+        w = self.prefill_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ClutorError(f"prefill_window must be an integer >= 0 (0: off) or None (from memory), got {w!r}")
+        ms = self.prefill_slice_ms
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 1 <= ms <= 60_000:
+            raise ClutorError(f"prefill_slice_ms must be a number of milliseconds in [1, 60000], got {ms!r}")
         try:
             self.prefix_cache_bytes
         except (ValueError, TypeError, OverflowError) as e:
@@ -68,9 +77,38 @@ DEFAULTS = ModelOptions()  # the one place Model.open's, the command line's and 
 
 
 def mem_available() -> int:
-    """MemAvailable from /proc/meminfo (bytes), or 4 GiB where it cannot be read."""
+    """MemAvailable from /proc/meminfo (bytes), or 4 GiB where it cannot be read; less where the
+    process's memory cgroup has less room left."""
     avail = proc_bytes("/proc/meminfo", "MemAvailable")
-    return avail if avail is not None else 4 << 30
+    avail = avail if avail is not None else 4 << 30
+    room = cgroup_room()
+    return avail if room is None else min(avail, room)
+
+
+def window_bytes_per_token(n_embd: int, top_k: int) -> int:
+    """Memory one prompt token holds through a layer of a long prefill window: its residual, the
+    FFN's input and output, the embedding of the next layer's input (float32 [D] each) and its
+    routed experts' weighted outputs until they are summed (float32 [K, D], clutor.model.resident's
+    SlotOutputs). Attention's scores and temporaries are a tile's, not the window's."""
+    return 4 * n_embd * (top_k + 4)
+
+
+def resolve_window(spec: int | None, *, per_token: int, free: int, step_tokens: int, n_ctx: int) -> tuple[int, str]:
+    """Tokens of a prompt one prefill step takes (each expert read once per layer for all of them)
+    and a sentence saying how that was chosen. ``free``: the memory available after the dense
+    weights, the expert cache and the KV pool; the window takes at most half of it. 0: prompts go
+    in chunks of step_tokens."""
+    if spec is not None:
+        n = max(0, min(int(spec), n_ctx))
+        if n <= step_tokens:
+            return 0, f"off (prompts in chunks of step_tokens {step_tokens})"
+        return n, f"as asked: {n} tokens ({format_bytes(n * per_token)} of hidden states)"
+    n = min(n_ctx, max(0, free // 2) // per_token)
+    if n <= step_tokens:
+        return 0, (f"off: half of the {format_bytes(max(0, free))} left after the dense weights, expert cache "
+                   f"and KV pool holds no more than step_tokens ({step_tokens})")
+    return n, (f"default: {n} tokens, half of the {format_bytes(free)} left after the dense weights, expert "
+               f"cache and KV pool ({format_bytes(per_token)} per token), at most n_ctx")
 
 
 def min_budget(layout: ExpertLayout, top_k: int) -> int:

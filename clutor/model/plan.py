@@ -96,6 +96,18 @@ class StepPlan:
     def rows(self) -> int:
         return len(self.ids)
 
+    def part(self, a: int, b: int) -> "StepPlan":
+        """Rows a .. b - 1 as a plan of their own (a tile of a long step, whose attention runs a tile at
+        a time): each segment cut to those rows at its own positions, wanting nothing, with no page
+        copies (the whole step does them once)."""
+        segments = []
+        for s in self.segments:
+            lo, hi = max(a, s.r0), min(b, s.r0 + s.n)
+            if lo < hi:
+                segments.append(Segment(s.seq, s.ids[lo - s.r0 : hi - s.r0], s.p0 + lo - s.r0, lo - a, Want.NOTHING))
+        seg_of_row = self.seg_of_row[a:b] - self.seg_of_row[a]
+        return StepPlan(segments, self.ids[a:b], self.pos[a:b], seg_of_row)
+
     @property
     def decode(self) -> bool:
         """Every segment brings one token (the shape of a decode step)."""

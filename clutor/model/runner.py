@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .source import ExpertSource
     from .weights import DenseWeights
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "Sliced"]
 
 PREFETCH_RANKS = 2  # of each row's predicted experts for the next MoE layer, how many prefetch reads
 # ... or, where the router's weights are its softmax over every expert (olmoe, qwen2moe: top-k not
@@ -70,12 +70,49 @@ PREFETCH_MIN_WEIGHT = 0.1
 PREFETCH_MIN_TOKENS = 1.5
 
 
+class Sliced:
+    """A step run a slice at a time (a long prompt's window between other sequences' decode steps):
+    ``advance(seconds)`` on the compute thread runs its layer loop to the next pause past that much
+    work; ``outcomes`` once it has finished. ``close()`` abandons it (at a pause: nothing pinned)."""
+
+    def __init__(self, runner: "Runner", plan: StepPlan):
+        self.runner = runner
+        self.plan = plan
+        self.outcomes: list[Outcome] | None = None
+        self.slices = 0
+        self._work = runner._layers(Step(plan, runner.kv))
+
+    def advance(self, seconds: float) -> bool:
+        """Compute thread: work until ``seconds`` have passed (at the next pause) or the step ends."""
+        r = self.runner
+        t0 = time.perf_counter()
+        self.slices += 1
+        with r.profile.step("prefill", 0):
+            try:
+                while True:
+                    next(self._work)
+                    if time.perf_counter() - t0 >= seconds:
+                        return False
+            except StopIteration as done:
+                self.outcomes = done.value
+            except BaseException:
+                self.close()
+                raise
+        r.profile.count("prefill", self.plan.rows)
+        r.steps += 1
+        r.rows += self.plan.rows
+        return True
+
+    def close(self) -> None:
+        self._work.close()
+
+
 class Runner:
     """Runs steps of one model; one at a time (a lock orders the engine's steps and direct forwards)."""
 
     def __init__(self, arch: "Arch", weights: "DenseWeights", experts: "ExpertSource", kv: "KVPool", *, n_ctx: int,
                  kernels_: "KernelSettings", prefetch: bool | None, profile: Profile = NO_PROFILE,
-                 trace: "TraceWriter | None" = None):
+                 trace: "TraceWriter | None" = None, tile_rows: int = 256, slice_seconds: float = 0.1):
         cfg = arch.cfg
         self.arch = arch
         self.config = cfg
@@ -100,9 +137,14 @@ class Runner:
         # experts mapped in memory: each layer's addresses as one table, a step's experts in five calls a layer
         self._resident = ResidentExperts.of(experts, arch, weights.layers, cfg, kernels_)
         # ... and streamed ones (cache slots, other ones each step) group by group through the same
-        # compiled path, into one [R * K, D] array of the layer's slots (_slots: the layer's, in this step)
+        # compiled path, into one [R * K, D] array of the layer's slots (Step.slot_outputs, the step's own)
         self._streamed = StreamedExperts.of(experts, arch, weights.layers, cfg, kernels_)
-        self._slots: SlotOutputs | None = None
+        # A step of more rows than tile_rows (a long prompt's window) runs its attention, and in memory
+        # its experts, a tile of rows at a time, and its streamed experts a few at a time (sized to
+        # slice_seconds of compute), pausing between them: Sliced runs it a slice at a time.
+        self.tile_rows = tile_rows
+        self.slice_seconds = slice_seconds
+        self._expert_seconds = 0.0  # compute of one expert over a long step's rows, last measured
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
@@ -132,10 +174,27 @@ class Runner:
         step = Step(plan, self.kv)
         try:
             with self.profile.step("decode" if plan.decode else "prefill", plan.rows):
-                return self._layers(step)
+                work = self._layers(step)
+                while True:
+                    next(work)
+        except StopIteration as done:
+            return done.value
         finally:
             self.steps += 1
             self.rows += plan.rows
+
+    def start(self, plan: StepPlan) -> "Sliced":
+        """The plan as a step to run a slice at a time (Sliced.advance, on the compute thread)."""
+        return Sliced(self, plan)
+
+    async def run_slice(self, job: "Sliced", seconds: float) -> bool:
+        """Advance job by about ``seconds`` of work, holding the runner; True once it has finished."""
+        self._asking += 1
+        try:
+            async with self._lock:
+                return await compute(job.advance, seconds)
+        finally:
+            self._asking -= 1
 
     async def run_solo(self, fn, *args, on_cancel=None):
         """Hold the runner and call fn(*args, run_now, asked) on the compute thread: fn runs steps with
@@ -145,21 +204,23 @@ class Runner:
         async with self._lock:
             return await compute(fn, *args, self.run_now, lambda: self._asking > 0, on_cancel=on_cancel)
 
-    def _layers(self, step: Step) -> list[Outcome]:
+    def _layers(self, step: Step):
         """The layer loop, on the compute thread: each layer's routed experts from the source at once
-        (_routed_now), or taken from the store group by group as their bytes arrive (_routed_taken)."""
+        (_routed_now), or taken from the store group by group as their bytes arrive (_routed_taken).
+        A generator that returns the step's outcomes; it yields where a long step may pause (between
+        tiles and expert chunks, never with experts pinned or a profile span open)."""
         streamed = not self.experts.immediate
         before = self.experts.stats() if streamed and any(s.ledger is not None for s in step.segments) else None
         step.accounting = before is not None
         x = h = ys = None
         for l in range(self.config.n_layers):
-            x, h, sel, w, nxt = self._layer_start(l, x, h, ys, step)  # x [R, D]
+            x, h, sel, w, nxt = yield from self._layer_start(l, x, h, ys, step)  # x [R, D]
             if sel is None:
                 ys = []
             elif streamed:
-                ys = self._routed_taken(l, h, sel, w, step, nxt)
+                ys = yield from self._routed_taken(l, h, sel, w, step, nxt)
             else:
-                ys = self._routed_now(l, h, sel, w)
+                ys = yield from self._routed_now(l, h, sel, w, step)
         if before is not None:  # what the step read ahead, shared by its segments (clutor.model.accounting)
             share = (self.experts.stats().bytes_prefetch - before.bytes_prefetch) / len(step.segments)
             for s in step.segments:
@@ -168,16 +229,25 @@ class Runner:
                     s.ledger.steps += 1
         return self._finish(x, h, ys, step)
 
-    def _routed_now(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray) -> "np.ndarray | list":
+    def _routed_now(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray, step: Step):
         """Layer l's routed experts from an immediate source, for _moe_add: their weighted sum [R, D]
-        where the layer's resident table computes it (clutor.model.resident), else each expert's
-        (rows, output) from the general path."""
+        where the layer's resident table computes it (clutor.model.resident), a tile of rows at a
+        time in a long step (each row's sum is its own), else each expert's (rows, output) from the
+        general path."""
         table = self._resident.table(l, self._moe_index[l]) if self._resident is not None else None
-        if table is not None and table.fits(sel, w):
-            with self.profile.span("experts"):
-                return table.sum(h, sel, w)
+        R, tile = len(sel), self.tile_rows
+        if table is not None and table.fits(sel[:tile], w):
+            if R <= tile:
+                with self.profile.span("experts"):
+                    return table.sum(h, sel, w)
+            out = np.empty_like(h)  # [R, D]
+            for a in range(0, R, tile):
+                with self.profile.span("experts"):
+                    out[a : a + tile] = table.sum(h[a : a + tile], sel[a : a + tile], w[a : a + tile])
+                yield
+            return out
         wanted = _by_votes(sel)
-        out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted))
+        out = self._experts_out(l, h, sel, w, self.experts.views_now(self._moe_index[l], wanted), step)
         return [out[e] for e in wanted]
 
     # -- compute thread ------------------------------------------------------------------------------
@@ -193,9 +263,18 @@ class Runner:
                 x = arch.embed(self._w.tok_embd.rows(step.plan.ids))  # [R, D]
         else:
             with prof.span("shared + sum"):
-                x = self._moe_add(l - 1, x, h, ys)  # [R, D]
-        with prof.span("attention"):
-            x = x + arch.attention(lw, l, x, step, self._rope)
+                x = self._moe_add(l - 1, x, h, ys, step)  # [R, D]
+        tiles = step.tiles(self.tile_rows)
+        if len(tiles) == 1:
+            with prof.span("attention"):
+                x = x + arch.attention(lw, l, x, step, self._rope)
+        else:  # a tile's rows at a time, each seeing the keys the tiles before it wrote in this layer
+            out = np.empty_like(x)  # [R, D]
+            for a, b, tile in tiles:
+                with prof.span("attention"):
+                    out[a:b] = x[a:b] + arch.attention(lw, l, x[a:b], tile, self._rope)
+                yield
+            x = out
         with prof.span("router"):
             h = arch.ffn_input(lw, x)  # [R, D]
             if lw.experts is None:
@@ -219,16 +298,16 @@ class Runner:
         return x, h, sel, w, None if nxt is None else (nxt, ahead_pf)
 
     def _experts_out(self, l: int, h: np.ndarray, sel: np.ndarray, w: np.ndarray,
-                     views) -> "dict[int, tuple[np.ndarray, np.ndarray] | SlotOutputs]":
+                     views, step: Step) -> "dict[int, tuple[np.ndarray, np.ndarray] | SlotOutputs]":
         """Some of layer l's experts on the normed residual h [R, D], for _moe_add: {expert: the
         layer's SlotOutputs} where the streamed source's compiled path computes them (their rows'
         weighted outputs written into its slots), else the general path's {expert: (rows, weighted
         output [n, D])}."""
         if self._streamed is not None:
             with self.profile.span("experts"):
-                acc = self._streamed.group(l, h, sel, w, views, self._slots)
+                acc = self._streamed.group(l, h, sel, w, views, step.slot_outputs)
             if acc is not None:
-                self._slots = acc
+                step.slot_outputs = acc
                 return dict.fromkeys([v.expert for v in views], acc)
         return self._experts_general(l, h, sel, w, views)
 
@@ -292,7 +371,7 @@ class Runner:
             # keyed by (row, top-k slot) as row * K + slot: _moe_add sums each row's slots in order
             return {v.expert: (picked[t0 : t0 + n], y[t0 : t0 + n]) for v, t0, n in zip(views, starts, counts)}
 
-    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: "list | np.ndarray") -> np.ndarray:
+    def _moe_add(self, l: int, x: np.ndarray, h: np.ndarray, ys: "list | np.ndarray", step: Step) -> np.ndarray:
         """The layer's output from x and the routed experts' outputs (arch.ffn_out: by default x + them
         + what the architecture adds, shared experts or a dense layer's FFN). Each row's experts are
         summed in its router's slot order (as llama.cpp adds them), never in the order they were asked for or read: that order depends on the other rows
@@ -307,8 +386,8 @@ class Runner:
                 if y is not acc:
                     acc.put(*y)
             out = acc.sum()  # [R, D]
-            if self._slots is acc:
-                self._slots = None
+            if step.slot_outputs is acc:
+                step.slot_outputs = None
         elif ys:
             K = self.config.n_expert_used
             slots = np.zeros((R * K, D), np.float32)  # a slot whose expert failed stays 0 (its row has failed)
@@ -328,7 +407,7 @@ class Runner:
         per row for nothing), or the final hidden states; then each segment's head."""
         cfg, plan = self.config, step.plan
         with self.profile.span("shared + sum"):
-            x = self._moe_add(cfg.n_layers - 1, x, h, ys)  # [R, D]
+            x = self._moe_add(cfg.n_layers - 1, x, h, ys, step)  # [R, D]
         step.commit()
         with self.profile.span("output"):
             outs = self._outputs(x, plan)
@@ -405,11 +484,18 @@ class Runner:
         users = _users(sel, step.plan.seg_of_row) if step.accounting else None  # expert -> segment indices
         todo = list(wanted)
         first_get = True
+        long = len(sel) > self.tile_rows
         while todo:
-            chunk, todo = todo[: self._max_batch], todo[self._max_batch :]
+            n = self._max_batch
+            if long:  # as many experts as fit one slice of compute, the next chunk read meanwhile
+                n = max(1, min(n, int(self.slice_seconds / self._expert_seconds))) if self._expert_seconds else 2
+            chunk, todo = todo[:n], todo[n:]
             before = self.experts.stats() if users is not None else None
             hits: list[int] = []
+            t_chunk = time.perf_counter()
             groups = self.experts.take(layer, chunk)
+            if long and todo:
+                self.experts.prefetch(layer, todo[:n])
             try:
                 first_group = True
                 while True:
@@ -428,7 +514,7 @@ class Runner:
                         # prefill nearly every expert is demanded anyway.)
                         self.experts.prefetch(self._moe_index[ahead], nxt[1])
                     first_get = False
-                    ys.update(self._experts_out(l, h, sel, w, views))
+                    ys.update(self._experts_out(l, h, sel, w, views, step))
                 if before is not None:
                     _charge(step, users, chunk, hits, before, self.experts.stats())
             except ExpertReadError as e:
@@ -441,6 +527,9 @@ class Runner:
             finally:
                 groups.close()
             first_get = False
+            if long:
+                self._expert_seconds = (time.perf_counter() - t_chunk) / len(chunk)
+                yield
         return [ys[e] for e in wanted if e in ys]
 
 

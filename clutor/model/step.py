@@ -49,6 +49,26 @@ class Step:
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []  # per page group: each row's (page, offset)
         self._rotary: dict = {}  # page group -> what attend_rotary reads of it this step (_rotary_group)
         self.carry: dict = {}  # what a layer hands a later layer of this step (GLM-5's shared key selection)
+        self.slot_outputs = None  # the layer's routed experts' outputs being filled (runner: SlotOutputs)
+        self._tiles: list[tuple[int, int, "Step"]] | None = None
+
+    def tiles(self, rows: int) -> list[tuple[int, int, "Step"]]:
+        """The step's rows in tiles of at most ``rows``, each (first row, end row, its own Step): a long
+        step's attention runs a tile at a time, so its scores and temporaries stay a tile's size and
+        the work between two of the runner's pauses stays bounded. A tile's rows see the keys the
+        earlier tiles of the same layer wrote. The same Steps serve every layer (their carry too).
+        One tile (the step itself) where the step is short."""
+        if self._tiles is None:
+            R = self.plan.rows
+            if R <= rows:
+                self._tiles = [(0, R, self)]
+            else:
+                self._tiles = []
+                for a in range(0, R, rows):
+                    t = Step(self.plan.part(a, min(R, a + rows)), self.pool)
+                    t.prepare()
+                    self._tiles.append((a, min(R, a + rows), t))
+        return self._tiles
 
     def prepare(self) -> None:
         """Before the first layer: the plan's page copies, and where each row's KV goes."""
