@@ -45,14 +45,15 @@ DEFAULTS: dict = {
     "activations": "auto",   # kernels: auto | q8 | f32
     "kv_cache": None,        # KV pool bytes (None: Model.open's default)
     "kv_type": "f16",        # f32 | f16 | q8_0
+    "prefill_window": None,  # tokens of a long prompt one step takes (None: Model.open's default, 0: chunks)
     "trace": False,          # record the routing and replay it: Belady's bytes for the decode tokens
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
-OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type")
+OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type", "prefill_window")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory;
 # a checkout from before the KV pool kept float32 keys and values, with no budget).
 _NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
-            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32"}
+            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32", "prefill_window": 0}
 
 
 def to_jsonable(obj):

@@ -130,6 +130,9 @@ def add_parser(sub):
     g.add_argument("--kv-cache", default=None, metavar="SIZE",
                    help="KV pool memory: bytes, '2GiB' or '10%%' of the available memory (default: Model.open's)")
     g.add_argument("--kv-type", choices=KV_TYPES, default=DEFAULTS.kv_type, help="what keys and values are stored as")
+    g.add_argument("--prefill-window", type=int, default=None, metavar="N",
+                   help="tokens of a long prompt one prefill step takes (default: Model.open's, from memory; 0: "
+                        "chunks of 256, as before windows: compare the two on --prompt-tokens 2048)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
@@ -473,7 +476,8 @@ def _llama_config(args, how: str) -> str:
 
 def _clutor_args(args, common: dict, budget, prefetch, policy) -> dict:
     opts = {**common, "io": args.io, "direct": not args.buffered, "profile": args.profile,
-            "activations": args.activations, "kv_cache": args.kv_cache, "kv_type": args.kv_type}
+            "activations": args.activations, "kv_cache": args.kv_cache, "kv_type": args.kv_type,
+            "prefill_window": args.prefill_window}
     if args.io != "memory":
         opts.update(expert_cache=budget.worker_value, prefetch=prefetch, policy=policy)
     return opts

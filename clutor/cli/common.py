@@ -90,7 +90,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    default=DEFAULTS.max_sequences, metavar="N", help="generations advanced together in one step")
     b.add_argument("-b", "--batch-size", "--step-tokens", dest="step_tokens", type=int, default=DEFAULTS.step_tokens,
                    metavar="N",
-                   help="tokens one step computes at most (long prompts are prefilled in chunks)")
+                   help="tokens one step computes at most (a long prompt's window runs its attention in tiles of N)")
+    b.add_argument("--prefill-window", type=int, default=DEFAULTS.prefill_window, metavar="N",
+                   help="tokens of a long prompt one prefill step takes, each layer's experts read once for all "
+                        "of them (default: what half of the memory left holds, at most the context; 0: chunks of "
+                        "--step-tokens)")
+    b.add_argument("--prefill-slice-ms", type=float, default=DEFAULTS.prefill_slice_ms, metavar="MS",
+                   help="work a long prompt's window does between the other sequences' decode steps "
+                        f"(default {DEFAULTS.prefill_slice_ms:g})")
     b.add_argument("--kv-cache", default=DEFAULTS.kv_cache, metavar="SIZE",
                    help="memory for every sequence's keys and values: bytes, '2GiB' or '10%%' of the available "
                         "memory (default: half of what is left after the dense weights and the expert cache, "
@@ -148,7 +155,8 @@ def model_kwargs(args) -> dict:
     prefetch = None if args.prefetch in (None, "auto") else args.prefetch == "on"
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
-                step_tokens=args.step_tokens, prefix_cache=args.prefix_cache, kv_cache=args.kv_cache,
+                step_tokens=args.step_tokens, prefill_window=args.prefill_window,
+                prefill_slice_ms=args.prefill_slice_ms, prefix_cache=args.prefix_cache, kv_cache=args.kv_cache,
                 kv_type=_kv_type(args), activations=args.activations, threads=args.threads, progress=load_progress())
 
 
@@ -254,6 +262,7 @@ def print_stats(stats: GenerationStats, file=None) -> None:
     lines = [
         f"\n[{stats.prompt_tokens} prompt tokens"
         + (f" ({stats.cached_tokens} reused from the prefix cache)" if stats.cached_tokens else "")
+        + (f" in {stats.prompt_windows} window{'s' if stats.prompt_windows > 1 else ''}" if stats.prompt_windows else "")
         + f", {stats.prefill_tps:.1f} tok/s prefill | "
         f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
     ]

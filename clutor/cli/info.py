@@ -20,7 +20,7 @@ def describe(path: str) -> dict:
     """Everything `clutor info` prints, as a dict (also used by tests and other commands)."""
     from ..model.arch import read_arch
     from ..model.gguf import GGUFFile
-    from ..model.options import min_budget
+    from ..model.options import min_budget, window_bytes_per_token
     from ..model import kernels  # whether a kernel runs is decided on this machine (F16 needs F16C)
     from ..model.weight_types import type_name
     from ..model.weights import expert_layout, resident_bytes
@@ -58,6 +58,8 @@ def describe(path: str) -> dict:
             "min_expert_cache": min_budget(layout, cfg.n_expert_used),
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
             "kv_bytes_per_token": kv_per_token,  # by kv_type, every layer's keys and values for one position
+            # a long prompt's window holds this per token (clutor.model.options.window_bytes_per_token)
+            "window_bytes_per_token": window_bytes_per_token(cfg.n_embd, cfg.n_expert_used),
             # per layer: "full", "window N", "latent", "recurrent", or "none" (an FFN-only layer)
             "layer_states": ["none" if s is None else s.kind + (f" {s.window}" if s.window else "") for s in specs],
             "machine": machine_kernels(),
@@ -189,6 +191,9 @@ def run(args) -> int:
         (f"recurrent state {_fmt(a['recurrent_bytes'])} per sequence (float32, fixed: conv + "
          f"{'SSM' if 'SSM' in a['layer_kinds'] else 'delta-rule'} states, whatever the context)")
         if a.get("recurrent_bytes") else "",
+        (f"prompt window   {_fmt(d['window_bytes_per_token'])} of memory per token: a prompt of N tokens reads "
+         f"each expert once per layer where N x that fits half the memory left (--prefill-window)")
+        if not a.get("recurrent_bytes") else "prompt window   off: recurrent layers prefill in chunks of --step-tokens",
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"chat format     {_chat_line(d['chat_format'])}",

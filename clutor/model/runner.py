@@ -264,7 +264,8 @@ class Runner:
         else:
             with prof.span("shared + sum"):
                 x = self._moe_add(l - 1, x, h, ys, step)  # [R, D]
-        tiles = step.tiles(self.tile_rows)
+        # (a recurrent layer's state advances a whole step at a time: those models' steps are never tiled)
+        tiles = [(0, step.plan.rows, step)] if self.kv.recurrent else step.tiles(self.tile_rows)
         if len(tiles) == 1:
             with prof.span("attention"):
                 x = x + arch.attention(lw, l, x, step, self._rope)
