@@ -317,11 +317,7 @@ class Engine:
                     await self._advance_window()
         finally:
             if self._window is not None:  # closed (or failed) between two slices: nothing of it is pinned
-                r, job = self._window
-                self._window = None
-                job.close()
-                self._end_window(r, job)
-                self._drop(r)
+                self._drop(self._end_window(abandon=True))
 
     # -- a long prompt's window --------------------------------------------------------------------
     def _windowed(self, req: "Request") -> bool:
@@ -350,19 +346,13 @@ class Engine:
         try:
             finished = await self.runner.run_slice(job, self.prefill_slice)
         except Exception as e:  # noqa: BLE001 - the window's error is its request's, never lost
-            self._window = None
-            self._end_window(r, job)
-            self._fail(r, e)
+            self._fail(self._end_window(abandon=False), e)
             return
         if not finished:
             if r.released:  # its reader left: the rest of the window is not computed
-                self._window = None
-                job.close()
-                self._end_window(r, job)
-                self._retire(r)
+                self._retire(self._end_window(abandon=True))
             return
-        self._window = None
-        self._end_window(r, job)
+        self._end_window(abandon=False)
         oc = job.outcomes[0]
         if oc.error is not None:
             self._fail(r, oc.error)
@@ -374,9 +364,16 @@ class Engine:
         if self._waiting:
             self._wake.set()
 
-    def _end_window(self, r: "Request", job: "Sliced") -> None:
+    def _end_window(self, abandon: bool) -> "Request":
+        """The window's step over (finished, failed, or abandoned at a pause: closed), its page copies'
+        sources unpinned; its request returned, still to be applied, failed or retired."""
+        r, job = self._window
+        self._window = None
+        if abandon:
+            job.close()
         if job.plan.copies:
             self.pool.done(job.plan.copies)
+        return r
 
     def _admit(self) -> None:
         """Waiting requests into the batch, oldest first, while there is a place and KV room; one that

@@ -79,25 +79,20 @@ class Sliced:
         self.runner = runner
         self.plan = plan
         self.outcomes: list[Outcome] | None = None
-        self.slices = 0
         self._work = runner._layers(Step(plan, runner.kv))
 
     def advance(self, seconds: float) -> bool:
         """Compute thread: work until ``seconds`` have passed (at the next pause) or the step ends."""
         r = self.runner
         t0 = time.perf_counter()
-        self.slices += 1
         with r.profile.step("prefill", 0):
-            try:
+            try:  # (a layer loop that raised is over: nothing to close)
                 while True:
                     next(self._work)
                     if time.perf_counter() - t0 >= seconds:
                         return False
             except StopIteration as done:
                 self.outcomes = done.value
-            except BaseException:
-                self.close()
-                raise
         r.profile.count("prefill", self.plan.rows)
         r.steps += 1
         r.rows += self.plan.rows
@@ -161,10 +156,14 @@ class Runner:
     # -- the step ----------------------------------------------------------------------------------
     async def run(self, plan: StepPlan) -> list[Outcome]:
         """Execute the plan: every segment's ids written into its state, one Outcome per segment."""
+        return await self._held(self.run_now, plan)
+
+    async def _held(self, fn, *args):
+        """fn(*args) on the compute thread, holding the runner (counted as asking for it meanwhile)."""
         self._asking += 1
         try:
             async with self._lock:
-                return await compute(self.run_now, plan)
+                return await compute(fn, *args)
         finally:
             self._asking -= 1
 
@@ -189,12 +188,7 @@ class Runner:
 
     async def run_slice(self, job: "Sliced", seconds: float) -> bool:
         """Advance job by about ``seconds`` of work, holding the runner; True once it has finished."""
-        self._asking += 1
-        try:
-            async with self._lock:
-                return await compute(job.advance, seconds)
-        finally:
-            self._asking -= 1
+        return await self._held(job.advance, seconds)
 
     async def run_solo(self, fn, *args, on_cancel=None):
         """Hold the runner and call fn(*args, run_now, asked) on the compute thread: fn runs steps with
@@ -264,8 +258,7 @@ class Runner:
         else:
             with prof.span("shared + sum"):
                 x = self._moe_add(l - 1, x, h, ys, step)  # [R, D]
-        # (a recurrent layer's state advances a whole step at a time: those models' steps are never tiled)
-        tiles = [(0, step.plan.rows, step)] if self.kv.recurrent else step.tiles(self.tile_rows)
+        tiles = step.tiles(self.tile_rows)
         if len(tiles) == 1:
             with prof.span("attention"):
                 x = x + arch.attention(lw, l, x, step, self._rope)

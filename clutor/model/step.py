@@ -57,10 +57,11 @@ class Step:
         step's attention runs a tile at a time, so its scores and temporaries stay a tile's size and
         the work between two of the runner's pauses stays bounded. A tile's rows see the keys the
         earlier tiles of the same layer wrote. The same Steps serve every layer (their carry too).
-        One tile (the step itself) where the step is short."""
+        One tile (the step itself) where the step is short, or where the pool holds recurrent states
+        (a recurrent layer's state advances a whole step at a time)."""
         if self._tiles is None:
             R = self.plan.rows
-            if R <= rows:
+            if R <= rows or self.pool.recurrent:
                 self._tiles = [(0, R, self)]
             else:
                 self._tiles = []
