@@ -22,6 +22,11 @@ CASES = [("olmoe", "Q8_0"), ("olmoe", "Q4_K_M"), ("olmoe", "IQ2_XXS"), ("qwen3mo
          ("olmoe", "F16")]
 
 
+class _Layer:
+    """What Runner._experts_out keeps of a step between one layer's expert groups: the slots being filled."""
+    slot_outputs = None
+
+
 def _both(model, R: int, seed: int = 0, scale: float = 1.0):
     """(table, the table's layer output, the general path's) for the first MoE layer, R random rows."""
     run_ = model.runner
@@ -34,9 +39,10 @@ def _both(model, R: int, seed: int = 0, scale: float = 1.0):
     sel, w = run_.arch.route(lw, run_.arch.router_input(lw, x, h))  # [R, K]
     table = run_._resident.table(l, run_._moe_index[l])
     wanted = _by_votes(sel)
-    out = run_._experts_out(l, h, sel, w, run_.experts.views_now(run_._moe_index[l], wanted))
-    general = run_._moe_add(l, x, h, [out[e] for e in wanted])
-    fast = None if table is None else run_._moe_add(l, x, h, table.sum(h, sel, w))
+    step = _Layer()
+    out = run_._experts_out(l, h, sel, w, run_.experts.views_now(run_._moe_index[l], wanted), step)
+    general = run_._moe_add(l, x, h, [out[e] for e in wanted], step)
+    fast = None if table is None else run_._moe_add(l, x, h, table.sum(h, sel, w), step)
     return table, fast, general
 
 
@@ -232,16 +238,20 @@ def test_streamed_groups_equal_the_table_and_the_general_path(arch, qtype, activ
                     views = dict(zip(wanted, batch.views))
                     before = r._streamed.groups
                     ys, general, mixed = {}, {}, {}
+                    step = _Layer()
                     for g in thirds:
-                        ys.update(r._experts_out(l, h, sel, w, [views[e] for e in g]))
+                        ys.update(r._experts_out(l, h, sel, w, [views[e] for e in g], step))
                     compiled = r._streamed.groups - before
-                    out = r._moe_add(l, x, h, [ys[e] for e in wanted])
+                    out = r._moe_add(l, x, h, [ys[e] for e in wanted], step)
+                    step = _Layer()
                     for i, g in enumerate(thirds):
                         general.update(r._experts_general(l, h, sel, w, [views[e] for e in g]))
-                        fn = r._experts_general if i == 0 else r._experts_out  # the first group general
-                        mixed.update(fn(l, h, sel, w, [views[e] for e in g]))
-                    ref = r._moe_add(l, x, h, [general[e] for e in wanted])
-                    mix = r._moe_add(l, x, h, [mixed[e] for e in wanted])
+                        if i == 0:  # the first group general
+                            mixed.update(r._experts_general(l, h, sel, w, [views[e] for e in g]))
+                        else:
+                            mixed.update(r._experts_out(l, h, sel, w, [views[e] for e in g], step))
+                    ref = r._moe_add(l, x, h, [general[e] for e in wanted], _Layer())
+                    mix = r._moe_add(l, x, h, [mixed[e] for e in wanted], step)
                 finally:
                     batch.release()
                 assert compiled == (len(thirds) if table is not None and table.fits(sel, w) else 0), (R, compiled)

@@ -295,8 +295,8 @@ def clutor_intermediates(path: str | Path, ids: list[int], activations: str) -> 
             arch.qkv = qkv
             moe_add = m._moe_add
 
-            def _moe_add(l, x, h, ys):
-                y = moe_add(l, x, h, ys)
+            def _moe_add(l, x, h, ys, step):
+                y = moe_add(l, x, h, ys, step)
                 out[f"l_out-{l}"] = np.array(y)
                 return y
 

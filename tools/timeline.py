@@ -82,7 +82,7 @@ class Recorder:
             return make
 
         self._wrap(runner_mod.Runner, "_layer_start", timed("ls", lambda l, *a: l))
-        self._wrap(runner_mod.Runner, "_experts_out", timed("eo", lambda l, h, sel, w, views: (l, [v.expert for v in views])))
+        self._wrap(runner_mod.Runner, "_experts_out", timed("eo", lambda l, h, sel, w, views, step: (l, [v.expert for v in views])))
         self._wrap(runner_mod.Runner, "_finish", timed("fin"))
 
         def submit(orig):
@@ -125,7 +125,7 @@ class Recorder:
         self._wrap(runner_mod.Runner, "run_now", run_now)
         # io=memory: a layer's routed experts are one call (the resident table, or the general path inside it)
         self._wrap(runner_mod.Runner, "_routed_now",
-                   timed("eo", lambda l, h, sel, w: (l, list(dict.fromkeys(sel.reshape(-1).tolist())))))
+                   timed("eo", lambda l, h, sel, w, step: (l, list(dict.fromkeys(sel.reshape(-1).tolist())))))
         return self
 
     def __exit__(self, *exc):
