@@ -44,8 +44,8 @@ async def record(path: str, prompts: int, tokens: int, seed: int):
     seqs: list[list[dict]] = []
     orig = runner_mod.Runner._layer_start
 
-    def layer_start(self, l, x, h, ys, step):
-        out = orig(self, l, x, h, ys, step)
+    def layer_start(self, l, x, step):  # (Runner._layer_start is a generator: it pauses between tiles)
+        out = yield from orig(self, l, x, step)
         if step.plan.decode and len(step.plan.ids) == 1 and out[2] is not None:
             steps = seqs[-1]
             if not steps or l <= max(steps[-1]):

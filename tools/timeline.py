@@ -81,7 +81,16 @@ class Recorder:
                 return f
             return make
 
-        self._wrap(runner_mod.Runner, "_layer_start", timed("ls", lambda l, *a: l))
+        def timed_layer_start(orig):  # a generator (it pauses between a long step's tiles): its whole run
+            def f(self_, l, *a):
+                t0 = _now()
+                try:
+                    return (yield from orig(self_, l, *a))
+                finally:
+                    ev.append(("ls", t0, _now(), l))
+            return f
+
+        self._wrap(runner_mod.Runner, "_layer_start", timed_layer_start)
         self._wrap(runner_mod.Runner, "_experts_out", timed("eo", lambda l, h, sel, w, views, step: (l, [v.expert for v in views])))
         self._wrap(runner_mod.Runner, "_finish", timed("fin"))
 

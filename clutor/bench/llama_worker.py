@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ClutorError
 from .process import peak_memory, storage_read_bytes
-from .prompt import prompt_digest, sampling_options, workload_prompts
+from .prompt import WARMUP_PROMPT_TOKENS, prompt_digest, sampling_options, workload_prompts
 from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run", "without_extra_buffers"]
@@ -162,7 +162,7 @@ def run(path: str, options: dict) -> dict:
         if opts["warmup"]:
             t1 = time.perf_counter()
             llm.reset()
-            llm.eval(warm)
+            llm.eval(warm[:WARMUP_PROMPT_TOKENS])
             _greedy(llm, llama_cpp, n_vocab)
             t_warm = time.perf_counter() - t1
         llm.reset()

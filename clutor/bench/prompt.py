@@ -18,6 +18,9 @@ from ..errors import ClutorError
 __all__ = ["WORKLOADS", "bench_prompt", "text_prompts", "workload_prompts", "sampling_options", "prompt_digest"]
 
 WORKLOADS = ("ids", "text")
+# Tokens of the warm-up prompt at most: past step_tokens, so a long prompt's window path is warmed
+# too; short enough that a 32k-token row does not prefill twice.
+WARMUP_PROMPT_TOKENS = 512
 
 
 def bench_prompt(tokenizer, n: int, seed: int = 0) -> list[int]:

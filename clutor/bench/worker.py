@@ -27,7 +27,7 @@ from ..errors import ClutorError
 from ..io.policies import DEFAULT_POLICY
 from ..model.profile import to_json
 from .process import peak_memory, storage_read_bytes
-from .prompt import prompt_digest, sampling_options, workload_prompts
+from .prompt import WARMUP_PROMPT_TOKENS, prompt_digest, sampling_options, workload_prompts
 from .protocol import COMMON_OPTIONS, worker_main, worker_options
 
 __all__ = ["DEFAULTS", "run", "to_jsonable"]
@@ -218,7 +218,7 @@ async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
         t_warm = 0.0
         if opts["warmup"]:
             t1 = time.perf_counter()
-            await _generate(model, warm, WARMUP_TOKENS, sampling)
+            await _generate(model, warm[:WARMUP_PROMPT_TOKENS], WARMUP_TOKENS, sampling)
             t_warm = time.perf_counter() - t1
         if opts["profile"]:
             model.profile.reset()  # the figures are the measured generation's, not the warm-up's
@@ -283,7 +283,7 @@ async def _run_concurrent(path: str, opts: dict, kwargs: dict) -> dict:
             *prompts, warm = workload_prompts(model.tokenizer, workload, n + 1, opts["prompt_tokens"], opts["seed"])
         samplings = [sampling_options(workload, opts["seed"] + i) for i in range(n)]
         if opts["warmup"]:
-            await _generate(model, warm, WARMUP_TOKENS, samplings[0])
+            await _generate(model, warm[:WARMUP_PROMPT_TOKENS], WARMUP_TOKENS, samplings[0])
         # per stream: (engine step that produced the token, when its reader got it)
         stamps: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         loop_cpu: dict[int, float] = {}  # engine step -> the event-loop thread's CPU time when a reader saw it

@@ -63,7 +63,8 @@ def add_sampling_args(p: argparse.ArgumentParser, *, temperature: float = Sampli
 def add_model_args(p: argparse.ArgumentParser) -> None:
     add_llama_cpp_habits(p, server=p.prog.endswith(" serve"))
     p.add_argument("-c", "--ctx-size", "--n-ctx", dest="n_ctx", type=int, default=None, metavar="N",
-                   help="context length in tokens (default: min(the model's, 4096))")
+                   help="context length in tokens (default: the file's context_length, shortened where one "
+                        "sequence's KV at it would not fit half the memory left; more only where its YaRN reaches)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="threads for the compute kernels (default: the CPU cores numba sees)")
     p.add_argument("--activations", choices=("auto", "q8", "f32"), default="auto",

@@ -59,7 +59,8 @@ def describe(path: str) -> dict:
             "suggested_expert_cache": suggestions(layout, cfg.n_expert_used, dense),
             "kv_bytes_per_token": kv_per_token,  # by kv_type, every layer's keys and values for one position
             # a long prompt's window holds this per token (clutor.model.options.window_bytes_per_token)
-            "window_bytes_per_token": window_bytes_per_token(cfg.n_embd, cfg.n_expert_used),
+            "window_bytes_per_token": window_bytes_per_token(cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp),
+            "context_limit": arch.context_limit(),  # the longest -c the file's RoPE scaling reaches
             # per layer: "full", "window N", "latent", "recurrent", or "none" (an FFN-only layer)
             "layer_states": ["none" if s is None else s.kind + (f" {s.window}" if s.window else "") for s in specs],
             "machine": machine_kernels(),
@@ -197,7 +198,8 @@ def run(args) -> int:
         f"gating          {a['gating']}",
         f"vocabulary      {c['n_vocab']}",
         f"chat format     {_chat_line(d['chat_format'])}",
-        f"context         {c['n_ctx_train']}",
+        f"context         {c['n_ctx_train']} (the default -c where memory holds one sequence's KV at it)"
+        + (f"; YaRN reaches {d['context_limit']}" if d["context_limit"] > c["n_ctx_train"] else ""),
         f"experts         {c['n_expert']}, top-{c['n_expert_used']}, hidden {c['n_ff_exp']}"
         + (f", shared expert hidden {c['n_ff_shexp']}" if c["n_ff_shexp"] else "")
         + (", gate+up fused in one tensor" if a.get("fused_gate_up") else "")

@@ -25,8 +25,8 @@ from .gguf import GGUFFile
 from . import kernels
 from .engine import Engine, Request
 from .kv import PAGE, KVPool, NoRoom, sizes as kv_sizes
-from .options import (DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_kv_budget, resolve_window,
-                      window_bytes_per_token)
+from .options import (DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_ctx, resolve_kv_budget,
+                      resolve_window, window_bytes_per_token)
 from .plan import StepPlan, Want
 from .profile import NO_PROFILE, Profile
 from .runner import Runner
@@ -46,13 +46,15 @@ class Model:
 
     def __init__(self, path: str, f: GGUFFile, arch: Arch, dense: DenseWeights, tokenizer: Tokenizer,
                  experts: ExpertSource, kv: KVPool, n_ctx: int, *, options: ModelOptions, cache_note: str,
-                 kv_note: str = "", trace: TraceWriter | None = None, window: tuple[int, str] = (0, "off")):
+                 kv_note: str = "", trace: TraceWriter | None = None, window: tuple[int, str] = (0, "off"),
+                 ctx_note: str = "as asked"):
         cfg = arch.cfg
         self.path = path
         self.arch = arch
         self.config = cfg
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
+        self.ctx_note = ctx_note  # how n_ctx was chosen (said in clutor info)
         self._file = f
         self._w = dense
         self._experts = experts
@@ -96,7 +98,9 @@ class Model:
              profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
-        n_ctx: context length (default min(model's, 4096)).
+        n_ctx: context length. Default: the file's context_length, shortened (not below 4096) where one
+            sequence's KV at it would take more than half of the memory left after the dense weights and
+            the expert cache. Longer than context_length only where the file's RoPE scaling (YaRN) reaches.
         expert_cache: bytes for routed experts: an int, "3GiB", or "25%" of all expert bytes; None picks
             half of the memory available after the dense weights (capped at what all experts need).
         prefetch: during decode, read the experts predicted for the next MoE layer (after the last, the
@@ -168,24 +172,24 @@ class Model:
                 layout = expert_layout(f, arch)
                 if opts.trace:
                     check_output(opts.trace, f.paths)  # refused before the dense read, not after
-                ctx = min(cfg.n_ctx_train, 4096) if opts.n_ctx is None else int(opts.n_ctx)
-                if not 1 <= ctx <= cfg.n_ctx_train:
-                    raise ClutorError(f"n_ctx must be between 1 and the model's context_length {cfg.n_ctx_train}, got {ctx}")
                 budget = None
                 avail = mem_available()
                 dense_bytes = resident_bytes(f, arch)
                 if opts.io != "memory":
                     budget = resolve_budget(opts.expert_cache, layout, cfg.n_expert_used, dense_bytes, avail)
                 page, state = kv_sizes(arch.layer_states(), opts.kv_type)
-                one = state + -(-ctx // PAGE) * page  # one sequence at n_ctx
                 free = avail - dense_bytes - (budget[0] if budget else 0)
+                ctx, ctx_note = resolve_ctx(opts.n_ctx, path=str(path), n_ctx_train=cfg.n_ctx_train,
+                                            limit=arch.context_limit(), page=page, page_tokens=PAGE, state=state,
+                                            free=free)
+                one = state + -(-ctx // PAGE) * page  # one sequence at n_ctx
                 kv_budget = resolve_kv_budget(opts.kv_cache, one_context=one, all_contexts=opts.max_sequences * one,
                                               free=free, avail=avail)
                 if state:  # a recurrent state is checkpointed between steps: its prompts go in chunks
                     window = 0, f"off: {cfg.arch}'s recurrent layers prefill in chunks of step_tokens"
                 else:
                     window = resolve_window(opts.prefill_window, free=free - kv_budget[0], n_ctx=ctx,
-                                            per_token=window_bytes_per_token(cfg.n_embd, cfg.n_expert_used),
+                                            per_token=window_bytes_per_token(cfg.n_embd, cfg.n_expert_used, cfg.n_ff_exp),
                                             step_tokens=opts.step_tokens)
                 dense = load_dense(f, arch, _progress_of(progress, dense_bytes))
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
@@ -194,9 +198,9 @@ class Model:
             except BaseException:
                 f.close()
                 raise
-            return f, arch, tok, dense, layout, ctx, budget, kv_budget, window
+            return f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window
 
-        f, arch, tok, dense, layout, ctx, budget, kv_budget, window = await asyncio.to_thread(load)
+        f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window = await asyncio.to_thread(load)
         cfg = arch.cfg
         experts: ExpertSource | None = None
         trace: TraceWriter | None = None
@@ -217,7 +221,7 @@ class Model:
                 trace = TraceWriter(opts.trace, TraceHeader(len(cfg.moe_layers), cfg.n_expert, cfg.n_expert_used,
                                                             experts.slot_bytes), protect=f.paths)
             return cls(path, f, arch, dense, tok, experts, pool, ctx, options=opts, cache_note=why,
-                       kv_note=kv_budget[1], trace=trace, window=window)
+                       kv_note=kv_budget[1], trace=trace, window=window, ctx_note=ctx_note)
         except BaseException:
             # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
             # eventfd, arena), the KV pool and the file's fds before re-raising.

@@ -85,12 +85,41 @@ def mem_available() -> int:
     return avail if room is None else min(avail, room)
 
 
-def window_bytes_per_token(n_embd: int, top_k: int) -> int:
+def window_bytes_per_token(n_embd: int, top_k: int, n_ff_exp: int) -> int:
     """Memory one prompt token holds through a layer of a long prefill window: its residual, the
-    FFN's input and output, the embedding of the next layer's input (float32 [D] each) and its
-    routed experts' weighted outputs until they are summed (float32 [K, D], clutor.model.resident's
-    SlotOutputs). Attention's scores and temporaries are a tile's, not the window's."""
-    return 4 * n_embd * (top_k + 4)
+    FFN's input and output, the embedding of the next layer's input (float32 [D] each), its routed
+    experts' weighted outputs until they are summed (float32 [K, D], clutor.model.resident's
+    SlotOutputs), and what one expert computing every row takes per row (its input [D], gate | up
+    [2F], activation [F] and output [D] in float32, the int8 copies of input and activation with
+    their scales): a chunk of experts is cut to a tile's pairs, but one expert may take every row.
+    Attention's scores and temporaries are a tile's, not the window's."""
+    D, F = n_embd, n_ff_exp
+    return 4 * D * (top_k + 4) + 4 * (2 * D + 3 * F) + 2 * (D + F)
+
+
+def resolve_ctx(spec: int | None, *, path: str, n_ctx_train: int, limit: int, page: int, page_tokens: int,
+                state: int, free: int) -> tuple[int, str]:
+    """Context length and a sentence saying how it was chosen. ``n_ctx_train``: the file's
+    context_length; ``limit``: the longest context the file's RoPE scaling reaches (YaRN's original
+    context times its factor, where that is more; else n_ctx_train). ``page``: the KV bytes of
+    ``page_tokens`` tokens in every layer, ``state``: a sequence's fixed state bytes, ``free``: the memory left after
+    the dense weights and the expert cache. By default the file's context, shortened (in whole pages,
+    to no less than 4096 tokens) where one sequence's KV at it would take more than half of free."""
+    if spec is not None:
+        n = int(spec)
+        if not 1 <= n <= limit:
+            reach = (f"its context_length {n_ctx_train}" if limit == n_ctx_train else
+                     f"what its RoPE scaling reaches, {limit} (its context_length is {n_ctx_train})")
+            raise ClutorError(f"{path}: n_ctx must be between 1 and {reach}, got {n}")
+        return n, "as asked" + (f", past the file's context_length {n_ctx_train} by its RoPE scaling"
+                                if n > n_ctx_train else "")
+    room = max(0, free // 2 - state) // max(1, page) * page_tokens
+    n = max(min(n_ctx_train, 4096), min(n_ctx_train, room))
+    if n == n_ctx_train:
+        return n, "the file's context_length"
+    return n, (f"the file's context_length is {n_ctx_train}; one sequence's KV at it would take more than half "
+               f"of the {format_bytes(max(0, free))} left after the dense weights and the expert cache "
+               f"(-c/n_ctx sets it)")
 
 
 def resolve_window(spec: int | None, *, per_token: int, free: int, step_tokens: int, n_ctx: int) -> tuple[int, str]:

@@ -139,7 +139,7 @@ class Runner:
         # slice_seconds of compute), pausing between them: Sliced runs it a slice at a time.
         self.tile_rows = tile_rows
         self.slice_seconds = slice_seconds
-        self._expert_seconds = 0.0  # compute of one expert over a long step's rows, last measured
+        self._pair_seconds = 0.0  # compute of one (row, expert) pair in a long step's chunk, last measured
         # Most distinct experts one get() may pin (0 = unbounded, in memory): a prefill touching more is
         # served in chunks, leaving room for other sequences and for the next layer's prefetch.
         room = experts.capacity
@@ -208,7 +208,11 @@ class Runner:
         step.accounting = before is not None
         x = h = ys = None
         for l in range(self.config.n_layers):
-            x, h, sel, w, nxt = yield from self._layer_start(l, x, h, ys, step)  # x [R, D]
+            if l:  # layer l-1's output: x plus its FFN; its experts' outputs dropped before layer l makes its own
+                with self.profile.span("shared + sum"):
+                    x = self._moe_add(l - 1, x, h, ys, step)  # [R, D]
+                ys = None
+            x, h, sel, w, nxt = yield from self._layer_start(l, x, step)  # x [R, D]
             if sel is None:
                 ys = []
             elif streamed:
@@ -245,8 +249,8 @@ class Runner:
         return [out[e] for e in wanted]
 
     # -- compute thread ------------------------------------------------------------------------------
-    def _layer_start(self, l: int, x: np.ndarray | None, h: np.ndarray | None, ys: list | None, step: Step):
-        """The residual entering layer l (the embedding, or layer l-1's output: x plus its FFN),
+    def _layer_start(self, l: int, x: np.ndarray | None, step: Step):
+        """The residual entering layer l (the embedding where x is None, else layer l-1's output),
         then its attention and router: (x + attention [R, D], h = the FFN's input [R, D],
         experts [R, K], weights [R, K]; both None in a dense layer, and the next MoE layer's predicted
         experts: (all, those to prefetch) or None)."""
@@ -255,9 +259,6 @@ class Runner:
             step.prepare()
             with prof.span("embed"):
                 x = arch.embed(self._w.tok_embd.rows(step.plan.ids))  # [R, D]
-        else:
-            with prof.span("shared + sum"):
-                x = self._moe_add(l - 1, x, h, ys, step)  # [R, D]
         tiles = step.tiles(self.tile_rows)
         if len(tiles) == 1:
             with prof.span("attention"):
@@ -479,10 +480,15 @@ class Runner:
         todo = list(wanted)
         first_get = True
         long = len(sel) > self.tile_rows
+        if long:  # chunks of experts by the pairs they compute: a slice of compute, a chunk step's memory
+            pairs = np.bincount(sel.reshape(-1), minlength=self.config.n_expert)  # [E] rows routed to each
+            most = self.tile_rows * sel.shape[1]  # what a step of tile_rows computes (its temporaries' size)
+            if self._pair_seconds:
+                most = max(1, min(most, int(self.slice_seconds / self._pair_seconds)))
         while todo:
             n = self._max_batch
-            if long:  # as many experts as fit one slice of compute, the next chunk read meanwhile
-                n = max(1, min(n, int(self.slice_seconds / self._expert_seconds))) if self._expert_seconds else 2
+            if long:  # the next chunk read meanwhile
+                n = _within(todo[:n], pairs, most)
             chunk, todo = todo[:n], todo[n:]
             before = self.experts.stats() if users is not None else None
             hits: list[int] = []
@@ -522,7 +528,7 @@ class Runner:
                 groups.close()
             first_get = False
             if long:
-                self._expert_seconds = (time.perf_counter() - t_chunk) / len(chunk)
+                self._pair_seconds = (time.perf_counter() - t_chunk) / max(1, int(pairs[chunk].sum()))
                 yield
         return [ys[e] for e in wanted if e in ys]
 
@@ -557,6 +563,13 @@ def _charge(step: Step, users: dict[int, list[int]], chunk: list[int], hits: lis
             if led is not None:
                 led.add(f, 0.0 if missed else f, f if missed else 0.0,
                         per_miss_bytes * f if missed else 0.0, per_miss_wait * f if missed else 0.0)
+
+
+def _within(experts: list[int], pairs: np.ndarray, most: int) -> int:
+    """How many of experts (in order) compute at most `most` pairs together (pairs [E]: each expert's
+    rows); at least one."""
+    total = np.cumsum(pairs[experts])
+    return max(1, int(np.searchsorted(total, most, "right")))
 
 
 def _by_votes(sel: np.ndarray) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import ModelFileError, UnsupportedError
 from ..config import MAX_CTX, MAX_DIM, MAX_EXPERTS, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB, ModelConfig
-from ..layers import Rope, gate, rmsnorm, silu
+from ..layers import Rope, Yarn, gate, rmsnorm, silu
 from ..state import FullKV, LayerState
 from ..quants import apply_all
 
@@ -217,6 +217,7 @@ class Arch:
     name: ClassVar[str] = ""
     attention_kind: ClassVar[str] = "GQA"
     fused_gate_up: bool = False  # the file has ffn_gate_up_exps (set by read_arch)
+    yarn: "Yarn | None" = None  # the file's YaRN RoPE scaling (the architectures that read it set it)
     rope_style: ClassVar[str] = "neox"  # "neox": pairs (i, i + n_rot/2); "norm": adjacent pairs (2i, 2i+1)
     weight_before_ffn: ClassVar[bool] = False  # True: each routed expert reads its input times its weight (llama4)
     # llama.cpp's own rounding where it rounds besides the products (Gemma's GELU table): in the q8
@@ -314,6 +315,12 @@ class Arch:
     def warmup(self) -> None:
         """Load (or compile) the compiled kernels only this architecture's layers call, at open: the
         shared ones are kernels.warmup's."""
+
+    def context_limit(self) -> int:
+        """The longest context this file supports: its context_length, or what its YaRN scaling
+        reaches (original context x factor) where that is more, as llama.cpp extends it."""
+        y = self.yarn
+        return max(self.cfg.n_ctx_train, int(y.n_ctx_orig * y.factor) if y is not None else 0)
 
     def make_rope(self, n_ctx: int) -> Rope:
         return Rope(self.cfg.n_rot, self.cfg.rope_base, n_ctx, style=self.rope_style)

@@ -240,18 +240,19 @@ def _scratch(name: str, n: int, dtype) -> np.ndarray:
 
 def _act_buffers(n_tok: int, n_cols: int, block: int) -> tuple[np.ndarray, ...]:
     """Per-thread int8-activation scratch for this shape: xq [T, K], xd [T, K/block], xs1 [T, K/32]
-    (Q8_1's s), xs16 [T, K/16] (Q8_K's bsums); activations.py says what each holds."""
+    (Q8_1's s), xs16 [T, K/16] (Q8_K's bsums); activations.py says what each holds. One grow-only
+    set per (K, block), its first T rows given: a long prompt's expert groups each have another T,
+    and a set per T would keep every size seen."""
     cache = getattr(_tls, "act", None)
     if cache is None:
         cache = _tls.act = {}
-    key = (n_tok, n_cols, block)
+    key = (n_cols, block)
     bufs = cache.get(key)
-    if bufs is None:
-        if len(cache) > 64:  # many shapes seen (prefill lengths): start over rather than grow
-            cache.clear()
-        bufs = cache[key] = (np.empty((n_tok, n_cols), np.int8), np.empty((n_tok, n_cols // block), np.float32),
-                             np.empty((n_tok, n_cols // 32), np.float32), np.empty((n_tok, n_cols // 16), np.int16))
-    return bufs
+    if bufs is None or bufs[0].shape[0] < n_tok:
+        T = max(n_tok, 1)
+        bufs = cache[key] = (np.empty((T, n_cols), np.int8), np.empty((T, n_cols // block), np.float32),
+                             np.empty((T, n_cols // 32), np.float32), np.empty((T, n_cols // 16), np.int16))
+    return tuple(b[:n_tok] for b in bufs)
 
 
 def _row_bytes(qtype: int, n_cols: int) -> int:

@@ -6,8 +6,9 @@ and a full copy of every key and value read; on a small model that is most of a 
 
     rope_write(...)   each row's k rotated and written with v into its page slot (f32, f16 rounded to
                       nearest even, or q8_0 as llama.cpp quantises a row), and its q rotated
-    attend_pages(...) each (row, head) over its own sequence's pages, read in place (f16 and q8_0
-                      widened as they are read), causal up to the row's position
+    attend_pages(...) each (head, tile of up to TILE rows of one sequence) over the sequence's pages,
+                      read in place (f16 and q8_0 widened once per tile as they are read), causal
+                      up to each row's position
 
     data   [n_pages, L, Hkv, PAGE, W]   the pool group's storage (W = dk + dv): float32, or the bits
                                         of float16 (uint16), or int8 with scales [.., W / 32] (f16 bits);
@@ -17,7 +18,7 @@ and a full copy of every key and value read; on a small model that is most of a 
     cos, sin float32 [R, n_rot / 2]      the rows' rotary angles
 
 The first pass is plain IEEE arithmetic (numpy's rotation bits, exactly). The second sums with
-reassociation like rowwise.attend: each (row, head) alone in a fixed order, so a row's result is
+reassociation like rowwise.attend: each (row, head) in a fixed order of its own, so a row's result is
 the same bits whatever else is in the step and however many threads run.
 """
 from __future__ import annotations
@@ -152,70 +153,107 @@ def _rope_write(q, k, v, cos, sin, neox, pages, offs, li, kind, d32, d16, d8, sc
 
 
 @njit(inline="always")
-def _keys(qv, blk, k, dk, scale, s, at):
-    """s[at + o] = scale * qv . blk[o, :dk] for the k filled rows of one page (blk [PAGE, W] float32)."""
+def _keys_t(qv, kt, k, dk, scale, s, at):
+    """s[at + o] = scale * qv . key o for the k keys of one page, transposed (kt [dk, PAGE] float32):
+    every score a sum over d in order, the k of them side by side (vector lanes, not a reduction)."""
     for o in range(k):
-        acc = np.float32(0.0)
+        s[at + o] = np.float32(0.0)
+    for d in range(dk):
+        qd = qv[d]
+        for o in range(k):
+            s[at + o] += qd * kt[d, o]
+    for o in range(k):
+        s[at + o] *= scale
+
+
+@njit(inline="always")
+def _transpose_keys(blk, k, dk, kt):
+    """kt[d, o] = blk[o, d] for the page's k filled rows (blk [PAGE, W] float32)."""
+    for o in range(k):
         for d in range(dk):
-            acc += qv[d] * blk[o, d]
-        s[at + o] = acc * scale
+            kt[d, o] = blk[o, d]
 
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=_FLAGS)
-def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, scores, out):
-    R, H = qr.shape[0], qr.shape[1]
+def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, starts, out):
+    """Each (head, tile) is one task: a tile is a run of rows of one segment (starts [T + 1]: its first
+    rows). A page of the tile's keys is widened once for all its rows, then each row's scores against
+    it: a long prompt's rows share every page they read, where one row at a time widened each page
+    once per row and head (the quadratic part of a long prefill). Each row's arithmetic is the same
+    sequence whatever its tile: its scores key by key, the max, the exponentials and their sum in key
+    order, the values' weighted sum in key order."""
+    H = qr.shape[1]
     Hkv = max(d32.shape[2], d16.shape[2], d8.shape[2])
     P = max(d32.shape[3], d16.shape[3], d8.shape[3])
     W = dk + dv
     G = H // Hkv
-    for i in prange(H * R):
-        h = i // R
-        r = i - h * R
+    T = starts.shape[0] - 1
+    for i in prange(H * T):
+        h = i // T
+        t = i - h * T
+        r0, r1 = starts[t], starts[t + 1]
         hk = h // G
-        sg = seg[r]
-        n = pos[r] + 1  # keys 0 .. pos (causal)
-        qv = qr[r, h]
-        s = scores[i]
+        sg = seg[r0]
+        n = 0  # keys of the tile: up to its last row's position
+        for r in range(r0, r1):
+            n = max(n, pos[r] + 1)
+        s = np.empty((r1 - r0, n), np.float32)  # [tile rows, keys] scores, then weights
         wide = np.empty((P, W), np.float32)  # one page of f16 / q8_0 rows widened
-        acc = np.zeros(dv, np.float32)
+        kt = np.empty((dk, P), np.float32)  # its keys transposed
+        acc = np.zeros((r1 - r0, dv), np.float32)
+        den = np.zeros(r1 - r0, np.float32)
         # scores, a page at a time
         for pi in range((n + P - 1) // P):
             p = tab[sg, pi]
             k = min(P, n - pi * P)
             if kind == 0:
-                _keys(qv, d32[p, li, hk], k, dk, scale, s, pi * P)
+                _transpose_keys(d32[p, li, hk], k, dk, kt)
             else:
                 _widen_cols(kind, d16, d8, sc, p, li, hk, k, 0, dk, wide)
-                _keys(qv, wide, k, dk, scale, s, pi * P)
-        m = -np.inf
-        for j in range(n):
-            if s[j] > m:
-                m = s[j]
-        den = np.float32(0.0)
-        for j in range(n):
-            e = np.exp(s[j] - m)
-            s[j] = e
-            den += e
+                _transpose_keys(wide, k, dk, kt)
+            for r in range(r0, r1):
+                kr = min(k, pos[r] + 1 - pi * P)  # this row's keys in the page (causal)
+                if kr > 0:
+                    _keys_t(qr[r, h], kt, kr, dk, scale, s[r - r0], pi * P)
+        for r in range(r0, r1):
+            sr = s[r - r0]
+            nr = pos[r] + 1
+            m = -np.inf
+            for j in range(nr):
+                if sr[j] > m:
+                    m = sr[j]
+            d_ = np.float32(0.0)
+            for j in range(nr):
+                e = np.exp(sr[j] - m)
+                sr[j] = e
+                d_ += e
+            den[r - r0] = d_
         # values, a page at a time
         for pi in range((n + P - 1) // P):
             p = tab[sg, pi]
             k = min(P, n - pi * P)
-            if kind == 0:
-                blk = d32[p, li, hk]
-                for o in range(k):
-                    e = s[pi * P + o]
-                    for d in range(dv):
-                        acc[d] += e * blk[o, dk + d]
-            else:
+            if kind != 0:
                 _widen_cols(kind, d16, d8, sc, p, li, hk, k, dk, W, wide)
-                for o in range(k):
-                    e = s[pi * P + o]
-                    for d in range(dv):
-                        acc[d] += e * wide[o, dk + d]
-        inv = np.float32(1.0) / den
+            for r in range(r0, r1):
+                kr = min(k, pos[r] + 1 - pi * P)
+                sr = s[r - r0]
+                ar = acc[r - r0]
+                if kind == 0:
+                    blk = d32[p, li, hk]
+                    for o in range(kr):
+                        e = sr[pi * P + o]
+                        for d in range(dv):
+                            ar[d] += e * blk[o, dk + d]
+                else:
+                    for o in range(kr):
+                        e = sr[pi * P + o]
+                        for d in range(dv):
+                            ar[d] += e * wide[o, dk + d]
         base = h * dv
-        for d in range(dv):
-            out[r, base + d] = acc[d] * inv
+        for r in range(r0, r1):
+            inv = np.float32(1.0) / den[r - r0]
+            for d in range(dv):
+                out[r, base + d] = acc[r - r0, d] * inv
 
 
 @intrinsic
@@ -302,6 +340,19 @@ def attend_pages(qr, tab, seg, pos, li: int, store: tuple, dk: int, dv: int, sca
     0 .. pos[r] in the pages tab[seg[r]] of layer li -> float32 [R, H * dv]."""
     R, H = qr.shape[0], qr.shape[1]
     out = np.empty((R, H * dv), np.float32)
-    scores = np.empty((H * R, int(pos.max()) + 1), np.float32)
-    _attend_pages(qr, tab, seg, pos, li, *store, dk, dv, np.float32(scale), scores, out)
+    _attend_pages(qr, tab, seg, pos, li, *store, dk, dv, np.float32(scale), tiles(seg), out)
     return out
+
+
+TILE = 32  # rows of one segment that share each page they read (attend_pages)
+
+
+def tiles(seg: np.ndarray) -> np.ndarray:
+    """int64 [T + 1]: the first rows of the runs of rows of one segment, cut to TILE rows at most."""
+    R = len(seg)
+    cut = np.flatnonzero(np.diff(seg)) + 1 if R > 1 else np.zeros(0, np.int64)  # where the segment changes
+    starts = []
+    for a, b in zip(np.concatenate([[0], cut]).tolist(), np.concatenate([cut, [R]]).tolist()):
+        starts.extend(range(a, b, TILE))
+    starts.append(R)
+    return np.asarray(starts, np.int64)
