@@ -378,6 +378,21 @@ def test_report_renders_a_fake_result_set():
     assert "128 MiB" in text  # llama's OS-counted decode reads per token
 
 
+def test_report_puts_a_prompts_time_against_its_bound():
+    """A streamed row with prefill_bounds gets a line of the prompt table: its seconds, both bounds,
+    the ratio and the bytes read over the distinct experts' bytes."""
+    from clutor.bench.bounds import prefill_bounds
+
+    report = _fake_report()
+    row = report["sweep"][0]
+    row["result"]["stats"]["prompt_windows"] = 1
+    row["prefill_bounds"] = prefill_bounds(8.0, 6.0, float(1 << 30), 2 << 30, 3 << 30)
+    text = rep.render_report(report)
+    line = next(l for l in text.splitlines() if l.startswith(row["budget"]) and "8.0" in l and "6.0" in l)
+    assert "2.0" in line and "0.75x" in line and "3.00 GiB" in line and "2.00 GiB" in line and "1.50x" in line
+    assert "TTFT s" in text and "of bound" in text
+
+
 def _row(budget: str, *runs: float) -> dict:
     return {"budget": budget, "cache_bytes": None, "prefetch": False, "policy": "lrfu", "ok": True, "error": None,
             "cgroup_peak": None, "result": _fake_result(40.0, sorted(runs)[(len(runs) - 1) // 2]),

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from clutor.bench.bounds import bounds, expert_read_bytes, replay_window
+from clutor.bench.bounds import bounds, expert_read_bytes, prefill_bounds, prefill_distinct_bytes, replay_window
 from clutor.io.arena import widen
 from clutor.io.layout import ExpertLayout, ExpertTensor
 from clutor.io.trace import Trace, TraceHeader, TraceRecord
@@ -78,3 +78,23 @@ def test_step_unions_are_what_a_batched_step_asks_the_store():
     assert got == [(5, 0, (1, 2, 3), (9,)), (5, 1, (4, 0, 5), None), (7, 0, (1, 0), (9,))]
     one_layer = _trace([(0, [0]), (1, [1])])
     assert step_unions(one_layer) is one_layer
+
+
+def test_a_prompts_distinct_experts_are_its_own_not_the_warm_ups():
+    """Two MoE layers, top-2: a warm-up prompt (positions 0-1) routes to expert 2, the measured
+    prompt (positions 0-2) to experts 0 and 1 of layer 0 and 1 of layer 1, then a decode token (position
+    3) to expert 2: only the measured prompt's pairs count, each once."""
+    cost = np.array([[100, 200, 300], [1000, 2000, 3000]])
+    rows = [(0, 0, [2, 0]), (1, 0, [2, 0]), (0, 1, [2, 0]), (1, 1, [2, 0]),  # the warm-up
+            (0, 0, [0, 1]), (1, 0, [1, 0]), (2, 0, [0, 1]), (0, 1, [1, 1]), (1, 1, [1, 1]), (2, 1, [1, 1]),
+            (3, 0, [2, 0]), (3, 1, [2, 0])]  # a decode step after the prompt
+    t = Trace(tuple(TraceRecord(p, l, tuple(es)) for p, l, es in rows), TraceHeader(2, 3, 2, 4096))
+    assert prefill_distinct_bytes(t, cost, 3) == 100 + 200 + 2000
+
+
+def test_a_prefills_bound_is_the_slower_of_compute_and_one_read_of_its_experts():
+    b = prefill_bounds(10.0, 6.0, 1e9, 2 * 10**9, 3 * 10**9)  # disk: 2 GB at 1 GB/s = 2 s < 6 s in RAM
+    assert (b["bound"], b["limited_by"], b["of_bound"], b["read_over_distinct"]) == (6.0, "compute", 0.6, 1.5)
+    b = prefill_bounds(10.0, 6.0, 1e8, 2 * 10**9, None)  # 20 s from disk
+    assert (b["bound"], b["limited_by"], b["of_bound"], b["read_over_distinct"]) == (20.0, "disk", 2.0, None)
+    assert prefill_bounds(10.0, None, None, None, None)["bound"] is None

@@ -30,7 +30,8 @@ from ..io.backend import DEFAULT_ALIGN
 from ..io.layout import ExpertLayout
 from ..io.trace import Trace, TraceRecord
 
-__all__ = ["expert_read_bytes", "step_unions", "WindowReplay", "replay_window", "Bounds", "bounds"]
+__all__ = ["expert_read_bytes", "step_unions", "WindowReplay", "replay_window", "Bounds", "bounds",
+           "prefill_distinct_bytes", "prefill_bounds"]
 
 
 def expert_read_bytes(layout: ExpertLayout, align: int = DEFAULT_ALIGN) -> np.ndarray:
@@ -180,3 +181,34 @@ class Bounds:
 def bounds(achieved: float, compute: float | None, disk_bps: float | None, belady_bytes_per_token: float | None,
            own_bytes_per_token: float | None) -> Bounds:
     return Bounds(achieved, compute, disk_bps, belady_bytes_per_token, own_bytes_per_token)
+
+
+# ---- a prompt's time to first token --------------------------------------------------------------
+#
+# A streamed prefill takes at least as long as the same prompt with every expert in memory (the compute
+# bound, seconds) and as reading, once, every expert the prompt routes to (the disk bound: their bytes
+# over fio's bandwidth). Its bound is the larger of the two: a prefill that overlaps its reads with its
+# compute perfectly, and reads each expert once per prompt, takes exactly that.
+
+def prefill_distinct_bytes(trace: Trace, read_bytes: np.ndarray, prompt_tokens: int) -> int:
+    """Bytes of the distinct (layer, expert) pairs the last prompt of the trace routed to: its last
+    prompt_tokens x MoE layers records below position prompt_tokens (a prefill writes one record per
+    row and MoE layer; a warm-up's records come before, decode records sit at later positions)."""
+    recs = [r for r in trace.records if r.token < prompt_tokens]
+    seen = {(r.layer, e) for r in recs[-prompt_tokens * read_bytes.shape[0]:] for e in r.experts}
+    return int(sum(int(read_bytes[l, e]) for l, e in seen))
+
+
+def prefill_bounds(seconds: float, compute_seconds: float | None, disk_bps: float | None,
+                   distinct_bytes: int | None, read_bytes: int | None) -> dict:
+    """A streamed prompt's time to first token against its bound (seconds): {achieved, compute, disk
+    (distinct_bytes / disk_bps), bound (the larger), of_bound (bound / achieved: 1 at the bound),
+    limited_by, distinct and read bytes, read_over_distinct}."""
+    disk = distinct_bytes / disk_bps if distinct_bytes is not None and disk_bps else None
+    parts = [x for x in (compute_seconds, disk) if x is not None]
+    bound = max(parts) if parts else None
+    return {"achieved": seconds, "compute": compute_seconds, "disk": disk, "bound": bound,
+            "of_bound": bound / seconds if bound and seconds else None,
+            "limited_by": None if bound is None else ("compute" if bound == compute_seconds else "disk"),
+            "distinct_bytes": distinct_bytes, "read_bytes": read_bytes,
+            "read_over_distinct": read_bytes / distinct_bytes if read_bytes is not None and distinct_bytes else None}

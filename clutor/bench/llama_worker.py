@@ -33,7 +33,7 @@ __all__ = ["DEFAULTS", "run", "without_extra_buffers"]
 DEFAULTS: dict = {
     **COMMON_OPTIONS,
     "n_threads": None,  # None: os.cpu_count()
-    "n_batch": 512,
+    "n_batch": 512,  # n_batch and n_ubatch (llama-cpp-python's defaults: 512 both)
     # llama.cpp's CPU "extra buffers": repacked copies of Q4_K etc. in anonymous memory, its default on
     # AVX2. Off, the weights stay file pages of the mmap, the only way it runs in a cap below the file.
     "extra_buffers": True,
@@ -150,7 +150,7 @@ def run(path: str, options: dict) -> dict:
     t0 = time.perf_counter()
     try:
         llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                              n_batch=int(opts["n_batch"]), logits_all=False, use_mmap=True, verbose=False)
+                              n_batch=int(opts["n_batch"]), n_ubatch=int(opts["n_batch"]), logits_all=False, use_mmap=True, verbose=False)
     except (ValueError, RuntimeError) as e:
         raise ClutorError(f"{path}: llama.cpp could not load the model: {e}") from None
     t_open = time.perf_counter() - t0

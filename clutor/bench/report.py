@@ -12,6 +12,7 @@ from typing import Sequence
 
 from ..model.profile import from_json, render as render_profile
 from ..units import format_bytes
+from .prompt import WARMUP_PROMPT_TOKENS
 
 __all__ = ["render_report", "render_concurrency", "render_sweep", "render_comparison", "format_table", "decode_read_per_token",
            "disk_limit_tps"]
@@ -178,6 +179,33 @@ def _render_sweep_bounds(sweep: Sequence[dict]) -> str:
         "decode tok/s")
 
 
+PROMPT_HEADERS = ("budget", "cache", "prefetch", "policy", "TTFT s", "in RAM s", "disk s", "bound s", "of bound",
+                  "read", "distinct", "read/distinct", "windows")
+
+PROMPT_LEGEND = """\
+TTFT s: time to first token (the prompt's prefill); in RAM s: the same prompt with every expert in memory, same
+  run (the compute bound); disk s: the distinct experts the prompt routed to, read once, at fio's bandwidth
+  around the row (the disk bound); bound s: the larger; of bound: bound / TTFT (1.00 at the bound)
+read: expert bytes the prefill read from storage (/proc/self/io); distinct: those experts' bytes; windows:
+  the prefill steps the prompt took (--prefill-window)"""
+
+
+def render_prompt_bounds(sweep: Sequence[dict]) -> str | None:
+    """Each streamed row's time to first token against its bound (rows with prefill_bounds)."""
+    rows = []
+    for run in sweep:
+        b = run.get("prefill_bounds")
+        if not b:
+            continue
+        s = (run.get("result") or {}).get("stats") or {}
+        sec = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+        rows.append(_sweep_head(run) + [sec(b["achieved"]), sec(b["compute"]), sec(b["disk"]), sec(b["bound"]),
+                                        _ratio(b["bound"], b["achieved"]), _bytes(b["read_bytes"]),
+                                        _bytes(b["distinct_bytes"]), _ratio(b["read_bytes"], b["distinct_bytes"]),
+                                        str(s.get("prompt_windows", "-"))])
+    return format_table(PROMPT_HEADERS, rows, left=4) + "\n\n" + PROMPT_LEGEND if rows else None
+
+
 COMPARE_HEADERS = ("setting", "memory cap", "engine", "configuration", "prefill tok/s", "decode tok/s",
                    "peak memory", "read/token", "of disk limit")
 
@@ -299,10 +327,12 @@ def render_report(report: dict) -> str:
         f"(resident), experts {format_bytes(m['expert_bytes_total'])}",
         f"run: {st['prompt_tokens']}-token prompt, {st['tokens']} greedy tokens (EOS ignored), io {st['io']}"
         f"{'' if st.get('direct', True) else ' buffered'}, {st['threads']} threads; one fresh process per row, "
-        f"after a 1-token warm-up",
+        f"after a warm-up (a prompt of up to {WARMUP_PROMPT_TOKENS} tokens)",
         f"disk: {disk['note']}",
     ]
     parts = ["\n".join(head), "", render_sweep(report["sweep"], disk.get("bytes_per_second"))]
+    prompt = render_prompt_bounds(report["sweep"])
+    parts += ["", prompt] if prompt else []
     summary = _summary(report["sweep"], disk.get("bytes_per_second"))
     parts += ["", summary] if summary else []
     parts += ["", SWEEP_LEGEND]

@@ -150,22 +150,21 @@ def window_io(a, b, tokens: int) -> dict | None:
     }
 
 
-def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int, policy: str) -> dict | None:
-    """Belady (and the run's policy) over the run's own trace, counted over its decode tokens."""
+def _replay(path: str, trace_path: str, n_slots: int | None, first_position: int, policy: str) -> dict:
+    """Belady (and the run's policy) over the run's own trace, counted over its decode tokens (where
+    the store has slots), and the bytes of the distinct experts its prompt routed to."""
     from ..io.trace import read_trace
     from ..model.gguf import GGUFFile
     from ..model.arch import read_arch
     from ..model.weights import expert_layout
-    from .bounds import expert_read_bytes, replay_window
-
-    if not n_slots:
-        return None
-    from ..model.weights import expert_layout
+    from .bounds import expert_read_bytes, prefill_distinct_bytes, replay_window
 
     with GGUFFile.open(path) as f:
         layout = expert_layout(f, read_arch(f))
     trace = read_trace(trace_path)
-    return replay_window(trace, n_slots, expert_read_bytes(layout), first_position, policy).to_json()
+    read_bytes = expert_read_bytes(layout)
+    out = replay_window(trace, n_slots, read_bytes, first_position, policy).to_json() if n_slots else {}
+    return {**out, "prefill_distinct_bytes": prefill_distinct_bytes(trace, read_bytes, first_position)}
 
 
 async def _run(path: str, opts: dict) -> dict:

@@ -132,7 +132,7 @@ def add_parser(sub):
     g.add_argument("--kv-type", choices=KV_TYPES, default=DEFAULTS.kv_type, help="what keys and values are stored as")
     g.add_argument("--prefill-window", type=int, default=None, metavar="N",
                    help="tokens of a long prompt one prefill step takes (default: Model.open's, from memory; 0: "
-                        "chunks of 256, as before windows: compare the two on --prompt-tokens 2048)")
+                        "chunks of step_tokens, each reading the experts again: compare the two on --prompt-tokens 2048)")
     w = p.add_argument_group("workload")
     w.add_argument("--prompt-tokens", type=_positive, default=64, help="prompt length (seeded token ids)")
     w.add_argument("--tokens", type=_positive, default=32, help="tokens to generate (greedy, EOS ignored)")
@@ -149,6 +149,9 @@ def add_parser(sub):
     c.add_argument("--llama-extra-buffers", choices=("on", "off"), default="on",
                    help="llama.cpp's repacked weight copies in anonymous memory (its default: on); off keeps its "
                         "weights as mmapped file pages, which a cap below the file size needs")
+    c.add_argument("--llama-batch", type=int, default=512, metavar="N",
+                   help="llama.cpp's n_batch and n_ubatch: the prompt tokens one of its graphs takes, each reading "
+                        "every expert once (llama-cpp-python's default: 512; 2048 for long prompts)")
     c.add_argument("--cap", type=_cap, default="auto",
                    help="memory cap of the capped runs: auto (Clutor's estimated footprint), none, or a size")
     c.add_argument("--cap-budget", type=_budget, default=None,
@@ -248,6 +251,8 @@ def _check(args) -> tuple[dict, int]:
     if n_ctx > desc["config"]["n_ctx_train"]:
         raise ClutorError(f"--prompt-tokens + --tokens + {SLACK_TOKENS} = {n_ctx} exceeds the model's context "
                           f"length {desc['config']['n_ctx_train']}")
+    if not 1 <= args.llama_batch <= 1 << 16:
+        raise ClutorError(f"--llama-batch must be between 1 and 65536 tokens, got {args.llama_batch}")
     if args.drop_caches and os.geteuid() != 0:
         raise ClutorError("--drop-caches needs root (it writes /proc/sys/vm/drop_caches)")
     try:
@@ -444,6 +449,19 @@ def _row_bounds(result: dict | None, compute: dict | None, disk: dict | None, tp
                   io.get("bytes_per_token")).to_json()
 
 
+def _prefill_bounds(result: dict | None, compute: dict | None, disk: dict | None) -> dict | None:
+    """The row's time to first token against its bound (clutor.bench.bounds.prefill_bounds): its
+    in-RAM twin's prefill, and the distinct experts its prompt routed to over the fio around it."""
+    from ..bench.bounds import prefill_bounds
+
+    if not result:
+        return None
+    c = ((compute or {}).get("result") or {}).get("stats") or {}
+    read = (result.get("storage_read_bytes_by_phase") or {}).get("prefill")
+    return prefill_bounds(result["stats"]["prefill_seconds"], c.get("prefill_seconds"), (disk or {}).get("bytes_per_second"),
+                          (result.get("replay") or {}).get("prefill_distinct_bytes"), read)
+
+
 def _forced(args, result: dict | None) -> dict:
     """llama.cpp's options to decode the ids a Clutor run generated (forced decoding), so both rows run
     the same forward passes and routing: a sampled stream of llama.cpp's own need not follow Clutor's.
@@ -467,10 +485,11 @@ def _one_stream(rows: list[dict]) -> dict | None:
 
 def _llama_args(args, common: dict) -> dict:
     """llama.cpp's worker options: the workload both engines share, and its own extra-buffers setting."""
-    return {**common, "extra_buffers": args.llama_extra_buffers == "on"}
+    return {**common, "extra_buffers": args.llama_extra_buffers == "on", "n_batch": args.llama_batch}
 
 
 def _llama_config(args, how: str) -> str:
+    how += "" if args.llama_batch == 512 else f", n_batch = n_ubatch = {args.llama_batch}"
     return how if args.llama_extra_buffers == "on" else f"{how}, extra buffers off"
 
 
@@ -515,7 +534,8 @@ def _sweep(args, desc: dict, common: dict, combos: list, progress: _Progress, co
         sweep.append({"budget": budget.text, "cache_bytes": cache, "prefetch": prefetch, "policy": policy,
                       **row.to_json(), "decode_runs": [o.result["stats"]["decode_tps"] for o, _ in ok],
                       "failed_runs": len(outcomes) - len(ok), "disk": disk,
-                      "bounds": _row_bounds(row.result, compute, disk, "decode_tps") if bounded and row.ok else None})
+                      "bounds": _row_bounds(row.result, compute, disk, "decode_tps") if bounded and row.ok else None,
+                      "prefill_bounds": _prefill_bounds(row.result, compute, disk) if bounded and row.ok else None})
     return sweep
 
 

@@ -142,6 +142,7 @@ class ExpertKernels:
         D, F = self.D, self.F
         P = self.parts.shape[0]
         gu = np.empty((n, (P - 1) * F), np.float32)  # [n, 2F] gate | up (ungated: [n, F] up)
+        xg = xg[:n]  # the pairs' rows only: a q8 launch rounds every row of its input to int8 first
         t0 = time.perf_counter()
         kernels.run_job_array(jobs_gu[: m * (P - 1)], D, xg, gu, self._block_gu, n * self._work_gu, self._settings)
         kernel_done(t0)
