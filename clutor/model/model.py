@@ -54,7 +54,7 @@ class Model:
         self.config = cfg
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
-        self.ctx_note = ctx_note  # how n_ctx was chosen (said in clutor info)
+        self.ctx_note = ctx_note  # how n_ctx was chosen: the file's context_length, shortened, or as asked
         self._file = f
         self._w = dense
         self._experts = experts

@@ -116,25 +116,27 @@ class Step:
             at = self._rotary[gi] = self._rotary_group(gi)
         if at is False:  # a window or latent rows: the general way
             return self.attend(l, self.rope(rope, q), self.rope(rope, k), v, scale)
-        g, store, pages, offs, tab, work = at
+        g, store, pages, offs, tab, starts, work = at
         cs = self._angles.get(id(rope))
         if cs is None:
             cs = self._angles[id(rope)] = rope.angles_at(self.plan.pos)
         qr = paged.rope_write(q, k, v, cs[0], cs[1], rope.style == "neox", pages, offs, li, store)
         threads_for(q.shape[1] * work)
         plan = self.plan
-        return paged.attend_pages(qr, tab, plan.seg_of_row, plan.pos, li, store, g.k_dim, g.v_dim, scale)
+        return paged.attend_pages(qr, tab, plan.seg_of_row, plan.pos, li, store, g.k_dim, g.v_dim, scale, starts)
 
     def _rotary_group(self, gi: int):
         """What attend_rotary reads of page group gi, the same in every layer of this step: (group,
-        its storage, the rows' (page, offset), the segments' page table, multiply-adds per query head)
-        or False where the group is a window's or holds latent rows."""
+        its storage, the rows' (page, offset), the segments' page table, the rows' attention tiles
+        (paged.tiles), multiply-adds per query head) or False where the group is a window's or holds
+        latent rows."""
         g = self.pool.groups[gi]
         if g.window or g.latent:
             return False
         pages, offs = self._slots[gi]
         work = len(self.plan.pos) * (int(self.plan.pos.max()) + 1) * (g.k_dim + g.v_dim)
-        return g, paged.storage(g.data, g.scales), pages, offs, self._table(gi), work
+        return (g, paged.storage(g.data, g.scales), pages, offs, self._table(gi), paged.tiles(self.plan.seg_of_row),
+                work)
 
     def _table(self, gi: int) -> np.ndarray:
         """Each segment's pages of group gi through its last position in this step: int64 [S, most pages]."""

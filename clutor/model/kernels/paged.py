@@ -232,23 +232,19 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
         for pi in range((n + P - 1) // P):
             p = tab[sg, pi]
             k = min(P, n - pi * P)
-            if kind != 0:
+            if kind == 0:
+                blk = d32[p, li, hk]
+            else:
                 _widen_cols(kind, d16, d8, sc, p, li, hk, k, dk, W, wide)
+                blk = wide
             for r in range(r0, r1):
                 kr = min(k, pos[r] + 1 - pi * P)
                 sr = s[r - r0]
                 ar = acc[r - r0]
-                if kind == 0:
-                    blk = d32[p, li, hk]
-                    for o in range(kr):
-                        e = sr[pi * P + o]
-                        for d in range(dv):
-                            ar[d] += e * blk[o, dk + d]
-                else:
-                    for o in range(kr):
-                        e = sr[pi * P + o]
-                        for d in range(dv):
-                            ar[d] += e * wide[o, dk + d]
+                for o in range(kr):
+                    e = sr[pi * P + o]
+                    for d in range(dv):
+                        ar[d] += e * blk[o, dk + d]
         base = h * dv
         for r in range(r0, r1):
             inv = np.float32(1.0) / den[r - r0]
@@ -335,12 +331,14 @@ def rope_write(q, k, v, cos, sin, neox: bool, pages, offs, li: int, store: tuple
     return qr
 
 
-def attend_pages(qr, tab, seg, pos, li: int, store: tuple, dk: int, dv: int, scale: float) -> np.ndarray:
+def attend_pages(qr, tab, seg, pos, li: int, store: tuple, dk: int, dv: int, scale: float,
+                 starts: np.ndarray | None = None) -> np.ndarray:
     """Causal attention of each row's rotated q (qr [R, H, dk]) over its segment's keys and values
     0 .. pos[r] in the pages tab[seg[r]] of layer li -> float32 [R, H * dv]."""
     R, H = qr.shape[0], qr.shape[1]
     out = np.empty((R, H * dv), np.float32)
-    _attend_pages(qr, tab, seg, pos, li, *store, dk, dv, np.float32(scale), tiles(seg), out)
+    starts = tiles(seg) if starts is None else starts
+    _attend_pages(qr, tab, seg, pos, li, *store, dk, dv, np.float32(scale), starts, out)
     return out
 
 
