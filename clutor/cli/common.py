@@ -111,6 +111,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                             "(--kv-type), so -ctk and -ctv must agree")
     b.add_argument("--prefix-cache", default=DEFAULTS.prefix_cache, metavar="SIZE",
                    help="KV memory kept from finished sequences for prompts that start the same (0 = off)")
+    b.add_argument("--prefix-cache-disk", default=DEFAULTS.prefix_cache_disk, metavar="DIR",
+                   help="also keep every full KV page in files under DIR, so a prompt that starts like one seen "
+                        "before (even before a restart) loads them instead of computing them (default: off)")
+    b.add_argument("--prefix-cache-disk-size", default=DEFAULTS.prefix_cache_disk_size, metavar="SIZE",
+                   help=f"bytes the files under --prefix-cache-disk may take (default {DEFAULTS.prefix_cache_disk_size}); "
+                        "the least recently used go first")
 
 
 def check_sampling_args(args) -> None:
@@ -157,7 +163,9 @@ def model_kwargs(args) -> dict:
     return dict(n_ctx=args.n_ctx, expert_cache=args.expert_cache, prefetch=prefetch, policy=args.policy,
                 io=args.io, direct=args.direct, trace=args.trace, max_sequences=args.max_sequences,
                 step_tokens=args.step_tokens, prefill_window=args.prefill_window,
-                prefill_slice_ms=args.prefill_slice_ms, prefix_cache=args.prefix_cache, kv_cache=args.kv_cache,
+                prefill_slice_ms=args.prefill_slice_ms, prefix_cache=args.prefix_cache,
+                prefix_cache_disk=args.prefix_cache_disk, prefix_cache_disk_size=args.prefix_cache_disk_size,
+                kv_cache=args.kv_cache,
                 kv_type=_kv_type(args), activations=args.activations, threads=args.threads, progress=load_progress())
 
 

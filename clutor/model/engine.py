@@ -38,6 +38,7 @@ step fails the requests in it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from .state import SequenceState
 
 __all__ = ["Engine", "EngineStats", "Request"]
+
+log = logging.getLogger("clutor.kv")
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Request:
     history: list[int] = field(default_factory=list)  # prompt + generated (the sampler's penalty window)
     n_gen: int = 0
     cached_tokens: int = 0      # prompt positions reused from the prefix cache
+    disk_tokens: int = 0        # ... of which loaded from the prefix cache on disk
+    disk: str = ""              # the disk prefix cache: "" not tried, "loading", "tried"
+    pins: list = field(default_factory=list)  # (group, page) pinned for it while the disk's pages load
     preempted: int = 0          # times set aside for lack of KV room (and resumed)
     keys: list = field(default_factory=list)        # content keys of held's full pages (clutor.model.kv)
     prompt_keys: list = field(default_factory=list)  # ... of the prompt's full pages
@@ -173,6 +179,7 @@ class Engine:
         self._stop_solo = False  # set on the loop thread: the compute thread's loop hands back at its next step
         # The pool while a lone sequence's loop changes it on the compute thread: stats() reads it from the loop.
         self._pool_lock = threading.Lock()
+        self._loads: set[asyncio.Task] = set()  # pages coming from the disk prefix cache (kv_disk)
 
     @property
     def page_bytes(self) -> int:
@@ -245,6 +252,8 @@ class Engine:
         self._stop_solo = True
         if req in self._waiting:
             self._waiting.remove(req)
+            if req.disk != "loading":  # (a load under way unpins when it ends)
+                self._unpin(req)
         elif id(req) not in self._in_step and not self._windowed(req):
             self._retire(req)
         if self._wake is not None:
@@ -270,9 +279,14 @@ class Engine:
         self._stop_solo = True
         for req in list(self._waiting) + list(self._active):
             req._events.put_nowait(ClosedError(f"{self.name}: model closed during generation"))
+        for req in self._waiting:
+            if req.disk != "loading":
+                self._unpin(req)
         self._waiting.clear()
         if self._wake is not None:
             self._wake.set()
+        if self._loads:  # their reads land in pool pages: over before the pool closes
+            await asyncio.gather(*self._loads, return_exceptions=True)
         if self._task is not None:
             try:
                 await self._task
@@ -388,7 +402,14 @@ class Engine:
                 match = None
                 if req.kind == "generate":
                     keys = req.keys + req.prompt_keys[len(req.keys):]
+                    if req.disk == "loading":
+                        skipped.append(self._waiting.popleft())
+                        continue
                     match = self.pool.match(tokens, len(tokens) - 1, keys=keys)
+                    if not req.disk and self.pool.disk_extends(keys[: (len(tokens) - 1) // PAGE], match.n // PAGE):
+                        self._load_prefix(req, keys[: (len(tokens) - 1) // PAGE])
+                        skipped.append(self._waiting.popleft())  # the others go first while it loads
+                        continue
                     nxt = match.n // PAGE
                     owner = self._promised.get(req.prompt_keys[nxt]) if nxt < len(req.prompt_keys) else None
                     if owner is not None and owner is not req and owner in self._active:
@@ -400,6 +421,7 @@ class Engine:
                 except NoRoom:
                     break
                 self._waiting.popleft()
+                self._unpin(req)  # its sequence holds what it adopted
                 req.seq = seq
                 req.held, req.todo = tokens[: seq.n], tokens[seq.n :]
                 known = req.keys if len(req.keys) >= len(req.prompt_keys) else req.prompt_keys  # keys of tokens' pages
@@ -407,6 +429,7 @@ class Engine:
                 req.started = False
                 if not req.preempted:
                     req.cached_tokens = seq.n
+                    req.disk_tokens = min(req.disk_tokens, seq.n)
                     req.t_admitted = time.perf_counter()
                 self._admissions += 1
                 req.admitted = self._admissions
@@ -415,6 +438,41 @@ class Engine:
                     self._promised.setdefault(key, req)
         finally:
             self._waiting.extendleft(reversed(skipped))
+
+    def _load_prefix(self, req: Request, keys: list[bytes]) -> None:
+        """Start loading the pages of req's prompt the disk prefix cache holds (pinning those the pool
+        holds); req waits in the queue until they are in, then matches them as any kept pages."""
+        req.disk = "loading"
+        with self._pool_lock:
+            req.pins, loads = self.pool.take_prefix(keys)
+        task = asyncio.get_running_loop().create_task(self._load_pages(req, loads), name="clutor-kv-disk-load")
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    async def _load_pages(self, req: Request, loads: list) -> None:
+        got = [None] * len(loads)
+        try:
+            got = await self.pool.disk.load(loads)
+        except Exception as e:  # noqa: BLE001 - a prefix not loaded is computed
+            log.warning("prefix cache on disk: loading %d pages failed (%s: %s); their positions are computed",
+                        len(loads), type(e).__name__, e)
+        finally:
+            with self._pool_lock:
+                for ld, tokens in zip(loads, got):
+                    self.pool.settle(ld, tokens)
+            first = min((ld.gi for ld in loads), default=0)
+            req.disk_tokens = PAGE * sum(1 for ld, t in zip(loads, got) if t is not None and ld.gi == first)
+            req.disk = "tried"
+            if req.released or self._closed:
+                self._unpin(req)
+            if self._wake is not None:
+                self._wake.set()
+
+    def _unpin(self, req: Request) -> None:
+        if req.pins:
+            pins, req.pins = req.pins, []
+            with self._pool_lock:
+                self.pool.unpin(pins)
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """Every decoding sequence's one token, then prompt chunks (oldest first) in what is left of

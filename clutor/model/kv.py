@@ -40,6 +40,7 @@ from .options import KV_TYPES
 from .state import FullKV, LatentKV, Recurrent, SequenceState, WindowKV
 
 if TYPE_CHECKING:
+    from .kv_disk import DiskPages, Load
     from .state import LayerState
 
 __all__ = ["PAGE", "KV_TYPES", "KVPool", "Match", "NoRoom", "PoolStats", "refusal", "sizes"]
@@ -114,6 +115,7 @@ class _Group:
         self.refs = [0] * n_pages
         self.filled = [0] * n_pages        # positions published (0: not published)
         self.parent: list[bytes | None] = [None] * n_pages
+        self.gen = [0] * n_pages           # bumped when a page is freed: a queued disk write checks it
         self.entries: list[list[bytes] | None] = [None] * n_pages  # its keys in by_prefix
         self.by_prefix: dict[bytes, int] = {}  # key of (parent, first k tokens) -> a page holding them, k=1..PAGE
         self.high = 0                      # pages ever handed out: the resident part of data
@@ -203,6 +205,7 @@ class KVPool:
         self._ckpt_offsets: dict[bytes, dict[int, int]] = {}  # a page's parent key -> {offset: checkpoints there}
         self._orphans: list[list[list[int]]] = []  # tables of sequences collected without release()
         self.evictions = 0
+        self.disk: "DiskPages | None" = None  # the prefix cache on disk (clutor.model.kv_disk), if any
 
     # -- sizes --------------------------------------------------------------------------------------
     def bytes_for(self, n: int) -> int:
@@ -388,7 +391,10 @@ class KVPool:
                     continue
                 if a is None:
                     a = np.asarray(tokens, dtype="<i4")
-                self._publish_page(g, page, keys[i - 1] if i else ROOT, a[i * PAGE : i * PAGE + filled])
+                parent = keys[i - 1] if i else ROOT
+                self._publish_page(g, page, parent, a[i * PAGE : i * PAGE + filled])
+                if filled == PAGE and self.disk is not None:
+                    self._spill(gi, page, parent, keys[i], a[i * PAGE : (i + 1) * PAGE])
 
     def _publish_page(self, g: _Group, page: int, parent: bytes, tokens: np.ndarray) -> None:
         if g.filled[page] and g.parent[page] != parent:
@@ -402,6 +408,72 @@ class KVPool:
         g.entries[page] = entries
         g.parent[page] = parent
         g.filled[page] = len(tokens)
+
+    def _spill(self, gi: int, page: int, parent: bytes, key: bytes, tokens: np.ndarray) -> None:
+        """A full page just published: to the disk store (which writes it unless it has it)."""
+        g = self.groups[gi]
+        gen = g.gen[page]
+        self.disk.spill(gi, key, parent, tokens, g.data[page], g.scales[page] if g.scales is not None else None,
+                        lambda: g.gen[page] == gen)
+
+    # -- the disk store's pages ------------------------------------------------------------------
+    def disk_extends(self, keys: Sequence[bytes], start: int) -> bool:
+        """Whether the disk store holds the full-context groups' page ``start`` of this chain."""
+        if self.disk is None or start >= len(keys) or self.recurrent:
+            return False
+        return all(self.disk.has(gi, keys[start]) for gi, g in enumerate(self.groups) if not g.window) and any(
+            not g.window for g in self.groups)
+
+    def take_prefix(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], list["Load"]]:
+        """Before a prompt of these full pages' chain keys is matched: the pages the pool holds of its
+        longest prefix held here or on disk are pinned (so loading the rest cannot give them up), and
+        a page is taken for each one the disk holds, to load into. Returns (pins: every (group, page)
+        referenced here, the taken ones included; loads). Stops where neither has a page, or where the
+        budget has no room. Window groups: only the pages of the last window."""
+        from .kv_disk import Load
+
+        full = [gi for gi, g in enumerate(self.groups) if not g.window]
+        n = 0
+        while n < len(keys) and all(self._holds(gi, keys[n]) or self.disk.has(gi, keys[n]) for gi in full):
+            n += 1
+        pins: list[tuple[int, int]] = []
+        loads: list[Load] = []
+        for i in range(n):
+            for gi, g in enumerate(self.groups):
+                if g.window and i < max(0, n * PAGE - g.window + 1) // PAGE:
+                    continue
+                page = g.by_prefix.get(keys[i], -1)
+                if page >= 0 and g.filled[page] == PAGE:
+                    self._ref(gi, page)
+                    pins.append((gi, page))
+                    continue
+                if not self.disk.has(gi, keys[i]):
+                    continue  # (a window group's page: the match settles without it)
+                try:
+                    self._charge(g.page_bytes)
+                except NoRoom:
+                    return pins, loads
+                page = self._alloc(gi)
+                pins.append((gi, page))
+                loads.append(Load(gi, keys[i], keys[i - 1] if i else ROOT, g.data[page],
+                                  g.scales[page] if g.scales is not None else None, page))
+        return pins, loads
+
+    def _holds(self, gi: int, key: bytes) -> bool:
+        g = self.groups[gi]
+        page = g.by_prefix.get(key, -1)
+        return page >= 0 and g.filled[page] == PAGE
+
+    def settle(self, load: "Load", tokens: np.ndarray | None) -> None:
+        """A taken page's load is over: published (tokens: what it holds) unless it failed or the pool
+        got the page meanwhile (it stays pinned until ``unpin``, then is given back)."""
+        if tokens is not None and not self._holds(load.gi, load.key):
+            self._publish_page(self.groups[load.gi], load.page, load.parent, tokens)
+
+    def unpin(self, pins: Sequence[tuple[int, int]]) -> None:
+        for gi, page in pins:
+            self._unref(gi, page)
+        self._trim()
 
     def match(self, tokens: Sequence[int], limit: int, *, keys: list[bytes] | None = None) -> Match:
         """The longest prefix of tokens[:limit] whose positions published pages hold in every group
@@ -645,6 +717,7 @@ class KVPool:
         g.filled[page] = 0
         g.parent[page] = None
         g.refs[page] = 0
+        g.gen[page] += 1
         heapq.heappush(g.free, page)
         self.used -= g.page_bytes
 
@@ -668,6 +741,8 @@ class KVPool:
             g.high = top
 
     def close(self) -> None:
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()  # its writer reads pool pages: stopped before they are unmapped
         for g in self.groups:
             g.close()
         self.groups = []

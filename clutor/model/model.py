@@ -8,6 +8,7 @@ without knowing which one it has.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import dataclasses
@@ -19,12 +20,13 @@ import numpy as np
 from .._util import AwaitableContext, sleeping_kernel_workers
 from ..io.trace import TraceHeader, TraceWriter, check_output
 from ..errors import BudgetError, ClosedError, ClutorError, ModelFileError
-from ..units import format_bytes
+from ..units import format_bytes, parse_bytes
 from .arch import Arch, read_arch
 from .gguf import GGUFFile
 from . import kernels
 from .engine import Engine, Request
 from .kv import PAGE, KVPool, NoRoom, sizes as kv_sizes
+from .kv_disk import DiskPages, GroupShape, file_identity
 from .options import (DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_ctx, resolve_kv_budget,
                       resolve_window, window_bytes_per_token)
 from .plan import StepPlan, Want
@@ -93,6 +95,8 @@ class Model:
              trace: str | os.PathLike | None = None, max_sequences: int = DEFAULTS.max_sequences,
              step_tokens: int = DEFAULTS.step_tokens, prefill_window: int | None = DEFAULTS.prefill_window,
              prefill_slice_ms: float = DEFAULTS.prefill_slice_ms, prefix_cache: int | str = DEFAULTS.prefix_cache,
+             prefix_cache_disk: str | os.PathLike | None = DEFAULTS.prefix_cache_disk,
+             prefix_cache_disk_size: int | str = DEFAULTS.prefix_cache_disk_size,
              kv_cache: int | str | None = DEFAULTS.kv_cache, kv_type: str = DEFAULTS.kv_type,
              activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
              profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
@@ -126,6 +130,11 @@ class Model:
         prefix_cache: KV bytes of finished sequences kept (least recently used out) so that a prompt
             starting with the same tokens (the next turn of a chat) reuses them; 0 turns it off. They
             live in the KV pool and are given up first when live sequences need the room.
+        prefix_cache_disk: a directory where every full KV page is also written (clutor.model.kv_disk), so
+            a prompt that starts like one seen before, since this process or an earlier one, loads those
+            pages instead of computing them. Pages are checked (the model file, kv_type, tokens, checksum)
+            and any that do not match are computed. None (default): off. Not for recurrent architectures.
+        prefix_cache_disk_size: the bytes its files may take ("20GiB"), least recently used removed first.
         kv_cache: bytes for the KV pool, where every sequence's keys and values live in pages (live
             ones, and those kept for prefix reuse): an int, "2GiB", or "10%" of the available memory;
             None picks half of the memory available after the dense weights and the expert cache, capped
@@ -153,6 +162,8 @@ class Model:
                             direct=direct, trace=os.fspath(trace) if trace is not None else None,
                             max_sequences=max_sequences, step_tokens=step_tokens, prefill_window=prefill_window,
                             prefill_slice_ms=prefill_slice_ms, prefix_cache=prefix_cache,
+                            prefix_cache_disk=os.fspath(prefix_cache_disk) if prefix_cache_disk is not None else None,
+                            prefix_cache_disk_size=prefix_cache_disk_size,
                             kv_cache=kv_cache, kv_type=kv_type, activations=activations, threads=threads,
                             profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
@@ -195,12 +206,13 @@ class Model:
                 # compile (first run on this machine) or load the cached kernels now, not in the first token
                 kernels.warmup(opts.kernels)
                 arch.warmup()
+                identity = file_identity(f) if opts.prefix_cache_disk and not state else None
             except BaseException:
                 f.close()
                 raise
-            return f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window
+            return f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window, identity
 
-        f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window = await asyncio.to_thread(load)
+        f, arch, tok, dense, layout, (ctx, ctx_note), budget, kv_budget, window, identity = await asyncio.to_thread(load)
         cfg = arch.cfg
         experts: ExpertSource | None = None
         trace: TraceWriter | None = None
@@ -208,6 +220,8 @@ class Model:
         try:
             pool = KVPool(arch.layer_states(), n_ctx=ctx, budget=kv_budget[0], kv_type=opts.kv_type,
                           prefix_budget=opts.prefix_cache_bytes)
+            if opts.prefix_cache_disk:
+                pool.disk = await asyncio.to_thread(_disk_store, pool, opts, identity, cfg.arch)
             if budget is None:
                 experts, why = InMemoryExperts(layout), "all experts mapped from the file (io=memory)"
             else:
@@ -240,7 +254,8 @@ class Model:
             self._closed = True
             # Each is closed even when another one's close raises (a trace on a full disk); the first
             # error is raised after all are closed.
-            await _close_all([self._experts.aclose, self.kv.close, self._file.close,
+            await _close_all([self._experts.aclose, self.kv.disk.aclose if self.kv.disk is not None else None,
+                              self.kv.close, self._file.close,
                               self._trace.close if self._trace is not None else None])
 
     def _check_open(self) -> None:
@@ -356,6 +371,18 @@ class Model:
     def engine_stats(self):
         """Live and queued sequences, KV bytes held and kept for reuse, preemptions (clutor.model.engine.EngineStats)."""
         return self.engine.stats()
+
+
+def _disk_store(pool: KVPool, opts: ModelOptions, identity: str | None, arch: str) -> DiskPages | None:
+    """The disk prefix cache for this pool (None, with a log line, where it cannot apply)."""
+    if identity is None:
+        logging.getLogger("clutor.kv").warning(
+            "prefix cache on disk: off for %s: its recurrent layers' states are not stored on disk", arch)
+        return None
+    groups = [GroupShape(tuple(g.data.shape[1:]), g.data[0].nbytes, g.scales[0].nbytes if g.scales is not None else 0)
+              for g in pool.groups]
+    return DiskPages(opts.prefix_cache_disk, parse_bytes(opts.prefix_cache_disk_size), model=identity,
+                     kv_type=opts.kv_type, groups=groups, io=opts.io, direct=opts.direct)
 
 
 async def _close_all(closers) -> None:

@@ -33,6 +33,8 @@ class ModelOptions:
     prefill_window: int | None = None      # tokens of a prompt one prefill step takes (None: from memory, 0: off)
     prefill_slice_ms: float = 100.0        # work a long prefill does between other sequences' decode steps
     prefix_cache: int | str = "256MiB"     # KV bytes of finished sequences kept for prefix reuse
+    prefix_cache_disk: str | None = None   # a directory for KV pages on disk (clutor.model.kv_disk), None: off
+    prefix_cache_disk_size: int | str = "20GiB"  # the bytes its files may take
     kv_cache: int | str | None = None      # KV pool bytes, "2GiB", "10%" of available memory, None = default
     kv_type: str = "f16"                   # f32 | f16 (llama.cpp's default) | q8_0
     profile: bool = False                  # time each step's spans (clutor.model.profile)
@@ -62,6 +64,12 @@ class ModelOptions:
             self.prefix_cache_bytes
         except (ValueError, TypeError, OverflowError) as e:
             raise ClutorError(f"prefix_cache: expected bytes like '256MiB' or 0, got {self.prefix_cache!r} ({e})") from None
+        try:
+            if parse_bytes(self.prefix_cache_disk_size) <= 0:
+                raise ValueError("must be more than 0")
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ClutorError(f"prefix_cache_disk_size: expected bytes like '20GiB', got "
+                              f"{self.prefix_cache_disk_size!r} ({e})") from None
         self.kernels  # raises ClutorError naming a bad activations / threads value
         if self.kv_type not in KV_TYPES:
             raise ClutorError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")

@@ -72,6 +72,16 @@ class Metrics:
                    [("", es.prefix_bytes)])
             metric("prefix_cache_entries", "gauge", "Finished sequences kept for prefix reuse.",
                    [("", es.prefix_entries)])
+            store = getattr(getattr(model, "kv", None), "disk", None)
+            disk = store.stats() if store is not None else None
+            if disk is not None:
+                metric("prefix_cache_disk_bytes", "gauge", "Bytes of KV pages in the prefix cache on disk.",
+                       [("", disk.bytes)])
+                metric("prefix_cache_disk_pages_total", "counter", "KV pages written to, loaded from, or ignored "
+                                                                    "in the prefix cache on disk (did not match), "
+                                                                    "or not written (the writer behind, or failing).",
+                       [('{op="written"}', disk.written), ('{op="loaded"}', disk.loaded),
+                        ('{op="rejected"}', disk.rejected), ('{op="dropped"}', disk.dropped)])
             metric("engine_steps_total", "counter", "Batched forward steps run.", [("", es.steps)])
             metric("engine_step_rows_total", "counter", "Token rows computed over all steps.", [("", es.step_rows)])
         io = model.io_stats() if ready else None
