@@ -540,3 +540,20 @@ def test_bench_concurrency_repeat_pairs_each_round_with_its_own_bound(tiny, caps
     assert bench_cli.run(parser.parse_args(argv)) == 0
     out = capsys.readouterr().out
     assert "rounds (--repeat" in out and out.count(" / ") >= 2 * 3, out
+
+
+def test_bench_prefix_cache_disk_runs_cold_then_warm_in_a_new_process(tiny, capsys, tmp_path):
+    """--prefix-cache-disk: the cold run writes the prompt's pages, the warm one (a new worker process)
+    loads them instead of computing them, and the store is removed afterwards."""
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [tiny, "--budgets", "50%", "--prefetch", "off", "--io", "threads", "--tokens", "2", "--prompt-tokens", "100",
+         "--fio-seconds", "0", "--no-bounds", "--prefix-cache-disk", str(tmp_path), "--json"])
+    assert bench_cli.run(args) == 0
+    restart = json.loads(capsys.readouterr().out)["restart"]
+    cold, warm = restart["cold"]["result"], restart["warm"]["result"]
+    assert cold["stats"]["disk_tokens"] == 0 and cold["disk_cache"]["written"] >= 100 // 16
+    assert warm["stats"]["disk_tokens"] == warm["stats"]["cached_tokens"] == 99 // 16 * 16
+    assert warm["disk_cache"]["loaded"] >= 99 // 16 and warm["tokens"] == cold["tokens"]
+    assert not os.listdir(tmp_path)
+    text = rep.render_restart(restart, 1e9)
+    assert "warm" in text and "96" in text

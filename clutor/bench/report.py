@@ -206,6 +206,37 @@ def render_prompt_bounds(sweep: Sequence[dict]) -> str | None:
     return format_table(PROMPT_HEADERS, rows, left=4) + "\n\n" + PROMPT_LEGEND if rows else None
 
 
+RESTART_HEADERS = ("run", "time to first token", "of cold", "prompt tokens", "from disk", "KV read", "disk bound",
+                   "pages written", "pages ignored")
+
+RESTART_LEGEND = """\
+cold: a process with an empty store (it writes every full KV page as it is computed); warm: a new process, as
+  after a restart, with the same prompt; from disk: prompt tokens whose KV was loaded instead of computed;
+  KV read: the pages loaded (bytes); disk bound: those bytes at fio's O_DIRECT bandwidth"""
+
+
+def render_restart(restart: dict, bps: float | None) -> str:
+    """The cold and warm runs of ``clutor bench --prefix-cache-disk``."""
+    rows = []
+    cold_s = None
+    for phase in ("cold", "warm"):
+        run = restart.get(phase) or {}
+        res = run.get("result") or {}
+        st, dc = res.get("stats") or {}, res.get("disk_cache") or {}
+        if not run.get("ok"):
+            rows.append([phase, "failed: " + str(run.get("error", "?"))[:60]] + ["-"] * 7)
+            continue
+        ttft = st["prefill_seconds"]
+        cold_s = ttft if phase == "cold" else cold_s
+        record = dc["bytes"] / dc["files"] if dc.get("files") else 0
+        loaded = dc.get("loaded", 0) * record
+        rows.append([phase, f"{ttft:.2f} s", "-" if phase == "cold" or not cold_s else f"{ttft / cold_s:.3f}",
+                     str(st.get("prompt_tokens", "-")), str(st.get("disk_tokens", 0)), _bytes(loaded) if loaded else "-",
+                     f"{loaded / bps:.2f} s" if bps and loaded else "-", str(dc.get("written", "-")),
+                     str(dc.get("rejected", "-"))])
+    return format_table(RESTART_HEADERS, rows, left=1) + "\n\n" + RESTART_LEGEND
+
+
 COMPARE_HEADERS = ("setting", "memory cap", "engine", "configuration", "prefill tok/s", "decode tok/s",
                    "peak memory", "read/token", "of disk limit")
 
@@ -342,6 +373,9 @@ def render_report(report: dict) -> str:
             parts += ["", f"profile: budget {row['budget']}, prefetch {_onoff(row['prefetch'])}, policy {row['policy']}"]
             parts += [render_profile(phase, p) for phase, p in sorted(from_json(prof).items())]
             parts += [PROFILE_LEGEND]
+    if report.get("restart"):
+        parts += ["", "", "Prefix cache on disk, across a restart", "",
+                  render_restart(report["restart"], disk.get("bytes_per_second"))]
     if report.get("comparison"):
         parts += ["", "", "Clutor vs llama.cpp", "",
                   render_comparison(report["comparison"], disk.get("bytes_per_second"), st["tokens"])]

@@ -46,14 +46,16 @@ DEFAULTS: dict = {
     "kv_cache": None,        # KV pool bytes (None: Model.open's default)
     "kv_type": "f16",        # f32 | f16 | q8_0
     "prefill_window": None,  # tokens of a long prompt one step takes (None: Model.open's default, 0: chunks)
+    "prefix_cache_disk": None,  # a directory for KV pages on disk (None: off)
     "trace": False,          # record the routing and replay it: Belady's bytes for the decode tokens
 }
 STORE_KEYS = ("expert_cache", "prefetch", "policy", "io", "direct")
-OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type", "prefill_window")
+OPEN_KEYS = STORE_KEYS + ("profile", "activations", "kv_cache", "kv_type", "prefill_window", "prefix_cache_disk")
 # Values that ask for nothing beyond what a Model.open without that option does (experts from memory;
 # a checkout from before the KV pool kept float32 keys and values, with no budget).
 _NEUTRAL = {"expert_cache": None, "prefetch": None, "policy": DEFAULT_POLICY, "io": "memory", "direct": True,
-            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32", "prefill_window": 0}
+            "profile": False, "activations": "auto", "kv_cache": None, "kv_type": "f32", "prefill_window": 0,
+            "prefix_cache_disk": None}
 
 
 def to_jsonable(obj):
@@ -230,6 +232,12 @@ async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
         cfg = model.config
         n_ctx = model.n_ctx
         profile = to_json(model.profile) if opts["profile"] else None  # (older checkouts have no .profile)
+        store = getattr(getattr(model, "kv", None), "disk", None)
+        if store is not None:
+            await store.aclose()  # what it has queued is written: the next process (a restart) finds it
+            disk_cache = to_jsonable(store.stats())
+        else:
+            disk_cache = None
     t_total = time.perf_counter() - t0
     s = to_jsonable(stats) or {}
     io = s.pop("io", None)
@@ -253,6 +261,7 @@ async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
         "threads": os.cpu_count(),
         "profile": profile,
         "decode_io": window_io(io_first, io_end, len(tokens) - 1),  # the decode steps' reads
+        "disk_cache": disk_cache,
     }
 
 

@@ -171,6 +171,9 @@ def add_parser(sub):
                    help="skip the bounds: no in-RAM run of the same workload, no trace replay (Belady), no fio per row")
     m.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is abandoned")
     m.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    m.add_argument("--prefix-cache-disk", default=None, metavar="DIR",
+                   help="also run the first configuration with its KV pages kept on disk under DIR: cold (an empty "
+                        "store), then again in a new process, as after a server restart (warm)")
     m.add_argument("--profile", action="store_true",
                    help="also time each step's spans (attention, router, experts and their kernels, waiting "
                         "for reads, sampling, hand-off) and print where a decode step's time goes")
@@ -312,17 +315,41 @@ def run(args) -> int:
     else:
         combos = _combos(args)
     bounded = _bounded(args)
-    progress = _Progress(len(combos) * args.repeat + bounded + (0 if not args.vs_llama_cpp else 1 if plan is None else 3))
+    progress = _Progress(len(combos) * args.repeat + bounded + (0 if not args.vs_llama_cpp else 1 if plan is None else 3)
+                         + (2 if args.prefix_cache_disk else 0))
     report["compute"] = _compute_run(args, common, None, progress) if bounded else None
     report["sweep"] = sweep = _sweep(args, desc, common, combos, progress, report["compute"])
     report["comparison"] = (_compare(args, common, file_bytes, sweep, plan, skip_note, progress)
                             if args.vs_llama_cpp else None)
+    report["restart"] = _restart(args, common, combos[0], progress) if args.prefix_cache_disk else None
 
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(render_report(report))
     return 0 if any(r["ok"] for r in sweep) else 1
+
+
+def _restart(args, common: dict, combo: tuple, progress: "_Progress") -> dict:
+    """The disk prefix cache across a restart: the same prompt in a process with an empty store (cold),
+    then in a new process finding what the first wrote (warm)."""
+    import shutil
+
+    from ..bench.runner import run_worker
+
+    where = os.path.join(args.prefix_cache_disk, f"clutor-bench-{os.getpid()}")
+    shutil.rmtree(where, ignore_errors=True)
+    out = {"dir": where}
+    try:
+        for phase in ("cold", "warm"):
+            progress.start(f"clutor budget {combo[0].text}, prefix cache on disk, {phase}")
+            o = run_worker(args.model, "clutor", {**_clutor_args(args, common, *combo), "prefix_cache_disk": where},
+                           drop_caches=args.drop_caches, timeout=args.timeout)
+            progress.done(o)
+            out[phase] = o.to_json()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    return out
 
 
 def _bounded(args) -> bool:

@@ -91,6 +91,7 @@ class GenerationStats:
     cache_note: str = ""         # how the expert cache size was chosen
     cached_tokens: int = 0       # prompt tokens whose KV cache was reused, not computed (prefix cache)
     prompt_windows: int = 0      # steps the prompt took as windows (each expert read once per layer per window)
+    disk_tokens: int = 0         # of cached_tokens, those loaded from the prefix cache on disk
 
     @property
     def bytes_per_token(self) -> float:
@@ -242,7 +243,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
                             io=_io_report(io_before, model.io_stats(), t_end - t0, req.ledger),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens,
-                            prompt_windows=req.ledger.windows)
+                            prompt_windows=req.ledger.windows, disk_tokens=req.disk_tokens)
     yield GenerationChunk(tail, None, stats)
 
 
