@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import clutor
-from clutor.model import kv_disk
+from clutor.model import kv_disk, kv_pages
 from clutor.model.gguf import GGUFFile
 from clutor.model.kv import PAGE, ROOT, _key
 
@@ -91,9 +91,9 @@ def test_pages_that_do_not_check_are_computed_with_a_log_line(tmp_path, caplog):
     assert set(names) <= set(files)
     victim = os.path.join(d1.root, names[3])
     with open(victim, "r+b") as f:  # one payload byte flipped: the checksum no longer matches
-        f.seek(kv_disk.HEADER + 100)
+        f.seek(kv_pages.HEADER + 100)
         b = f.read(1)
-        f.seek(kv_disk.HEADER + 100)
+        f.seek(kv_pages.HEADER + 100)
         f.write(bytes([b[0] ^ 0xFF]))
     with caplog.at_level(logging.WARNING, logger="clutor.kv"):
         toks2, s2, _, d2 = _session(path, tmp_path, **opts)
@@ -103,7 +103,7 @@ def test_pages_that_do_not_check_are_computed_with_a_log_line(tmp_path, caplog):
     # the rejected file was removed, and the recomputed page written again
     assert os.path.exists(victim)
     with open(victim, "r+b") as f:  # cut short
-        f.truncate(kv_disk.HEADER + 10)
+        f.truncate(kv_pages.HEADER + 10)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="clutor.kv"):
         toks3, s3, _, d3 = _session(path, tmp_path, **opts)
@@ -121,7 +121,7 @@ def test_a_page_of_another_model_or_kv_type_is_never_used(tmp_path, caplog):
     keys = _chain(PROMPT, 1)
     victim = os.path.join(d1.root, f"g0-{keys[0].hex()}.kvp")
     with open(victim, "r+b") as f:
-        raw = f.read(kv_disk.HEADER)
+        raw = f.read(kv_pages.HEADER)
         at = raw.index(b'"model": "') + len(b'"model": "')
         f.seek(at)
         f.write(b"0" * 8)
@@ -136,15 +136,15 @@ def test_the_model_files_identity_follows_its_weights(tmp_path):
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(src, copy)
     with GGUFFile.open(src) as f:
-        a = kv_disk.file_identity(f)
+        a = kv_pages.file_identity(f)
         t = f.tensors["token_embd.weight"]
     with GGUFFile.open(copy) as f:
-        assert kv_disk.file_identity(f) == a
+        assert kv_pages.file_identity(f) == a
     with open(copy, "r+b") as f:  # other weights in one tensor (as another seed or a fine-tune gives)
         f.seek(t.offset)
         f.write(np.random.default_rng(0).integers(0, 255, t.nbytes, dtype=np.uint8).tobytes())
     with GGUFFile.open(copy) as f:
-        assert kv_disk.file_identity(f) != a
+        assert kv_pages.file_identity(f) != a
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
@@ -156,7 +156,7 @@ def test_a_full_or_read_only_disk_costs_only_the_reuse(tmp_path, monkeypatch, ca
     def refuse(p, direct):
         raise OSError(err, os.strerror(err), p)
 
-    monkeypatch.setattr(kv_disk, "_open_for_write", refuse)
+    monkeypatch.setattr(kv_disk, "open_for_write", refuse)
     with caplog.at_level(logging.WARNING, logger="clutor.kv"):
         toks, s, _, d = _session(path, tmp_path, **opts)
     assert len(toks) == 6 and d.written == 0 and d.files == 0 and d.dropped >= 1
@@ -200,3 +200,46 @@ def test_a_recurrent_model_opens_without_the_disk_cache(tmp_path, caplog):
 def test_a_bad_size_is_refused_naming_the_option():
     with pytest.raises(clutor.ClutorError, match="prefix_cache_disk_size"):
         clutor.Model.open(fixture_path("olmoe", "Q8_0"), prefix_cache_disk="/tmp/x", prefix_cache_disk_size="lots")
+
+
+def test_a_saved_slot_restores_the_prefix_whose_pages_check(tmp_path):
+    """Model.save_slot / restore_slot (llama-server's /slots files): a restore in a new process holds the
+    pages for the next prompt; a record that does not check ends the restored prefix there."""
+    path = fixture_path("olmoe", "Q8_0")
+    opts = dict(io="threads", expert_cache="50%", kv_type="f32")
+    slot = tmp_path / "slot.bin"
+
+    async def first():
+        async with clutor.Model.open(path, **opts) as model:
+            toks, _ = await _generate(model, PROMPT)
+            saved = await model.save_slot(PROMPT + toks[:-1], slot)
+            return toks, saved, _pages(model)
+
+    async def second(**kw):
+        async with clutor.Model.open(path, prefix_cache=0, **opts) as model:
+            restored = await model.restore_slot(slot)
+            toks, stats = await _generate(model, PROMPT)
+            pages = _pages(model)
+            model.release_slot(restored)
+            return restored, toks, stats, pages, model.engine_stats()
+
+    toks1, saved, pages1 = run(first())
+    assert saved.n_tokens == (len(PROMPT) + 5) // PAGE * PAGE and saved.n_bytes == os.path.getsize(slot)
+    restored, toks2, stats, pages2, es = run(second())
+    assert len(restored.tokens) == saved.n_tokens == stats.cached_tokens  # (page 7 was never full)
+    assert toks2 == toks1 and all(pages1[k] == pages2[k] for k in set(pages1) & set(pages2))
+    assert es.kv_bytes == 0  # released
+    record = restored.n_bytes // (saved.n_tokens // PAGE)
+    head = os.path.getsize(slot) - restored.n_bytes
+    with open(slot, "r+b") as f:  # one payload byte of the 4th page's record flipped
+        at = head + 3 * record + kv_pages.HEADER + 7
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+    restored, toks3, stats, _, _ = run(second())
+    assert len(restored.tokens) == 3 * PAGE and stats.cached_tokens == 3 * PAGE and toks3 == toks1
+    with open(slot, "r+b") as f:
+        f.write(b"JUNK")
+    with pytest.raises(clutor.ClutorError, match="not a Clutor slot file"):
+        run(second())

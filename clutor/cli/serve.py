@@ -28,6 +28,10 @@ def add_parser(sub):
     p.add_argument("-a", "--alias", "--served-model-name", dest="served_model_name", default=None, metavar="NAME",
                    help="the model's id in /v1/models and in responses (default: the file's name, clutor-demo for "
                         "the demo model); requests may name any model: the one served answers")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="where POST /slots/{id}?action=save|restore (llama-server's) write and read a slot's KV "
+                        "pages; a save writes the pages the prefix cache still holds (--prefix-cache in RAM, all "
+                        "with --prefix-cache-disk) of the slot's last request (default: those answer 501)")
     p.add_argument("--api-key", default=os.environ.get("CLUTOR_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLUTOR_API_KEY, else none)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -144,6 +148,11 @@ async def run(args) -> int:
                 template = f.read()
         except OSError as e:
             raise ClutorError(f"--chat-template {args.chat_template}: {e.strerror}") from None
+    if args.slot_save_path is not None:
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as e:
+            raise ClutorError(f"--slot-save-path {args.slot_save_path}: cannot create it ({e.strerror})") from None
     defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -153,7 +162,8 @@ async def run(args) -> int:
                      api_key=args.api_key or None,
                      max_sequences=args.max_sequences, max_queue=args.max_queue, defaults=defaults,
                      cors_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host), limits=limits,
-                     pooling=args.pooling, web_ui=not args.no_webui, freeze_heap=True)
+                     pooling=args.pooling, web_ui=not args.no_webui, freeze_heap=True,
+                     slot_save_path=args.slot_save_path)
     server = Server(app, drain_timeout=args.drain_timeout, log_level=args.log_level)
     from ..server.run import SWITCH_INTERVAL
 

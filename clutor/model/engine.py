@@ -471,8 +471,30 @@ class Engine:
     def _unpin(self, req: Request) -> None:
         if req.pins:
             pins, req.pins = req.pins, []
+            self.unpin(pins)
+
+    # -- pages held outside a request (clutor.model.slots) -------------------------------------------
+    def hold_chain(self, keys: Sequence[bytes]):
+        """KVPool.hold_chain under the pool's lock (a lone sequence's loop may be changing it)."""
+        with self._pool_lock:
+            return self.pool.hold_chain(keys)
+
+    def take_pages(self, want):
+        """KVPool.take_pages under the pool's lock: (pins, loads, held); the loads go to settle_pages."""
+        with self._pool_lock:
+            return self.pool.take_pages(want)
+
+    def settle_pages(self, loads, tokens) -> None:
+        with self._pool_lock:
+            for ld, t in zip(loads, tokens):
+                self.pool.settle(ld, t)
+
+    def unpin(self, pins) -> None:
+        if pins:
             with self._pool_lock:
                 self.pool.unpin(pins)
+            if self._wake is not None:
+                self._wake.set()  # their room may let a waiting request in
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """Every decoding sequence's one token, then prompt chunks (oldest first) in what is left of

@@ -40,7 +40,8 @@ from .options import KV_TYPES
 from .state import FullKV, LatentKV, Recurrent, SequenceState, WindowKV
 
 if TYPE_CHECKING:
-    from .kv_disk import DiskPages, Load
+    from .kv_disk import DiskPages
+    from .kv_pages import Load
     from .state import LayerState
 
 __all__ = ["PAGE", "KV_TYPES", "KVPool", "Match", "NoRoom", "PoolStats", "refusal", "sizes"]
@@ -427,37 +428,71 @@ class KVPool:
     def take_prefix(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], list["Load"]]:
         """Before a prompt of these full pages' chain keys is matched: the pages the pool holds of its
         longest prefix held here or on disk are pinned (so loading the rest cannot give them up), and
-        a page is taken for each one the disk holds, to load into. Returns (pins: every (group, page)
-        referenced here, the taken ones included; loads). Stops where neither has a page, or where the
-        budget has no room. Window groups: only the pages of the last window."""
-        from .kv_disk import Load
-
+        a page is taken for each one the disk holds, to load into (see take_pages). Window groups:
+        only the pages of the last window."""
         full = [gi for gi, g in enumerate(self.groups) if not g.window]
         n = 0
         while n < len(keys) and all(self._holds(gi, keys[n]) or self.disk.has(gi, keys[n]) for gi in full):
             n += 1
-        pins: list[tuple[int, int]] = []
-        loads: list[Load] = []
+        want = []
         for i in range(n):
             for gi, g in enumerate(self.groups):
                 if g.window and i < max(0, n * PAGE - g.window + 1) // PAGE:
                     continue
-                page = g.by_prefix.get(keys[i], -1)
-                if page >= 0 and g.filled[page] == PAGE:
+                if self._holds(gi, keys[i]) or self.disk.has(gi, keys[i]):
+                    want.append((gi, keys[i], keys[i - 1] if i else ROOT))
+        pins, loads, _ = self.take_pages(want)
+        return pins, loads
+
+    def take_pages(self, want: Sequence[tuple[int, bytes, bytes]]
+                   ) -> tuple[list[tuple[int, int]], list["Load"], set[tuple[int, bytes]]]:
+        """For each (group, chain key, parent key): the page the pool holds is pinned, or a page is
+        taken (allocated, unpublished) to load it into. Returns (pins: every (group, page) referenced
+        here, the taken ones included; loads; the (group, key) pairs held already). Stops where the
+        budget has no room for a taken page. Give the loads to ``settle``, the pins to ``unpin``."""
+        from .kv_pages import Load
+
+        pins: list[tuple[int, int]] = []
+        loads: list[Load] = []
+        held: set[tuple[int, bytes]] = set()
+        for gi, key, parent in want:
+            g = self.groups[gi]
+            if self._holds(gi, key):
+                page = g.by_prefix[key]
+                self._ref(gi, page)
+                pins.append((gi, page))
+                held.add((gi, key))
+                continue
+            try:
+                self._charge(g.page_bytes)
+            except NoRoom:
+                break
+            page = self._alloc(gi)
+            pins.append((gi, page))
+            loads.append(Load(gi, key, parent, g.data[page], g.scales[page] if g.scales is not None else None, page))
+        return pins, loads, held
+
+    def hold_chain(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, str | None]]]:
+        """The pages of the longest prefix of this chain the pool or the disk store holds in every
+        full-context group, for a copy to be made: (pins, [(group, page index, pool page, or -1 and the
+        disk store's file)]). Window groups' pages are listed where held."""
+        pins: list[tuple[int, int]] = []
+        out: list[tuple[int, int, int, str | None]] = []
+        for i, key in enumerate(keys):
+            row = []
+            for gi, g in enumerate(self.groups):
+                if self._holds(gi, key):
+                    row.append((gi, i, g.by_prefix[key], None))
+                elif self.disk is not None and self.disk.record_path(gi, key):
+                    row.append((gi, i, -1, self.disk.record_path(gi, key)))
+                elif not g.window:
+                    return pins, out
+            for gi, _, page, _ in row:
+                if page >= 0:
                     self._ref(gi, page)
                     pins.append((gi, page))
-                    continue
-                if not self.disk.has(gi, keys[i]):
-                    continue  # (a window group's page: the match settles without it)
-                try:
-                    self._charge(g.page_bytes)
-                except NoRoom:
-                    return pins, loads
-                page = self._alloc(gi)
-                pins.append((gi, page))
-                loads.append(Load(gi, keys[i], keys[i - 1] if i else ROOT, g.data[page],
-                                  g.scales[page] if g.scales is not None else None, page))
-        return pins, loads
+            out += row
+        return pins, out
 
     def _holds(self, gi: int, key: bytes) -> bool:
         g = self.groups[gi]

@@ -26,7 +26,9 @@ from .gguf import GGUFFile
 from . import kernels
 from .engine import Engine, Request
 from .kv import PAGE, KVPool, NoRoom, sizes as kv_sizes
-from .kv_disk import DiskPages, GroupShape, file_identity
+from .kv_disk import DiskPages
+from .kv_pages import PageFormat, file_identity
+from .slots import Restored, Saved, restore_slot, save_slot
 from .options import (DEFAULTS, ModelOptions, mem_available, resolve_budget, resolve_ctx, resolve_kv_budget,
                       resolve_window, window_bytes_per_token)
 from .plan import StepPlan, Want
@@ -65,6 +67,7 @@ class Model:
         self.cache_note = cache_note  # how the expert cache size was chosen (said in the report)
         self.kv = kv                  # every sequence's KV pages, under the kv_cache budget (clutor.model.kv)
         self.kv_note = kv_note        # how that budget was chosen
+        self._format: PageFormat | None = None  # the KV pages' file format (saved slots), made when first asked
         self._trace = trace
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
@@ -372,6 +375,35 @@ class Model:
         """Live and queued sequences, KV bytes held and kept for reuse, preemptions (clutor.model.engine.EngineStats)."""
         return self.engine.stats()
 
+    # ---- saved slots (clutor.model.slots) --------------------------------------------------------
+    async def save_slot(self, ids: Sequence[int], path: str | os.PathLike) -> "Saved":
+        """Write the KV pages of ids' longest prefix the KV pool (or the disk prefix cache) still holds
+        to path, in whole pages: ``Saved.n_tokens`` says how many positions."""
+        return await save_slot(self.engine, await self._page_format(), list(ids), os.fspath(path),
+                               direct=self.options.direct)
+
+    async def restore_slot(self, path: str | os.PathLike) -> "Restored":
+        """Read a file save_slot wrote (for this model file and kv_type) back into the KV pool: a prompt
+        that starts with ``Restored.tokens`` then maps those pages. They are held until
+        ``release_slot(restored)``. ClutorError when the file is not one of this model's."""
+        return await restore_slot(self.engine, await self._page_format(), os.fspath(path), io=self.options.io,
+                                  direct=self.options.direct)
+
+    def release_slot(self, restored: "Restored") -> None:
+        """Give a restored slot's pages back to the pool (kept for reuse while there is room)."""
+        pins, restored.pins = restored.pins, []
+        self.engine.unpin(pins)
+
+    async def _page_format(self) -> PageFormat:
+        self._check_open()
+        if self.kv.recurrent:
+            raise ClutorError(f"{self.config.arch}: its recurrent layers' states are not saved to files")
+        if self.kv.disk is not None:
+            return self.kv.disk.fmt
+        if self._format is None:
+            self._format = PageFormat.of(self.kv, await asyncio.to_thread(file_identity, self._file))
+        return self._format
+
 
 def _disk_store(pool: KVPool, opts: ModelOptions, identity: str | None, arch: str) -> DiskPages | None:
     """The disk prefix cache for this pool (None, with a log line, where it cannot apply)."""
@@ -379,10 +411,8 @@ def _disk_store(pool: KVPool, opts: ModelOptions, identity: str | None, arch: st
         logging.getLogger("clutor.kv").warning(
             "prefix cache on disk: off for %s: its recurrent layers' states are not stored on disk", arch)
         return None
-    groups = [GroupShape(tuple(g.data.shape[1:]), g.data[0].nbytes, g.scales[0].nbytes if g.scales is not None else 0)
-              for g in pool.groups]
-    return DiskPages(opts.prefix_cache_disk, parse_bytes(opts.prefix_cache_disk_size), model=identity,
-                     kv_type=opts.kv_type, groups=groups, io=opts.io, direct=opts.direct)
+    return DiskPages(opts.prefix_cache_disk, parse_bytes(opts.prefix_cache_disk_size), PageFormat.of(pool, identity),
+                     io=opts.io, direct=opts.direct)
 
 
 async def _close_all(closers) -> None:

@@ -47,6 +47,7 @@ from .metrics import Metrics, watch_loop_lag
 from .messages_api import MessagesShaper, anthropic_error, parse_messages
 from .requests import Defaults, GenRequest, check_model, decode_body, parse_chat, parse_completion
 from .responses import JSON, Shaper, json_bytes
+from .slots import SlotBook, slots_route
 from .responses_api import ResponsesShaper, parse_responses
 
 __all__ = ["create_app", "ServerState"]
@@ -70,6 +71,7 @@ class ServerState:
     batch_from_model: bool = False    # admit as many as the model's engine batches
     freeze_heap: bool = False         # gc.freeze once the model is set (create_app's freeze_heap)
     metrics: Metrics = field(default_factory=Metrics)
+    slots: SlotBook = field(default_factory=lambda: SlotBook(None))  # /slots (clutor.server.slots)
     created: int = field(default_factory=lambda: int(time.time()))
     parsing: asyncio.Semaphore = field(init=False)  # bodies decoded and tokenised at once
 
@@ -108,7 +110,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
                max_sequences: int | None = None, max_queue: int = 64, max_body: int | None = None,
                defaults: Defaults | None = None, cors_origins: tuple[str, ...] = (),
                allowed_hosts: tuple[str, ...] = (), limits: Limits | None = None, pooling: str = "mean",
-               web_ui: bool = True, freeze_heap: bool = False) -> FrontDoor:
+               web_ui: bool = True, freeze_heap: bool = False, slot_save_path: str | None = None) -> FrontDoor:
     """An OpenAI-compatible ASGI app over ``model``.
 
     model: an open clutor Model (the caller keeps ownership), or an awaitable that opens one, e.g.
@@ -129,12 +131,15 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         compiled kernels (wide.gguf: 119k objects, a full collection of 50-55 ms, on whichever thread
         allocates, often the event loop, in the middle of streaming; after the freeze under 0.1 ms). For a
         process that serves this app alone (`clutor serve`); it changes the whole process's collector.
+    slot_save_path: the directory of llama-server's POST /slots/{id}?action=save|restore files
+        (clutor.server.slots); None: those answer 501.
     """
     limits = limits or Limits()
     if max_body is not None:
         limits = replace(limits, max_body=max_body)
     state = ServerState(served_model_name, Admission(max_sequences or 1, max_queue), defaults or Defaults(),
                         limits, batch_from_model=max_sequences is None, freeze_heap=freeze_heap)
+    state.slots = SlotBook(os.fspath(slot_save_path) if slot_save_path is not None else None)
     opened = hasattr(model, "generate")
     if opened:  # ready now: also when mounted in another app, whose lifespan never reaches this one
         state.set_model(model)
@@ -152,6 +157,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
                 with contextlib.suppress(BaseException):
                     await loader
                 if state.model is not None:
+                    state.slots.close(state.model)
                     await state.model.aclose()
 
     routes = [
@@ -164,6 +170,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
+        Route("/slots/{id_slot}", slots_route(state), methods=["POST"]),
     ]
     if web_ui:
         routes += [Route("/", _page, methods=["GET"]),
@@ -301,6 +308,9 @@ def _gen_route(state: ServerState, kind: str):
             _ready(state)
             m = state.model
             req = await read_json(request, state, parse, m.tokenizer, m.n_ctx, m.config.recurrent_bytes > 0)
+            if req.id_slot is not None and req.id_slot >= state.admission.max_live:
+                raise APIError(400, f"'id_slot' must be in [0, {state.admission.max_live}) (the sequences served at "
+                                    f"once), got {req.id_slot}", param="id_slot")
         except APIError as e:
             log.info("%s %s %d %s", rid, path, e.status, for_log(e.message))
             return JSON(api.error(e), e.status, e.headers)
@@ -496,11 +506,15 @@ class _Generation(Response):
             plan = req.plan
             extra = {} if plan is None else dict(logits_processor=self.matcher, show_tokens=plan.show_tokens)
             agen = s.model.generate(req.ids, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.options, **extra)
+            made: list[int] = []
             try:
                 async for c in agen:
+                    if c.token is not None:
+                        made.append(c.token)
                     chunks.put_nowait(c)
             finally:
                 await agen.aclose()
+            s.slots.ended(s.model, req.id_slot, req.ids + made[:-1])  # (the last token was never fed)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -18,7 +18,7 @@ ANTHROPIC = "/v1/messages"  # the routes that speak Anthropic's Messages API: th
 # status -> the "type" OpenAI gives such errors
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "requests", 500: "server_error",
-          503: "server_error"}
+          501: "not_supported_error", 503: "server_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                     503: "overloaded_error"}

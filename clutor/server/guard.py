@@ -135,8 +135,8 @@ class _Outcome:
 
 
 class KeyCheck:
-    """With an API key, every /v1 route needs ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``);
-    /health and /metrics stay open."""
+    """With an API key, every /v1 route and /slots (which writes files) needs ``Authorization: Bearer KEY`` (or
+    Anthropic's ``x-api-key: KEY``); /health and /metrics stay open."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -144,7 +144,7 @@ class KeyCheck:
 
     async def __call__(self, scope, receive, send):
         path = _route_path(scope) if scope["type"] == "http" else ""
-        if path.startswith("/v1"):
+        if path.startswith(("/v1", "/slots")):
             auth = x_key = b""
             for name, value in scope.get("headers") or []:
                 if name == b"authorization":

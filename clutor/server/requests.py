@@ -59,6 +59,7 @@ class GenRequest:
     user: str | None = None
     plan: object = None                # a chat's ChatPlan (chat_plan.py): parser, grammar, shown tokens
     extra: dict = field(default_factory=dict)  # what an API echoes back (the Responses API's settings)
+    id_slot: int | None = None         # llama-server's slot this request's tokens are kept as (/slots)
 
 
 def decode_body(raw: bytes) -> dict:
@@ -185,7 +186,9 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
     )
     user = _text(body, "user")
-    return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user)
+    id_slot = _int(body, "id_slot", -1, -1, 1 << 30)
+    return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user,
+                      id_slot=None if id_slot == -1 else id_slot)
 
 
 def _prompt_ids(prompt, tokenizer, n_ctx: int) -> list[int]:
