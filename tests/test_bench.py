@@ -557,3 +557,18 @@ def test_bench_prefix_cache_disk_runs_cold_then_warm_in_a_new_process(tiny, caps
     assert not os.listdir(tmp_path)
     text = rep.render_restart(restart, 1e9)
     assert "warm" in text and "96" in text
+
+
+def test_bench_during_prefill_measures_other_streams_gaps_inside_the_prefill(tiny, capsys):
+    """--during-prefill N: N streams' gaps alone, then those wholly inside a windowed prompt's prefill."""
+    args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        [tiny, "--budgets", "50%", "--prefetch", "off", "--io", "threads", "--tokens", "12", "--prompt-tokens", "400",
+         "--prefill-window", "400", "--fio-seconds", "0", "--during-prefill", "2", "--json"])
+    assert bench_cli.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    res = report["during"][0]["result"]
+    assert res["during"] == 2 and res["prompt_tokens"] == 400 and res["prefill_window"] == 400
+    assert len(res["gaps_solo"]) == 2 * 11 and all(g > 0 for g in res["gaps_solo"])
+    assert all(0 < g <= res["ttft"] for g in res["gaps_during"])
+    assert res["stats"]["prompt_windows"] == 1
+    assert "during p99" in rep.render_during(report)

@@ -206,6 +206,39 @@ def render_prompt_bounds(sweep: Sequence[dict]) -> str | None:
     return format_table(PROMPT_HEADERS, rows, left=4) + "\n\n" + PROMPT_LEGEND if rows else None
 
 
+DURING_HEADERS = ("budget", "streams", "solo p50", "solo p99", "during p50", "during p99", "target p99", "within",
+                  "gaps", "prompt", "first token", "window", "slice")
+
+DURING_LEGEND = """\
+solo: the streams decoding alone; during: their gaps between tokens wholly inside the prompt's prefill (from
+  its arrival to its first token); target p99: twice the solo p99 plus one slice (--prefill-slice-ms); within:
+  during p99 <= target; gaps: how many gaps the during figures are of; window: tokens of the prompt one prefill
+  step took (0: chunks)"""
+
+
+def render_during(report: dict) -> str:
+    """``clutor bench --during-prefill N``: other streams' latency while a long prompt prefills."""
+    import numpy as np
+
+    m = report["model"]
+    rows = []
+    for run in report["during"]:
+        res = run.get("result") or {}
+        if not run.get("ok"):
+            rows.append([run["budget"], "failed: " + str(run.get("error", "?"))[:70]] + ["-"] * 11)
+            continue
+        solo, during = np.array(res["gaps_solo"]) * 1000, np.array(res["gaps_during"]) * 1000
+        ms = lambda a, q: f"{np.percentile(a, q):.0f} ms" if len(a) else "-"  # noqa: E731
+        slice_ms = res["prefill_slice_ms"]
+        target = 2 * np.percentile(solo, 99) + slice_ms if len(solo) else None
+        within = "-" if target is None or not len(during) else ("yes" if np.percentile(during, 99) <= target else "no")
+        rows.append([run["budget"], str(res["during"]), ms(solo, 50), ms(solo, 99), ms(during, 50), ms(during, 99),
+                     "-" if target is None else f"{target:.0f} ms", within, str(len(during)), str(res["prompt_tokens"]),
+                     f"{res['ttft']:.1f} s", str(res["prefill_window"]), f"{slice_ms:g} ms"])
+    head = f"clutor bench --during-prefill: {m['path']} ({m['arch']}), {report['settings']['threads']} threads"
+    return head + "\n\n" + format_table(DURING_HEADERS, rows, left=1) + "\n\n" + DURING_LEGEND
+
+
 RESTART_HEADERS = ("run", "time to first token", "of cold", "prompt tokens", "from disk", "KV read", "disk bound",
                    "pages written", "pages ignored")
 

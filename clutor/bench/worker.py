@@ -41,6 +41,7 @@ DEFAULTS: dict = {
     "io": "auto",
     "direct": True,
     "concurrency": None,     # N: N streams at once, each its own prompt (see _run_concurrent)
+    "during": None,          # N: N short streams' inter-token latency, alone, then while the prompt prefills
     "profile": False,        # time each step's spans (clutor.model.profile); the result carries them
     "activations": "auto",   # kernels: auto | q8 | f32
     "kv_cache": None,        # KV pool bytes (None: Model.open's default)
@@ -176,7 +177,9 @@ async def _run(path: str, opts: dict) -> dict:
     with _trace_file(opts) as trace_path:
         if trace_path is not None:
             kwargs["trace"] = trace_path
-        if opts["concurrency"] is not None:
+        if opts["during"] is not None:
+            out = await _run_during(path, opts, kwargs)
+        elif opts["concurrency"] is not None:
             out = await _run_concurrent(path, opts, kwargs)
         else:
             out = await _run_one(path, opts, kwargs)
@@ -262,6 +265,75 @@ async def _run_one(path: str, opts: dict, kwargs: dict) -> dict:
         "profile": profile,
         "decode_io": window_io(io_first, io_end, len(tokens) - 1),  # the decode steps' reads
         "disk_cache": disk_cache,
+    }
+
+
+STREAM_PROMPT_TOKENS = 32  # the decoding streams' prompts in a --during run
+
+
+async def _run_during(path: str, opts: dict, kwargs: dict) -> dict:
+    """N short streams decoding, alone for ``tokens`` tokens each, then again while the long prompt (the
+    run's prompt_tokens) prefills: each stream's gaps between tokens in both phases (the second phase's
+    are those wholly between the long prompt's submission and its first token), and its time to first
+    token."""
+    import asyncio
+
+    from ..model.model import Model
+
+    n = int(opts["during"])
+    if n < 1:
+        raise ClutorError(f"during must be >= 1, got {n}")
+    kwargs = {**kwargs, "max_sequences": n + 1, "prefix_cache": 0}
+    async with Model.open(path, **kwargs) as model:
+        long, *_ = workload_prompts(model.tokenizer, "ids", 1, opts["prompt_tokens"], opts["seed"])
+        shorts = [workload_prompts(model.tokenizer, "ids", 1, STREAM_PROMPT_TOKENS, opts["seed"] + 100 + i)[0]
+                  for i in range(n)]
+        if opts["warmup"]:
+            warm = workload_prompts(model.tokenizer, "ids", 1, opts["prompt_tokens"], opts["seed"] + 1)[0]
+            await _generate(model, warm[:WARMUP_PROMPT_TOKENS], WARMUP_TOKENS, None)
+
+        async def streams(stamps: list[list[float]], stop: asyncio.Event | None, limit: int) -> list[list[float]]:
+            async def one(i: int):
+                agen = model.generate(shorts[i], max_tokens=limit, ignore_eos=True, temperature=0)
+                try:
+                    async for chunk in agen:
+                        if chunk.token is not None:
+                            stamps[i].append(time.perf_counter())
+                        if stop is not None and stop.is_set():
+                            break
+                finally:
+                    await agen.aclose()
+            await asyncio.gather(*(one(i) for i in range(n)))
+            return stamps
+
+        solo = await streams([[] for _ in range(n)], None, opts["tokens"])
+        done = asyncio.Event()
+        during: list[list[float]] = [[] for _ in range(n)]
+        # the streams' context: long enough to keep decoding through the whole prefill
+        task = asyncio.create_task(streams(during, done, model.n_ctx - STREAM_PROMPT_TOKENS - 1))
+        while min(len(st) for st in during) < 2 and not task.done():  # every stream decoding first
+            await asyncio.sleep(0.01)
+        t_submit = time.perf_counter()
+        _, stats, _, _ = await _generate(model, long, 1, None)
+        t_first = t_submit + stats.prefill_seconds
+        done.set()
+        await task
+    gaps_solo = [b - a for st in solo for a, b in zip(st, st[1:])]
+    gaps_during = [b - a for st in during for a, b in zip(st, st[1:]) if a >= t_submit and b <= t_first]
+    return {
+        "engine": "clutor",
+        "model": path,
+        "options": {k: opts[k] for k in DEFAULTS},
+        "during": n,
+        "prompt_tokens": len(long),
+        "stats": to_jsonable(stats),
+        "ttft": stats.prefill_seconds,
+        "prefill_slice_ms": model.options.prefill_slice_ms,
+        "prefill_window": model.prefill_window,
+        "gaps_solo": gaps_solo,
+        "gaps_during": gaps_during,
+        "memory": peak_memory(),
+        "threads": os.cpu_count(),
     }
 
 

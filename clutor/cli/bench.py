@@ -144,6 +144,9 @@ def add_parser(sub):
                    help="instead of the sweep: N streams at once (each its own prompt), one run per N and per "
                         "budget/prefetch/policy given (a table each); aggregate and per-stream decode, bytes per step "
                         "and per token, hit rate, event-loop lag, disk-bound limit (capped with --cap SIZE)")
+    w.add_argument("--during-prefill", type=_positive, default=None, metavar="N",
+                   help="instead of the sweep: N short streams decode alone for --tokens tokens each, then again "
+                        "while the prompt prefills; their inter-token latency, p50 and p99, in both phases")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
     c.add_argument("--llama-extra-buffers", choices=("on", "off"), default="on",
@@ -290,6 +293,22 @@ def run(args) -> int:
     }
     disk = disk_bandwidth(args.model, args.fio_seconds, on_start=_say)
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
+
+    if args.during_prefill:
+        from ..bench.report import render_during
+        from ..bench.runner import run_worker
+
+        combos = _combos(args) if args.io != "memory" else [(Budget("none (io memory)"), "-", "-")]
+        progress = _Progress(len(combos))
+        report["during"] = []
+        for combo in combos:
+            progress.start(f"clutor budget {combo[0].text}, {args.during_prefill} streams during the prefill")
+            o = run_worker(args.model, "clutor", {**_clutor_args(args, common, *combo), "during": args.during_prefill},
+                           drop_caches=args.drop_caches, timeout=args.timeout)
+            progress.done(o)
+            report["during"].append({"budget": combo[0].text, "prefetch": combo[1], "policy": combo[2], **o.to_json()})
+        print(json.dumps(report, indent=2) if args.json else render_during(report))
+        return 0 if all(r["ok"] for r in report["during"]) else 1
 
     if args.concurrency:
         # One table per (budget, prefetch, policy). None of these changes the in-RAM bound or llama.cpp's rows:
