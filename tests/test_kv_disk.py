@@ -243,3 +243,43 @@ def test_a_saved_slot_restores_the_prefix_whose_pages_check(tmp_path):
         f.write(b"JUNK")
     with pytest.raises(clutor.ClutorError, match="not a Clutor slot file"):
         run(second())
+
+
+def test_every_page_is_written_even_when_its_sequence_ends_first(tmp_path, monkeypatch):
+    """A slow disk: the request ends (and, with no prefix cache in RAM, gives its pages back) long
+    before the writer reaches them, and the next request is handed the same pages; the writer still
+    writes the first one's keys and values, which a restart loads bit for bit."""
+    import time as _time
+
+    real = kv_disk.open_for_write
+
+    def slow(path, direct):
+        _time.sleep(0.05)
+        return real(path, direct)
+
+    path = fixture_path("olmoe", "Q8_0")
+    opts = dict(io="threads", expert_cache="50%", kv_type="f32")
+    other = list(range(300, 300 + len(PROMPT)))
+
+    async def first():
+        async with clutor.Model.open(path, prefix_cache_disk=tmp_path, prefix_cache=0, **opts) as model:
+            await _generate(model, PROMPT)
+            await _generate(model, other)  # takes the pages PROMPT's sequence gave back
+            await model.kv.disk.aclose()
+            return model.kv.disk.stats()
+
+    monkeypatch.setattr(kv_disk, "open_for_write", slow)
+    d = run(first())
+    assert d.written == d.files == 2 * ((len(PROMPT) + 5) // PAGE) and d.dropped == 0
+    monkeypatch.undo()
+    toks, s, loaded, _ = _session(path, tmp_path, **opts)
+    assert s.cached_tokens == 7 * PAGE
+
+    async def fresh():
+        async with clutor.Model.open(path, **opts) as model:
+            toks, _ = await _generate(model, PROMPT)
+            return toks, _pages(model)
+
+    toks_fresh, computed = run(fresh())
+    shared = set(loaded) & set(computed)
+    assert len(shared) >= 7 and all(loaded[k] == computed[k] for k in shared) and toks == toks_fresh

@@ -116,7 +116,6 @@ class _Group:
         self.refs = [0] * n_pages
         self.filled = [0] * n_pages        # positions published (0: not published)
         self.parent: list[bytes | None] = [None] * n_pages
-        self.gen = [0] * n_pages           # bumped when a page is freed: a queued disk write checks it
         self.entries: list[list[bytes] | None] = [None] * n_pages  # its keys in by_prefix
         self.by_prefix: dict[bytes, int] = {}  # key of (parent, first k tokens) -> a page holding them, k=1..PAGE
         self.high = 0                      # pages ever handed out: the resident part of data
@@ -207,6 +206,7 @@ class KVPool:
         self._orphans: list[list[list[int]]] = []  # tables of sequences collected without release()
         self.evictions = 0
         self.disk: "DiskPages | None" = None  # the prefix cache on disk (clutor.model.kv_disk), if any
+        self._written: list[tuple[int, int]] = []  # pages the disk's writer is done with (its thread appends)
 
     # -- sizes --------------------------------------------------------------------------------------
     def bytes_for(self, n: int) -> int:
@@ -264,6 +264,8 @@ class KVPool:
         self._orphans.append(tables)
 
     def _collect(self) -> None:
+        while self._written:  # each was referenced while it waited for the writer
+            self._unref(*self._written.pop())
         while self._orphans:
             self._drop_tables(self._orphans.pop())
             if self.state_bytes:
@@ -411,11 +413,14 @@ class KVPool:
         g.filled[page] = len(tokens)
 
     def _spill(self, gi: int, page: int, parent: bytes, key: bytes, tokens: np.ndarray) -> None:
-        """A full page just published: to the disk store (which writes it unless it has it)."""
+        """A full page just published: to the disk store, unless it has it. The page is referenced until
+        the writer is done with it (its contents cannot change meanwhile: a published page is written
+        to only after a copy), so it is written even when its sequence ends first."""
         g = self.groups[gi]
-        gen = g.gen[page]
-        self.disk.spill(gi, key, parent, tokens, g.data[page], g.scales[page] if g.scales is not None else None,
-                        lambda: g.gen[page] == gen)
+        self._ref(gi, page)
+        if not self.disk.spill(gi, key, parent, tokens, g.data[page], g.scales[page] if g.scales is not None else None,
+                               lambda: self._written.append((gi, page))):
+            self._unref(gi, page)
 
     # -- the disk store's pages ------------------------------------------------------------------
     def disk_extends(self, keys: Sequence[bytes], start: int) -> bool:
@@ -752,7 +757,6 @@ class KVPool:
         g.filled[page] = 0
         g.parent[page] = None
         g.refs[page] = 0
-        g.gen[page] += 1
         heapq.heappush(g.free, page)
         self.used -= g.page_bytes
 

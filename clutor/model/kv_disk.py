@@ -10,8 +10,8 @@ again, and a page is used only when it checks (kv_pages.PageFormat.check). Anyth
 with a log line and its positions are computed: a full disk, a read-only directory, a truncated or
 foreign file never fail a request.
 
-Writes: a writer thread copies the page (unless the pool has since reused it: its generation
-changed) and writes it O_DIRECT (through the page cache where the filesystem refuses O_DIRECT) under
+Writes: a writer thread copies the page (which the pool holds unchanged until the writer is done
+with it) and writes it O_DIRECT (through the page cache where the filesystem refuses O_DIRECT) under
 a temporary name renamed into place. Reads: kv_pages.read_records, through the io backends.
 
 Byte bound: this store's files total at most ``size`` bytes, least recently used (by mtime, which a
@@ -39,7 +39,6 @@ __all__ = ["DiskPages", "DiskStats"]
 
 log = logging.getLogger("clutor.kv")
 
-QUEUE_BYTES = 256 << 20     # pages waiting for the writer; more are not written (counted in dropped)
 SUFFIX = ".kvp"
 
 
@@ -52,7 +51,7 @@ class DiskStats:
     written: int         # pages written since open
     loaded: int          # pages loaded since open
     rejected: int        # files ignored (did not match, unreadable)
-    dropped: int         # pages not written (the writer behind, or writes failing)
+    dropped: int         # pages not written (writes failing)
 
 
 class DiskPages:
@@ -70,7 +69,6 @@ class DiskPages:
         self.bytes = 0
         self.written = self.loaded = self.rejected = self.dropped = 0
         self._queued: set[tuple[int, bytes]] = set()
-        self._queued_bytes = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._buffers: dict[int, Arena] = {}  # the writer's staging record per group
         self._warned: set[str] = set()
@@ -128,46 +126,44 @@ class DiskPages:
 
     # -- writing ---------------------------------------------------------------------------------
     def spill(self, gi: int, key: bytes, parent: bytes, tokens: np.ndarray, data: np.ndarray,
-              scales: np.ndarray | None, valid: Callable[[], bool]) -> None:
-        """Queue a full, published page for writing. ``data``/``scales`` view the pool's page, read by
-        the writer only while ``valid()`` (the pool has not reused it) holds."""
+              scales: np.ndarray | None, done: Callable[[], None]) -> bool:
+        """Queue a full, published page for writing, unless the store has it (False). ``data``/``scales``
+        view the pool's page, which the pool keeps as it is until the writer calls ``done()`` (from its
+        thread), written or not."""
         rec = self.fmt.record(gi)
         with self._lock:
             if not self.writable or rec > self.size or (gi, key) in self._index or (gi, key) in self._queued:
-                return
-            if self._queued_bytes + rec > QUEUE_BYTES:
-                self.dropped += 1
-                return
+                return False
             self._queued.add((gi, key))
-            self._queued_bytes += rec
-        self._jobs.put((gi, key, parent, np.array(tokens, dtype="<i4"), data, scales, valid))
+        self._jobs.put((gi, key, parent, np.array(tokens, dtype="<i4"), data, scales, done))
+        return True
 
     def _write_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            gi, key = job[0], job[1]
+            gi, key, done = job[0], job[1], job[-1]
             try:
                 if self.writable:
-                    self._write(*job)
+                    self._write(*job[:-1])
+                else:
+                    self._count("dropped")
             except Exception as e:  # noqa: BLE001 - a page not stored is a recompute, never a failure
                 self._warn(f"write-{type(e).__name__}", f"prefix cache on disk: a page was not stored ({e})")
                 self._count("dropped")
             finally:
                 with self._lock:
                     self._queued.discard((gi, key))
-                    self._queued_bytes -= self.fmt.record(gi)
+                done()
 
     def _write(self, gi: int, key: bytes, parent: bytes, tokens: np.ndarray, data: np.ndarray,
-               scales: np.ndarray | None, valid: Callable[[], bool]) -> None:
+               scales: np.ndarray | None) -> None:
         rec = self.fmt.record(gi)
         arena = self._buffers.get(gi)
         if arena is None:
             arena = self._buffers[gi] = Arena(1, rec, align=BLOCK)
-        if not self.fmt.encode(arena.slot(0), gi, key, parent, tokens, data, scales, valid):
-            self._count("dropped")  # the pool reused the page while it was copied
-            return
+        self.fmt.encode(arena.slot(0), gi, key, parent, tokens, data, scales)
         with self._lock:
             self._bound(rec)
         path = self._path(gi, key)

@@ -119,17 +119,14 @@ class PageFormat:
         return self.groups[gi].record
 
     def encode(self, buf: np.ndarray, gi: int, key: bytes, parent: bytes, tokens: np.ndarray, data: np.ndarray,
-               scales: np.ndarray | None, valid: Callable[[], bool] = lambda: True) -> bool:
-        """Fill buf (uint8 [record(gi)]) with the record of this page; False (buf unusable) when
-        ``valid()`` says the page changed while it was copied."""
+               scales: np.ndarray | None) -> None:
+        """Fill buf (uint8 [record(gi)]) with the record of this page."""
         g = self.groups[gi]
         end = HEADER + g.data_bytes
         buf[HEADER:end] = data.reshape(-1).view(np.uint8)
         if scales is not None:
             buf[end:end + g.scale_bytes] = scales.reshape(-1).view(np.uint8)
         buf[end + g.scale_bytes:] = 0
-        if not valid():
-            return False
         crc = zlib.crc32(buf[HEADER:end + g.scale_bytes])
         head = json.dumps({"model": self.model, "kv_type": self.kv_type, "group": gi, "shape": list(g.shape),
                            "parent": parent.hex(), "key": key.hex(), "tokens": np.asarray(tokens).tolist(),
@@ -137,7 +134,6 @@ class PageFormat:
         prefix = MAGIC + struct.pack("<II", LAYOUT_VERSION, len(head)) + head
         buf[:HEADER] = 0
         buf[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-        return True
 
     def check(self, buf: np.ndarray, gi: int, key: bytes, parent: bytes) -> tuple[str | None, np.ndarray | None]:
         """(why buf is not the record of this page, or None; the page's token ids)."""

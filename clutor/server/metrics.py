@@ -79,7 +79,7 @@ class Metrics:
                        [("", disk.bytes)])
                 metric("prefix_cache_disk_pages_total", "counter", "KV pages written to, loaded from, or ignored "
                                                                     "in the prefix cache on disk (did not match), "
-                                                                    "or not written (the writer behind, or failing).",
+                                                                    "or not written (writes failing).",
                        [('{op="written"}', disk.written), ('{op="loaded"}', disk.loaded),
                         ('{op="rejected"}', disk.rejected), ('{op="dropped"}', disk.dropped)])
             metric("engine_steps_total", "counter", "Batched forward steps run.", [("", es.steps)])
