@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .vec import PAGE_KEYS, PV_COLS, pv2, qk4
+
 __all__ = ["F32", "F16", "Q8_0", "rope_write", "attend_pages", "half_to_float", "float_to_half"]
 
 F32, F16, Q8_0 = 0, 1, 2  # the pool's kv_type, as the kernels take it
@@ -100,6 +102,32 @@ def float_to_half(x: np.ndarray) -> np.ndarray:
     out = np.empty(x.shape[0], np.uint16)
     _float_to_half(np.ascontiguousarray(x, np.float32), out)
     return out
+
+
+# e^x as ggml_v_expf (vec.h) computes it on its normal range: n = round(x log2 e), b = x - n ln 2 (in two
+# parts), a degree-5 polynomial, times 2^n
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
+_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
+_C3 = np.float32(float.fromhex("0x1.555e66p-3"))
+_C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
+_C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
+_EXP_MIN = np.float32(-87.33)  # below it 2^n is not a normal float32: e^x < 1.2e-38 is taken as 0
+
+
+@njit(nogil=True, cache=True, fastmath={"contract"})
+def _exp0(x):
+    """e^x for a softmax's x <= 0, without branches (a loop of it vectorises) and without
+    reassociation (which would fold the two parts of ln 2 into one); ~1 ulp from libm's expf."""
+    n = np.rint(x * _LOG2E)
+    b = (x - n * _LN2_HI) - n * _LN2_LO
+    u = b * b
+    j = ((_C5 * b + _C4) * u + (_C3 * b + _C2)) * u + _C1 * b
+    k = _as_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))  # 2^n
+    e = j * k + k
+    return e if x >= _EXP_MIN else np.float32(0.0)
 
 
 @njit(inline="always")
@@ -188,6 +216,9 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
     W = dk + dv
     G = H // Hkv
     T = starts.shape[0] - 1
+    # the register-blocked loops (vec.py) where pages are one vector of keys and values come in whole
+    # blocks of columns; otherwise the same sums a key and a column at a time
+    vec = P == PAGE_KEYS and dv % PV_COLS == 0 and qr.flags.c_contiguous
     for i in prange(H * T):
         h = i // T
         t = i - h * T
@@ -197,7 +228,8 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
         n = 0  # keys of the tile: up to its last row's position
         for r in range(r0, r1):
             n = max(n, pos[r] + 1)
-        s = np.empty((r1 - r0, n), np.float32)  # [tile rows, keys] scores, then weights
+        n16 = (n + P - 1) // P * P
+        s = np.empty((r1 - r0, n16), np.float32)  # [tile rows, keys] scores, then weights (whole pages)
         wide = np.empty((P, W), np.float32)  # one page of f16 / q8_0 rows widened
         kt = np.empty((dk, P), np.float32)  # its keys transposed
         acc = np.zeros((r1 - r0, dv), np.float32)
@@ -211,6 +243,13 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
             else:
                 _widen_cols(kind, d16, d8, sc, p, li, hk, k, 0, dk, wide)
                 _transpose_keys(wide, k, dk, kt)
+            if vec:  # four rows at a time, every key of the page (past a row's own: never read)
+                for r in range(r0, r1, 4):
+                    ra, rb, rc, rd = r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1)
+                    qk4(qr, ((ra * H + h) * dk, (rb * H + h) * dk, (rc * H + h) * dk, (rd * H + h) * dk), kt, s,
+                        ((ra - r0) * n16 + pi * P, (rb - r0) * n16 + pi * P, (rc - r0) * n16 + pi * P,
+                         (rd - r0) * n16 + pi * P), scale, dk)
+                continue
             for r in range(r0, r1):
                 kr = min(k, pos[r] + 1 - pi * P)  # this row's keys in the page (causal)
                 if kr > 0:
@@ -224,7 +263,7 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
                     m = sr[j]
             d_ = np.float32(0.0)
             for j in range(nr):
-                e = np.exp(sr[j] - m)
+                e = _exp0(sr[j] - m)
                 sr[j] = e
                 d_ += e
             den[r - r0] = d_
@@ -237,6 +276,17 @@ def _attend_pages(qr, tab, seg, pos, li, kind, d32, d16, d8, sc, dk, dv, scale, 
             else:
                 _widen_cols(kind, d16, d8, sc, p, li, hk, k, dk, W, wide)
                 blk = wide
+            if vec:  # two rows at a time where they take the same keys of the page
+                r = r0
+                while r < r1:
+                    kr = min(k, pos[r] + 1 - pi * P)
+                    r2 = r + 1 if r + 1 < r1 and min(k, pos[r + 1] + 1 - pi * P) == kr else r
+                    if kr > 0:
+                        for c0 in range(0, dv, PV_COLS):
+                            pv2(s, ((r - r0) * n16 + pi * P, (r2 - r0) * n16 + pi * P), kr, blk, dk + c0, acc,
+                                ((r - r0) * dv + c0, (r2 - r0) * dv + c0), W)
+                    r = r2 + 1
+                continue
             for r in range(r0, r1):
                 kr = min(k, pos[r] + 1 - pi * P)
                 sr = s[r - r0]
