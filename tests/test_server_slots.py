@@ -108,3 +108,40 @@ def test_file_names_as_llama_cpp_takes_them():
     assert filename_problem("état-1.bin") is None
     for bad in ("", "a/b", "a\\b", "..", "x\x00y", "x\ny", "a:b", "\ufeffx", "x" * 256, None, 3):
         assert filename_problem(bad), bad
+
+
+def test_a_restarted_server_loads_a_prompt_from_the_disk_prefix_cache(tmp_path):
+    """--prefix-cache-disk through the server: the second process answers the same prompt from the pages
+    the first wrote, with the same text, and /metrics counts them."""
+    def server():
+        return LiveServer(create_app(clutor.Model.open(MODEL, **OPEN, prefix_cache_disk=tmp_path / "kv"),
+                                     served_model_name="tiny"))
+
+    s = server()
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            first = _complete(c)
+            metrics1 = c.get("/metrics").text
+    finally:
+        s.stop()
+    s = server()
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            second = _complete(c)
+            metrics = c.get("/metrics").text
+    finally:
+        s.stop()
+    n = first["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // 16 * 16 > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+    def value(name, text=metrics):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("clutor_disk_prompt_tokens_total") >= (n - 1) // 16 * 16
+    assert value('clutor_prefix_cache_disk_pages_total{op="loaded"}') >= (n - 1) // 16
+    assert value("clutor_prefix_cache_disk_bytes") > 0
+    assert value("clutor_disk_prompt_tokens_total", metrics1) == 0
+    # the first computed the prompt: in one window where it is longer than a step (256 tokens)
+    assert value("clutor_prompt_windows_total", metrics1) == (1 if n > 256 else 0)

@@ -460,8 +460,8 @@ class Engine:
             with self._pool_lock:
                 for ld, tokens in zip(loads, got):
                     self.pool.settle(ld, tokens)
-            first = min((ld.gi for ld in loads), default=0)
-            req.disk_tokens = PAGE * sum(1 for ld, t in zip(loads, got) if t is not None and ld.gi == first)
+            full = next(gi for gi, g in enumerate(self.pool.groups) if not g.window)  # (disk_extends: one exists)
+            req.disk_tokens = PAGE * sum(1 for ld, t in zip(loads, got) if t is not None and ld.gi == full)
             req.disk = "tried"
             if req.released or self._closed:
                 self._unpin(req)

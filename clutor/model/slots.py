@@ -15,6 +15,7 @@ prefix cache where the pool gave them up. A restore checks every record as the d
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
@@ -51,8 +52,6 @@ class Restored:
 
 async def save_slot(engine: "Engine", fmt: PageFormat, tokens: Sequence[int], path: str, *, direct: bool) -> Saved:
     """Write the pages the pool (or the disk prefix cache) holds of tokens' longest prefix to path."""
-    import asyncio
-
     n_full = len(tokens) // PAGE
     keys = engine.pool.chain_keys(tokens, n_full)
     pins, entries = engine.hold_chain(keys)  # entries [(group, page index, pool page | -1, disk path | None)]
@@ -83,10 +82,15 @@ async def save_slot(engine: "Engine", fmt: PageFormat, tokens: Sequence[int], pa
                             fmt.encode(buf, gi, keys[i], keys[i - 1] if i else ROOT,
                                        np.asarray(tokens[i * PAGE : (i + 1) * PAGE], dtype="<i4"), g.data[page],
                                        g.scales[page] if g.scales is not None else None)
-                        else:
-                            with open(disk_path, "rb") as f:
-                                if f.readinto(memoryview(buf)[:rec]) != rec:
-                                    raise ClutorError(f"{disk_path}: a page of the prefix cache on disk is short")
+                        else:  # a record of the disk prefix cache, as it is (restore checks it)
+                            try:
+                                with open(disk_path, "rb") as f:
+                                    short = f.readinto(memoryview(buf)[:rec]) != rec
+                            except OSError as e:
+                                raise ClutorError(f"the prefix cache on disk gave up a page while it was being "
+                                                  f"saved ({e.strerror}): save again") from None
+                            if short:
+                                raise ClutorError(f"{disk_path}: a page of the prefix cache on disk is short")
                         at += _write_all(fd, arena.buffer(0)[:rec], at)
                 finally:
                     os.close(fd)
@@ -114,8 +118,6 @@ async def restore_slot(engine: "Engine", fmt: PageFormat, path: str, *, io: str,
     """Read a slot file's pages into the pool (held: Restored.pins) and return what they hold.
     ClutorError when the file is not a slot file of this model; records that do not check end the
     restored prefix there."""
-    import asyncio
-
     head = await asyncio.to_thread(_read_head, path)
     for name, want in (("model", fmt.model), ("kv_type", fmt.kv_type), ("format", fmt.id)):
         if head.get(name) != want:

@@ -623,6 +623,8 @@ class _Generation(Response):
         m.prompt_tokens += st.prompt_tokens
         m.completion_tokens += st.generated_tokens
         m.cached_tokens += getattr(st, "cached_tokens", 0)
+        m.disk_tokens += getattr(st, "disk_tokens", 0)
+        m.prompt_windows += getattr(st, "prompt_windows", 0)
         if self.t_first is not None:
             m.ttft_sum += self.t_first - self.t0
             m.ttft_count += 1

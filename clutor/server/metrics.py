@@ -21,6 +21,8 @@ class Metrics:
     connections: int = 0                                # open now
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    disk_tokens: int = 0       # of cached_tokens, loaded from the prefix cache on disk
+    prompt_windows: int = 0    # prefill steps that took a long prompt's window
     completion_tokens: int = 0
     rejected_queue_full: int = 0
     disconnects: int = 0
@@ -49,6 +51,10 @@ class Metrics:
                [(f'{{reason="{prom_label(r)}"}}', n) for r, n in sorted(self.closed.items())])
         metric("prompt_tokens_total", "counter", "Prompt tokens of generation requests.", [("", self.prompt_tokens)])
         metric("cached_prompt_tokens_total", "counter", "Prompt tokens whose KV was reused.", [("", self.cached_tokens)])
+        metric("disk_prompt_tokens_total", "counter", "Prompt tokens whose KV was loaded from the prefix cache on disk.",
+               [("", self.disk_tokens)])
+        metric("prompt_windows_total", "counter", "Prefill steps that took a window of a long prompt (each expert "
+                                                  "read once for the window).", [("", self.prompt_windows)])
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
         metric("rejected_total", "counter", "Requests refused with 429 because the queue was full.",
                [("", self.rejected_queue_full)])
