@@ -113,24 +113,17 @@ def test_file_names_as_llama_cpp_takes_them():
 def test_a_restarted_server_loads_a_prompt_from_the_disk_prefix_cache(tmp_path):
     """--prefix-cache-disk through the server: the second process answers the same prompt from the pages
     the first wrote, with the same text, and /metrics counts them."""
-    def server():
-        return LiveServer(create_app(clutor.Model.open(MODEL, **OPEN, prefix_cache_disk=tmp_path / "kv"),
-                                     served_model_name="tiny"))
+    def session():  # one server process: the prompt's completion and the metrics after it
+        s = LiveServer(create_app(clutor.Model.open(MODEL, **OPEN, prefix_cache_disk=tmp_path / "kv"),
+                                  served_model_name="tiny"))
+        try:
+            with httpx.Client(base_url=s.url, timeout=120) as c:
+                return _complete(c), c.get("/metrics").text
+        finally:
+            s.stop()
 
-    s = server()
-    try:
-        with httpx.Client(base_url=s.url, timeout=120) as c:
-            first = _complete(c)
-            metrics1 = c.get("/metrics").text
-    finally:
-        s.stop()
-    s = server()
-    try:
-        with httpx.Client(base_url=s.url, timeout=120) as c:
-            second = _complete(c)
-            metrics = c.get("/metrics").text
-    finally:
-        s.stop()
+    first, metrics1 = session()
+    second, metrics = session()
     n = first["usage"]["prompt_tokens"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // 16 * 16 > 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]

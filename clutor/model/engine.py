@@ -457,9 +457,7 @@ class Engine:
             log.warning("prefix cache on disk: loading %d pages failed (%s: %s); their positions are computed",
                         len(loads), type(e).__name__, e)
         finally:
-            with self._pool_lock:
-                for ld, tokens in zip(loads, got):
-                    self.pool.settle(ld, tokens)
+            self.settle_pages(loads, got)
             full = next(gi for gi, g in enumerate(self.pool.groups) if not g.window)  # (disk_extends: one exists)
             req.disk_tokens = PAGE * sum(1 for ld, t in zip(loads, got) if t is not None and ld.gi == full)
             req.disk = "tried"

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..io.arena import Arena
 from ..units import format_bytes
-from .kv_pages import BLOCK, Load, PageFormat, open_for_write, read_records
+from .kv_pages import BLOCK, Load, PageFormat, open_for_write, read_records, write_all
 
 __all__ = ["DiskPages", "DiskStats"]
 
@@ -171,11 +171,9 @@ class DiskPages:
         try:
             fd = open_for_write(tmp, self.direct)
             try:
-                done = os.pwrite(fd, arena.buffer(0)[:rec], 0)
+                write_all(fd, arena.buffer(0)[:rec], 0)
             finally:
                 os.close(fd)
-            if done != rec:
-                raise OSError(errno.ENOSPC, f"wrote {done} of {rec} bytes")
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)

@@ -245,6 +245,17 @@ def open_for_write(path: str, direct: bool) -> int:
     return os.open(path, flags, 0o644)
 
 
+def write_all(fd: int, view: memoryview, at: int) -> int:
+    """All of view at offset at (a short write is continued; none at all is ENOSPC) -> its length."""
+    done = 0
+    while done < len(view):
+        k = os.pwrite(fd, view[done:], at + done)
+        if k <= 0:
+            raise OSError(errno.ENOSPC, f"wrote {done} of {len(view)} bytes")
+        done += k
+    return done
+
+
 async def finish(coro):
     """Await a thread's work; if the caller is cancelled meanwhile, still wait for the thread (it
     writes into pool pages and reads staging buffers that are freed after), then re-raise."""

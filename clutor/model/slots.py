@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import ClutorError
 from ..io.arena import Arena, round_up
 from .kv import PAGE, ROOT
-from .kv_pages import BLOCK, LAYOUT_VERSION, PageFormat, finish, open_for_write, read_records
+from .kv_pages import BLOCK, LAYOUT_VERSION, PageFormat, finish, open_for_write, read_records, write_all
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -74,7 +74,7 @@ async def save_slot(engine: "Engine", fmt: PageFormat, tokens: Sequence[int], pa
                     buf = arena.slot(0)
                     buf[:hbytes] = 0
                     buf[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
-                    at = _write_all(fd, arena.buffer(0)[:hbytes], 0)
+                    at = write_all(fd, arena.buffer(0)[:hbytes], 0)
                     for gi, i, page, disk_path in entries:
                         rec = fmt.record(gi)
                         if page >= 0:
@@ -91,7 +91,7 @@ async def save_slot(engine: "Engine", fmt: PageFormat, tokens: Sequence[int], pa
                                                   f"saved ({e.strerror}): save again") from None
                             if short:
                                 raise ClutorError(f"{disk_path}: a page of the prefix cache on disk is short")
-                        at += _write_all(fd, arena.buffer(0)[:rec], at)
+                        at += write_all(fd, arena.buffer(0)[:rec], at)
                 finally:
                     os.close(fd)
                 os.replace(tmp, path)
@@ -172,13 +172,3 @@ def _read_head(path: str) -> dict:
         raise ClutorError(f"{name}: its header is unreadable")
     head["_bytes"] = round_up(16 + n, BLOCK)
     return head
-
-
-def _write_all(fd: int, view: memoryview, at: int) -> int:
-    done = 0
-    while done < len(view):
-        k = os.pwrite(fd, view[done:], at + done)
-        if k <= 0:
-            raise OSError(28, "no space left")
-        done += k
-    return done
