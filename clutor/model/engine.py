@@ -53,6 +53,7 @@ from ..units import format_bytes
 from .accounting import Ledger
 from .kv import PAGE, NoRoom
 from .plan import StepPlan, Want
+from .speculative import Costs, NgramCache, SpecState, verifier
 
 if TYPE_CHECKING:
     from .kv import KVPool
@@ -103,6 +104,10 @@ class Request:
     # another shape, fails this request alone.
     logits_processor: Callable | None = None
     ledger: Ledger = field(default_factory=Ledger)  # this request's own expert I/O (clutor.model.accounting)
+    # speculative decoding (clutor.model.speculative.SpeculativeParams), None: off; the engine keeps its
+    # state in spec (None where it cannot: a logits processor, recurrent layers)
+    speculative: object = None
+    spec: "SpecState | None" = None
     pooling: str = "mean"       # kind "embed": "mean" over the prompt's positions, or "last"
     # prompt positions (besides its end) where a model with recurrent layers keeps its state, so that
     # a later prompt sharing only that much starts there (chat: where the next turn's rendering departs
@@ -180,6 +185,10 @@ class Engine:
         # The pool while a lone sequence's loop changes it on the compute thread: stats() reads it from the loop.
         self._pool_lock = threading.Lock()
         self._loads: set[asyncio.Task] = set()  # pages coming from the disk prefix cache (kv_disk)
+        self.spec_costs = Costs()  # what a step's extra rows cost, for the drafts' length
+        self.ngram_cache = NgramCache()  # finished requests' n-grams, drafts for later ones
+        self.spec_drafted = 0  # drafted tokens verified, and those kept (the server's /metrics)
+        self.spec_accepted = 0
 
     @property
     def page_bytes(self) -> int:
@@ -233,6 +242,12 @@ class Engine:
                                  f"queued); retry after {retry} s", retry)
         req.history = list(req.prompt)
         req.todo = list(req.prompt)
+        if req.speculative is not None and req.kind == "generate" and req.logits_processor is None:
+            if self.pool.recurrent:
+                log.info("speculative decoding is off for this model: its recurrent layers' states are not "
+                         "rolled back")
+            else:
+                req.spec = SpecState(req.speculative, self.ngram_cache)
         req.prompt_keys = self.pool.chain_keys(req.prompt, len(req.prompt) // PAGE)
         req.t_submitted = time.perf_counter()
         self._waiting.append(req)
@@ -507,7 +522,7 @@ class Engine:
             if r not in self._active:  # preempted while planning this step
                 continue
             if r in decoding:
-                n = 1
+                n = 1 + self._draft(r, len(decoding))
             else:
                 if room <= 0:
                     continue
@@ -515,12 +530,23 @@ class Engine:
                 if self.pool.recurrent:  # stop at a checkpoint: a recurrent state is only there between steps
                     at = len(r.held)
                     n = min([n] + [p - at for p in r.checkpoints if at < p < at + n])
+            if n > 1 and r in decoding and self.pool.room < self.pool.bytes_for(n + PAGE):
+                r.spec.draft, n = [], 1  # no room for the draft's rows: plain decoding, nobody preempted for it
             if not self._reserve(r, n, batch):
                 continue
             batch.append((r, n))
             if r not in decoding:
                 room -= n
         return batch
+
+    def _draft(self, r: Request, n_decoding: int) -> int:
+        """r's draft for its next step (clutor.model.speculative), its length: within max_new and the
+        context, and shorter when more sequences decode (their step already shares its reads)."""
+        s = r.spec
+        if s is None:
+            return 0
+        cap = min(r.max_new - r.n_gen - 1, self.n_ctx - r.seq.n - 1, s.params.draft_max // max(1, n_decoding))
+        return len(s.plan(r.history, self.spec_costs.beta, cap))
 
     def _reserve(self, r: Request, n: int, batch: list[tuple[Request, int]]) -> bool:
         """Pages for r's next n positions, preempting later-admitted requests not in this step while the
@@ -561,6 +587,8 @@ class Engine:
         self.pool.release(seq)
         req.todo = req.held + req.todo
         req.held = []
+        if req.spec is not None:
+            req.spec.draft = []
         self._waiting.appendleft(req)
 
     def _plan(self, batch: list[tuple[Request, int]]) -> StepPlan:
@@ -572,6 +600,11 @@ class Engine:
                 want, head = Want.ALL, None
             elif r.kind == "embed":
                 want, head = Want.HIDDEN, _pooler(r)
+            elif r.spec is not None and r.spec.draft and n == 1 + len(r.spec.draft):
+                items.append((r.seq, r.todo[:1] + r.spec.draft, Want.ALL))
+                heads.append(verifier(r, _sampler(r), r.spec.draft))
+                copies += r.copies
+                continue
             else:
                 want, head = (Want.LAST, _sampler(r)) if last else (Want.NOTHING, None)
             items.append((r.seq, r.todo[:n], want))
@@ -587,8 +620,11 @@ class Engine:
             r.started = True
         self._in_step = {id(r) for r in reqs}
         failure: Exception | None = None
+        t0 = time.perf_counter()
         try:
             outcomes = await self.runner.run(plan)
+            if len(reqs) == 1 and reqs[0].n_gen:
+                self.spec_costs.observe(plan.rows, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - handed to the requests of this step, never lost
             failure = e
         finally:
@@ -617,8 +653,17 @@ class Engine:
         request's last event goes to last(fn, event) instead: the loop posts it once it has retired the
         request, so a reader that has its last token sees the request's pages back in the pool)."""
         fed = seg.ids.tolist()
-        r.held.extend(fed)
         del r.todo[: len(fed)]
+        tokens = [value] if value is not None else []
+        if isinstance(value, list):  # a verified draft: the tokens its rows gave, one per row kept
+            tokens = value
+            fed = fed[: len(tokens)]  # the last token and the drafts kept; the rows after them are cut
+            if r.seq.n > len(r.held) + len(fed):
+                self.pool.truncate(r.seq, len(r.held) + len(fed))
+            self.spec_drafted += len(r.spec.draft)
+            self.spec_accepted += len(fed) - 1
+            r.spec.settle(len(fed) - 1)
+        r.held.extend(fed)
         n_keys = len(r.keys)
         self.pool.publish(r.seq, r.held, r.keys)
         self.pool.trim_window(r.seq)
@@ -632,18 +677,19 @@ class Engine:
             if not r.todo and not r.released:
                 post(r._events.put_nowait, _result(r))
                 r.done = True
-        elif value is not None and not r.released:
-            token, extra = value
-            r.n_gen += 1
-            r.history.append(token)
-            if r.n_gen == 1:
-                r.t_first = now
-            reason = "eos" if token in r.stop_ids else "length" if r.n_gen >= r.max_new else None
-            (post if reason is None or last is None else last)(r._events.put_nowait, (token, extra, reason))
-            if reason is None:
-                r.todo.append(token)
-            else:
-                r.done = True
+        elif not r.released:
+            for token, extra in tokens:
+                r.n_gen += 1
+                r.history.append(token)
+                if r.n_gen == 1:
+                    r.t_first = now
+                reason = "eos" if token in r.stop_ids else "length" if r.n_gen >= r.max_new else None
+                (post if reason is None or last is None else last)(r._events.put_nowait, (token, extra, reason))
+                if reason is not None:
+                    r.done = True
+                    break
+            if tokens and not r.done:
+                r.todo.append(tokens[-1][0])
 
     # -- a lone sequence's decode loop, on the compute thread ---------------------------------------
     def _solo_ready(self, batch: list[tuple[Request, int]]) -> bool:
@@ -651,7 +697,7 @@ class Engine:
         if not self.solo_decode or len(batch) != 1 or self._waiting:
             return False
         r, n = batch[0]
-        return r.kind == "generate" and n == 1 and r.n_gen > 0 and len(r.todo) == 1
+        return r.kind == "generate" and r.n_gen > 0 and len(r.todo) == 1 and n == 1 + len(r.spec.draft if r.spec else ())
 
     async def _solo(self, r: Request) -> None:
         """Run r's decode steps on the compute thread until it hands back (see _solo_steps), then
@@ -684,22 +730,32 @@ class Engine:
         reserved by the scheduler."""
         first = True
         while True:
+            n = 1 + (len(r.spec.draft) if r.spec else 0)
             if not first:
                 if self._stop_solo or self._waiting or self._closed or r.released or asked():
                     return None
+                n = 1 + self._draft(r, 1)
                 try:
                     with self._pool_lock:
-                        r.copies += self.pool.reserve(r.seq, r.seq.n + 1)
+                        try:
+                            r.copies += self.pool.reserve(r.seq, r.seq.n + n)
+                        except NoRoom:
+                            if n == 1:
+                                raise
+                            r.spec.draft, n = [], 1  # no room for the draft's rows: plain decoding
+                            r.copies += self.pool.reserve(r.seq, r.seq.n + 1)
                 except NoRoom:
                     return None  # the scheduler preempts, or fails it with the numbers
                 except ClutorError as e:
                     return e
             first = False
-            plan = self._plan([(r, 1)])
+            plan = self._plan([(r, n)])
             r.copies = []
             r.started = True
+            t0 = time.perf_counter()
             try:
                 oc = run_now(plan)[0]
+                self.spec_costs.observe(n, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - the step failed: r's error, handed to the loop
                 return e
             finally:
@@ -721,8 +777,13 @@ class Engine:
         self._drop(req)
 
     def _retire(self, req: Request) -> None:
-        """Out of the batch; its computed pages kept for reuse (recurrent states were kept where asked)."""
+        """Out of the batch; its computed pages kept for reuse (recurrent states were kept where asked);
+        what it generated (and its prompt's end) drafts for later requests."""
         if req in self._active:
+            if req.spec is not None and req.n_gen:
+                p = req.spec.params
+                self.ngram_cache.add(req.history, range(p.ngram_min, p.ngram_max + 1), req.n_gen + 512)
+                req.spec.draft = []
             self._active.remove(req)
             self._forget_promises(req)
             if req.seq is not None:

@@ -12,6 +12,9 @@ from .._util import proc_bytes
 from ..errors import ClutorError
 from .engine import Request
 from .sampling import Sampler, SamplingParams, token_logprobs
+from .speculative import parse_speculative
+
+_MODEL = object()  # generate(speculative=...) not given: the model's setting
 
 __all__ = ["GenerationChunk", "GenerationStats", "IOReport", "generate", "peak_rss"]
 
@@ -92,6 +95,13 @@ class GenerationStats:
     cached_tokens: int = 0       # prompt tokens whose KV cache was reused, not computed (prefix cache)
     prompt_windows: int = 0      # steps the prompt took as windows (each expert read once per layer per window)
     disk_tokens: int = 0         # of cached_tokens, those loaded from the prefix cache on disk
+    drafted_tokens: int = 0      # speculative decoding: drafted tokens its steps verified
+    accepted_tokens: int = 0     # ... of which kept (each a token without a step of its own)
+    draft_steps: int = 0         # steps that verified a draft
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def bytes_per_token(self) -> float:
@@ -166,7 +176,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                    frequency_penalty: float = SamplingParams.frequency_penalty,
                    presence_penalty: float = SamplingParams.presence_penalty,
                    logprobs: int | None = None, logits_processor: Callable | None = None,
-                   show_tokens: Sequence[int] = (), checkpoints: Sequence[int] = ()) -> AsyncIterator[GenerationChunk]:
+                   show_tokens: Sequence[int] = (), checkpoints: Sequence[int] = (),
+                   speculative=_MODEL) -> AsyncIterator[GenerationChunk]:
     """Yield one GenerationChunk per sampled token, then a final one with the stats.
 
     The sampling options and their defaults are clutor.model.sampling.SamplingParams' (llama.cpp's).
@@ -185,6 +196,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
     checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
         later prompt that shares only that prefix reuses it (the prompt's end is always kept).
+    speculative: this request's drafting (clutor.model.speculative: "ngram", "off", a dict of
+        SpeculativeParams' fields); default: the model's (Model.open(speculative=...)).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -192,6 +205,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     tok = model.tokenizer
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
+    spec = model.options.speculative if speculative is _MODEL else parse_speculative(speculative)
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))
@@ -215,7 +229,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     req = model.engine.submit(Request(
         ids, sampler=sampler, max_new=max_new, stop_ids=frozenset() if ignore_eos else frozenset(tok.stop_ids),
         sample=None if logprobs is None else _with_logprobs(logprobs),
-        logits_processor=logits_processor,
+        logits_processor=logits_processor, speculative=spec,
         checkpoints=tuple(checkpoints)))
     n_gen, reason = 0, "length"
     try:
@@ -243,7 +257,8 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     stats = GenerationStats(len(ids), n_gen, t_first - t0, t_end - t_first, reason,
                             io=_io_report(io_before, model.io_stats(), t_end - t0, req.ledger),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens,
-                            prompt_windows=req.ledger.windows, disk_tokens=req.disk_tokens)
+                            prompt_windows=req.ledger.windows, disk_tokens=req.disk_tokens,
+                            **_spec_stats(req))
     yield GenerationChunk(tail, None, stats)
 
 
@@ -257,3 +272,10 @@ def _with_logprobs(n: int):
         return token, token_logprobs(raw, token, n)
 
     return sample
+
+
+def _spec_stats(req) -> dict:
+    if req.spec is None:
+        return {}
+    d = req.spec.drafter
+    return dict(drafted_tokens=d.drafted, accepted_tokens=d.accepted, draft_steps=d.steps)

@@ -102,7 +102,8 @@ class Model:
              prefix_cache_disk_size: int | str = DEFAULTS.prefix_cache_disk_size,
              kv_cache: int | str | None = DEFAULTS.kv_cache, kv_type: str = DEFAULTS.kv_type,
              activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
-             profile: bool = False, progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
+             speculative=DEFAULTS.speculative, profile: bool = False,
+             progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
         n_ctx: context length. Default: the file's context_length, shortened (not below 4096) where one
@@ -150,6 +151,12 @@ class Model:
             computes; x86 AVX2) or "f32" (float activations, exact up to float rounding); see
             clutor.model.kernel_settings.
         threads: threads each matrix product is split over (default: the CPUs this process may use).
+        speculative: draft tokens and verify them in one step (clutor.model.speculative): "ngram" (prompt
+            lookup over the request, then n-grams of earlier requests), a dict of SpeculativeParams' fields
+            (draft_max, draft_min, ngram_max, ngram_min, adaptive), or None (default): off. Per request,
+            generate(speculative=...) overrides it. Greedy and seeded output is the same as without it in
+            q8 activations (rows of one step keep their own bits); off with a logits processor (grammars)
+            and for architectures with recurrent layers.
         profile: time every step's spans (attention, router, experts, waiting for reads, ...) into
             ``model.profile`` (clutor.model.profile; ``clutor bench --profile`` prints it).
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
@@ -168,7 +175,7 @@ class Model:
                             prefix_cache_disk=os.fspath(prefix_cache_disk) if prefix_cache_disk is not None else None,
                             prefix_cache_disk_size=prefix_cache_disk_size,
                             kv_cache=kv_cache, kv_type=kv_type, activations=activations, threads=threads,
-                            profile=profile)
+                            speculative=speculative, profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod

@@ -40,6 +40,7 @@ class ModelOptions:
     profile: bool = False                  # time each step's spans (clutor.model.profile)
     activations: str = "auto"              # kernels: auto | q8 | f32 (clutor.model.kernel_settings)
     threads: int | None = None             # kernels: threads per product (None: the CPUs allowed)
+    speculative: object = None             # clutor.model.speculative.SpeculativeParams for every request, None: off
 
     @property
     def kernels(self) -> KernelSettings:
@@ -71,6 +72,9 @@ class ModelOptions:
             raise ClutorError(f"prefix_cache_disk_size: expected bytes like '20GiB', got "
                               f"{self.prefix_cache_disk_size!r} ({e})") from None
         self.kernels  # raises ClutorError naming a bad activations / threads value
+        from .speculative import parse_speculative
+
+        object.__setattr__(self, "speculative", parse_speculative(self.speculative))  # ClutorError when bad
         if self.kv_type not in KV_TYPES:
             raise ClutorError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
         if self.kv_cache is not None:

@@ -1,0 +1,273 @@
+"""Speculative decoding: tokens drafted cheaply, verified by the model in one step.
+
+A decoding sequence with a drafter feeds its last token and k drafted ones as one segment of the
+step: k + 1 rows, whose experts are read once for all of them (clutor.model.engine). Row i's logits
+give the token after draft i; the engine samples them in order with the request's own sampler and
+keeps drafts while each equals what was sampled at its position. The first mismatch is the step's
+last token; the rows after it are cut from the KV pages (KVPool.truncate).
+
+For a deterministic draft this is exactly the target distribution, for greedy and sampled requests
+alike: the draft d is kept when the sampler draws d (probability p(d)), and otherwise the token is
+the sampler's own draw given it is not d, which is the standard rule's "resample from the
+renormalised remainder". The sampler draws once per emitted token in the same order as without
+speculation, and in q8 mode a row's logits do not depend on the rows beside it (the kernels sum each
+row alone), so a seeded request gives the same tokens with and without it.
+
+Drafters (``Drafter``):
+- prompt lookup: the longest of the last ``ngram_max`` .. ``ngram_min`` tokens seen earlier in this
+  request (its prompt and what it generated), and what followed it there;
+- a session cache (``NgramCache``, one per model): the same lookup over requests that finished, so
+  that the keys of a JSON schema or the lines of a file sent again draft from the last time.
+
+``Pacer`` picks k per step from the sequence's recent acceptance and the measured cost of an extra row
+(a step's seconds by row count: the expert bytes the rows add when streamed, their compute in RAM): the
+k that maximises expected tokens per unit of step cost, 0 where no k pays.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ClutorError
+
+__all__ = ["SpeculativeParams", "Drafter", "NgramCache", "Pacer", "parse_speculative"]
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """How a request drafts; llama.cpp's names where it has them (``--draft-max``, ``--draft-min``)."""
+
+    mode: str = "ngram"      # "ngram" (prompt lookup + the session cache) | "off"
+    draft_max: int = 16      # drafted tokens per step at most
+    draft_min: int = 0       # fewer than this and the step does not speculate
+    ngram_max: int = 4       # the longest suffix looked up
+    ngram_min: int = 2       # the shortest (1 drafts from any repeated token: rarely right)
+    adaptive: bool = True    # k from acceptance and step cost (False: always draft_max when a match exists)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ngram", "off"):
+            raise ClutorError(f"speculative mode: expected 'ngram' or 'off', got {self.mode!r}")
+        for name, lo in (("draft_max", 1), ("draft_min", 0), ("ngram_max", 1), ("ngram_min", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ClutorError(f"speculative {name}: expected an integer >= {lo}, got {v!r}")
+        if self.draft_max > 64:
+            raise ClutorError(f"speculative draft_max: expected at most 64, got {self.draft_max}")
+        if self.ngram_min > self.ngram_max:
+            raise ClutorError(f"speculative ngram_min ({self.ngram_min}) is larger than ngram_max ({self.ngram_max})")
+        if self.draft_min > self.draft_max:
+            raise ClutorError(f"speculative draft_min ({self.draft_min}) is larger than draft_max ({self.draft_max})")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+def parse_speculative(value) -> SpeculativeParams | None:
+    """None / False / "off" -> None; True / "ngram" -> the defaults; a dict or SpeculativeParams as given
+    (a dict may use llama-server's names n_max / n_min)."""
+    if value is None or value is False or value == "off":
+        return None
+    if isinstance(value, SpeculativeParams):
+        return value if value.on else None
+    if value is True:
+        return SpeculativeParams()
+    if isinstance(value, str):
+        return SpeculativeParams(mode=value)
+    if isinstance(value, dict):
+        names = {"n_max": "draft_max", "n_min": "draft_min", "type": "mode"}
+        fields = set(SpeculativeParams.__dataclass_fields__)
+        kw = {}
+        for k, v in value.items():
+            k = names.get(k, k)
+            if k not in fields:
+                raise ClutorError(f"speculative: unknown field {k!r} (expected {', '.join(sorted(fields))}, "
+                                  "or n_max / n_min)")
+            kw[k] = v
+        p = SpeculativeParams(**kw)
+        return p if p.on else None
+    raise ClutorError(f"speculative: expected 'ngram', 'off', a dict or SpeculativeParams, got {value!r}")
+
+
+class NgramCache:
+    """What followed each n-gram in finished requests, most recent kept; bounded in n-grams (one model's)."""
+
+    def __init__(self, max_entries: int = 200_000, follow: int = 16):
+        self.max_entries = max_entries
+        self.follow = follow  # tokens kept after each n-gram
+        self._map: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def add(self, ids: Sequence[int], sizes: range, tail: int) -> None:
+        """The n-grams (of the given sizes) of ids' last ``tail`` positions, each with what followed it."""
+        ids = list(ids)
+        m = self._map
+        for e in range(max(1, len(ids) - tail), len(ids)):  # e: where the continuation starts
+            nxt = tuple(ids[e : e + self.follow])
+            for n in sizes:
+                if e >= n:
+                    key = tuple(ids[e - n : e])
+                    m[key] = nxt
+                    m.move_to_end(key)
+        while len(m) > self.max_entries:
+            m.popitem(last=False)
+
+    def get(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        return self._map.get(key)
+
+
+class Drafter:
+    """One request's drafts: its own history first (prompt lookup), then the session cache."""
+
+    def __init__(self, params: SpeculativeParams, cache: NgramCache | None = None):
+        self.params = params
+        self.cache = cache
+        self._sizes = range(params.ngram_min, params.ngram_max + 1)
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self._seen = 0       # history positions indexed as continuation starts
+        self.drafted = 0     # drafted tokens verified
+        self.accepted = 0    # ... of which kept
+        self.steps = 0       # steps that verified a draft
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens likely to follow history: what followed the longest recent match of its tail."""
+        if k <= 0:
+            return []
+        L = len(history)
+        idx = self._index
+        for e in range(max(self._seen, 1), L):  # index the n-grams that now have a continuation
+            for n in self._sizes:
+                if e >= n:
+                    idx[tuple(history[e - n : e])] = e
+        self._seen = max(self._seen, L)
+        for n in reversed(self._sizes):
+            if n > L:
+                continue
+            key = tuple(history[L - n :])
+            e = idx.get(key)
+            if e is not None and e < L:
+                return [int(t) for t in history[e : e + k]]
+            if self.cache is not None:
+                got = self.cache.get(key)
+                if got:
+                    return list(got[:k])
+        return []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps += 1
+
+
+class Pacer:
+    """k per step, from a sequence's acceptance and the cost of extra rows.
+
+    With acceptance a per drafted token (each draft kept given the ones before it were), k drafts give
+    (1 - a^(k+1)) / (1 - a) tokens in expectation; the step costs 1 + beta * k one-row steps, beta the
+    measured cost of an extra row over a one-row step (Costs). The k in [draft_min, cap] that maximises
+    their ratio, 0 where none beats plain decoding. A sequence that stopped drafting probes with 2 rows
+    every ``probe`` steps, so a stretch that becomes predictable is noticed."""
+
+    probe = 16
+
+    def __init__(self, params: SpeculativeParams):
+        self.params = params
+        self.accept = 0.6    # prior: the running acceptance starts hopeful, then follows the steps
+        self._idle = 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            # the chance each draft is kept, seen as a run: accepted of the drafted positions tried
+            tried = min(drafted, accepted + 1)
+            self.accept += 0.3 * (accepted / tried - self.accept)
+
+    def choose(self, beta: float, cap: int) -> int:
+        p = self.params
+        cap = min(cap, p.draft_max)
+        if cap < max(1, p.draft_min):
+            return 0
+        if not p.adaptive:
+            return cap
+        a = min(self.accept, 0.999)
+        best, best_gain = 0, 1.0
+        for k in range(max(1, p.draft_min), cap + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + beta * k)
+            if gain > best_gain * 1.0001:
+                best, best_gain = k, gain
+        if best == 0:
+            self._idle += 1
+            if self._idle >= self.probe:
+                self._idle = 0
+                return min(2, cap) if min(2, cap) >= p.draft_min else 0
+        else:
+            self._idle = 0
+        return best
+
+
+class Costs:
+    """The measured cost of a step's extra rows: seconds of one-segment steps by row count, as beta
+    (an extra row's seconds over a one-row step's). Starts at a prior that assumes an extra row
+    costs a tenth of a step (a decode step is mostly weight reads)."""
+
+    def __init__(self, prior: float = 0.1):
+        self.beta = prior
+        self._one: float | None = None  # running mean of one-row steps' seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self._one = seconds if self._one is None else self._one + 0.1 * (seconds - self._one)
+        elif self._one:
+            b = max(0.0, (seconds / self._one - 1.0) / (rows - 1))
+            if math.isfinite(b):
+                self.beta += 0.2 * (min(b, 4.0) - self.beta)
+
+
+class SpecState:
+    """A request's speculation inside the engine: its drafter, its pacer, the draft of the step planned."""
+
+    def __init__(self, params: SpeculativeParams, cache: NgramCache | None):
+        self.params = params
+        self.drafter = Drafter(params, cache)
+        self.pacer = Pacer(params)
+        self.draft: list[int] = []
+
+    def plan(self, history: Sequence[int], beta: float, cap: int) -> list[int]:
+        """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches)."""
+        k = self.pacer.choose(beta, cap) if cap > 0 else 0
+        d = self.drafter.propose(history, k) if k else []
+        self.draft = d if len(d) >= max(1, self.params.draft_min) else []
+        return self.draft
+
+    def settle(self, kept: int) -> None:
+        """The step verified the draft and kept ``kept`` of its tokens."""
+        if self.draft:
+            self.drafter.record(len(self.draft), kept)
+            self.pacer.update(len(self.draft), kept)
+        self.draft = []
+
+
+def verifier(req, head, draft: list[int]):
+    """The head of a drafted segment (compute thread): its rows' logits [k + 1, V] sampled in order by
+    the request's own head (``head``: one row -> (token, extra)), each row seeing the tokens kept before
+    it in req.history, until a token differs from the draft, ends the request (a stop id, max_new), or
+    the rows run out. -> the tokens sampled, [(token, extra)], 1 .. k + 1 of them."""
+    def verify(logits):
+        out = []
+        n0 = len(req.history)
+        try:
+            for i in range(len(draft) + 1):
+                tok, extra = head(logits[i : i + 1])
+                out.append((tok, extra))
+                if (i == len(draft) or tok != draft[i] or tok in req.stop_ids
+                        or req.n_gen + len(out) >= req.max_new):
+                    break
+                req.history.append(tok)
+        finally:
+            del req.history[n0:]
+        return out
+
+    return verify
