@@ -216,17 +216,21 @@ def test_prompt_lookup_and_the_session_cache():
 
 def test_the_pacer_drafts_where_it_pays_and_stops_where_it_does_not():
     p = Pacer(SpeculativeParams(draft_max=16))
-    p.accept = 0.9
-    long = p.choose(beta=0.05, cap=16)
-    p.accept = 0.5
-    short = p.choose(beta=0.05, cap=16)
+    cheap = lambda r: 1 + 0.15 * (r - 1)  # noqa: E731
+    p.first, p.cont = 0.9, 0.9
+    long = p.choose(cheap, cap=16)
+    p.cont = 0.5
+    short = p.choose(cheap, cap=16)
     assert long > short >= 1
-    p.accept = 0.05
-    assert p.choose(beta=0.5, cap=16) == 0  # a row that costs half a step, drafts almost never kept
-    assert Pacer(SpeculativeParams(draft_max=4)).choose(beta=0.0, cap=2) <= 2
-    for _ in range(10):
+    p.first = 0.05
+    assert p.choose(lambda r: 1 + 0.5 * (r - 1), cap=16) == 0  # a row that costs half a step, drafts almost never kept
+    assert Pacer(SpeculativeParams(draft_max=4)).choose(lambda r: 1.0, cap=2) <= 2
+    for _ in range(12):
         p.update(8, 8)
-    assert p.accept > 0.9
+    assert p.first > 0.9 and p.cont > 0.9
+    for _ in range(12):
+        p.update(8, 0)
+    assert p.first < 0.1 and p.cont > 0.9  # lost at the first token: the runs that were kept stay long
 
 
 @pytest.mark.parametrize("value,field", [({"draft_max": 0}, "draft_max"), ({"n_max": 200}, "draft_max"),

@@ -274,6 +274,8 @@ def short_stats(stats) -> str:
              + f", {stats.prefill_tps:.0f} tok/s"]
     if stats.io is not None:
         parts.append(f"expert hit rate {stats.io.hit_rate:.0%}")
+    if stats.draft_steps:
+        parts.append(f"drafts kept {stats.acceptance:.0%}")
     return "[" + " | ".join(parts) + "; /stats for more]"
 
 

@@ -117,6 +117,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--prefix-cache-disk-size", default=DEFAULTS.prefix_cache_disk_size, metavar="SIZE",
                    help=f"bytes the files under --prefix-cache-disk may take (default {DEFAULTS.prefix_cache_disk_size}); "
                         "the least recently used go first")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", choices=("ngram", "off"), default=None,
+                   help="draft tokens from n-grams of the prompt, the reply and earlier requests, and verify them "
+                        "in one step (each expert read once for all of them); greedy output is unchanged "
+                        "(default: off, on with ngram where --draft-max or --draft-min is given)")
+    s.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=None, metavar="N",
+                   help="drafted tokens per step at most (default 16; fewer where acceptance or the step's cost "
+                        "says so)")
+    s.add_argument("--draft-min", dest="draft_min", type=int, default=None, metavar="N",
+                   help="fewer drafted tokens than this and the step does not speculate (default 0)")
+    s.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE", help=argparse.SUPPRESS)
 
 
 def check_sampling_args(args) -> None:
@@ -153,6 +164,27 @@ def _kv_type(args) -> str:
     return t
 
 
+def speculative_arg(args):
+    """Model.open(speculative=...) from --speculative / --draft-max / --draft-min (ClutorError naming the flag)."""
+    if getattr(args, "model_draft", None):
+        raise ClutorError("-md/--model-draft: a draft model is not supported yet; --speculative ngram drafts from "
+                          "the prompt and the reply instead")
+    mode = getattr(args, "speculative", None)
+    dmax, dmin = getattr(args, "draft_max", None), getattr(args, "draft_min", None)
+    if mode == "off" or (mode is None and dmax is None and dmin is None):
+        return None
+    from ..model.speculative import SpeculativeParams
+
+    for flag, v in (("--draft-max", dmax), ("--draft-min", dmin)):
+        if v is not None and not (0 if flag == "--draft-min" else 1) <= v <= 64:
+            raise ClutorError(f"{flag} must be in [{0 if flag == '--draft-min' else 1}, 64], got {v}")
+    kw = {k: v for k, v in (("draft_max", dmax), ("draft_min", dmin)) if v is not None}
+    if kw.get("draft_min", 0) > kw.get("draft_max", SpeculativeParams.draft_max):
+        raise ClutorError(f"--draft-min {kw['draft_min']} is larger than --draft-max "
+                          f"{kw.get('draft_max', SpeculativeParams.draft_max)}")
+    return SpeculativeParams(**kw)
+
+
 def model_kwargs(args) -> dict:
     if args.threads is not None and args.threads < 1:
         raise ClutorError(f"-t/--threads must be >= 1, got {args.threads}")
@@ -166,7 +198,8 @@ def model_kwargs(args) -> dict:
                 prefill_slice_ms=args.prefill_slice_ms, prefix_cache=args.prefix_cache,
                 prefix_cache_disk=args.prefix_cache_disk, prefix_cache_disk_size=args.prefix_cache_disk_size,
                 kv_cache=args.kv_cache,
-                kv_type=_kv_type(args), activations=args.activations, threads=args.threads, progress=load_progress())
+                kv_type=_kv_type(args), activations=args.activations, threads=args.threads,
+                speculative=speculative_arg(args), progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:
@@ -275,6 +308,9 @@ def print_stats(stats: GenerationStats, file=None) -> None:
         + f", {stats.prefill_tps:.1f} tok/s prefill | "
         f"{stats.generated_tokens} generated, {stats.decode_tps:.2f} tok/s decode | stop: {stats.stop_reason}]"
     ]
+    if stats.draft_steps:
+        lines.append(f"[speculative: {stats.drafted_tokens} drafted, {stats.accepted_tokens} kept "
+                     f"({stats.acceptance:.0%}) in {stats.draft_steps} steps that drafted]")
     io = stats.io
     if io is not None:
         total = io.wait_seconds + io.compute_seconds

@@ -546,7 +546,7 @@ class Engine:
         if s is None:
             return 0
         cap = min(r.max_new - r.n_gen - 1, self.n_ctx - r.seq.n - 1, s.params.draft_max // max(1, n_decoding))
-        return len(s.plan(r.history, self.spec_costs.beta, cap))
+        return len(s.plan(r.history, self.spec_costs.cost, cap))
 
     def _reserve(self, r: Request, n: int, batch: list[tuple[Request, int]]) -> bool:
         """Pages for r's next n positions, preempting later-admitted requests not in this step while the

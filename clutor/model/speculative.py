@@ -19,9 +19,9 @@ Drafters (``Drafter``):
 - a session cache (``NgramCache``, one per model): the same lookup over requests that finished, so
   that the keys of a JSON schema or the lines of a file sent again draft from the last time.
 
-``Pacer`` picks k per step from the sequence's recent acceptance and the measured cost of an extra row
-(a step's seconds by row count: the expert bytes the rows add when streamed, their compute in RAM): the
-k that maximises expected tokens per unit of step cost, 0 where no k pays.
+``Pacer`` picks k per step from the sequence's recent acceptance and the measured cost of a step by its
+row count (``Costs``: the expert bytes the rows add when streamed, their compute in RAM): the k that
+maximises expected tokens per unit of step cost, 0 where no k pays.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class SpeculativeParams:
     draft_max: int = 16      # drafted tokens per step at most
     draft_min: int = 0       # fewer than this and the step does not speculate
     ngram_max: int = 4       # the longest suffix looked up
-    ngram_min: int = 2       # the shortest (1 drafts from any repeated token: rarely right)
+    ngram_min: int = 1       # the shortest (the pacer drafts less where short matches are wrong)
     adaptive: bool = True    # k from acceptance and step cost (False: always draft_max when a match exists)
 
     def __post_init__(self) -> None:
@@ -150,7 +150,9 @@ class Drafter:
             key = tuple(history[L - n :])
             e = idx.get(key)
             if e is not None and e < L:
-                return [int(t) for t in history[e : e + k]]
+                # what followed the match, through the end of the history and, for a repeating stretch
+                # (a loop of period L - e), around again
+                return [int(history[e + i % (L - e)]) for i in range(k)]
             if self.cache is not None:
                 got = self.cache.get(key)
                 if got:
@@ -166,64 +168,105 @@ class Drafter:
 class Pacer:
     """k per step, from a sequence's acceptance and the cost of extra rows.
 
-    With acceptance a per drafted token (each draft kept given the ones before it were), k drafts give
-    (1 - a^(k+1)) / (1 - a) tokens in expectation; the step costs 1 + beta * k one-row steps, beta the
-    measured cost of an extra row over a one-row step (Costs). The k in [draft_min, cap] that maximises
-    their ratio, 0 where none beats plain decoding. A sequence that stopped drafting probes with 2 rows
-    every ``probe`` steps, so a stretch that becomes predictable is noticed."""
+    Drafts are kept or lost in runs: a lookup that matched the right place is right for many tokens, a
+    wrong one is wrong at once. So the pacer keeps two running rates: ``first``, that a draft's first
+    token is kept, and ``cont``, that a kept token's successor in the draft is kept too. k drafts then
+    give 1 + first * (1 - cont^k) / (1 - cont) tokens in expectation, at cost(k + 1) one-row steps
+    (Costs, as measured); the k in [draft_min, cap] that maximises their ratio, 0 where none beats
+    plain decoding. A sequence that stopped drafting probes with a short draft every ``probe`` steps,
+    so a stretch that becomes predictable is noticed."""
 
-    probe = 16
+    probe = 4
 
     def __init__(self, params: SpeculativeParams):
         self.params = params
-        self.accept = 0.6    # prior: the running acceptance starts hopeful, then follows the steps
+        self.first = 0.7   # priors: hopeful, then following the steps
+        self.cont = 0.8
         self._idle = 0
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            # the chance each draft is kept, seen as a run: accepted of the drafted positions tried
-            tried = min(drafted, accepted + 1)
-            self.accept += 0.3 * (accepted / tried - self.accept)
+        if not drafted:
+            return
+        self.first += 0.2 * (float(accepted > 0) - self.first)
+        if accepted > 0 and drafted > 1:
+            tries = min(drafted - 1, accepted)  # successors tried: each after a kept token
+            self.cont += 0.2 * ((accepted - 1) / tries if accepted < drafted else 1.0) - 0.2 * self.cont
 
-    def choose(self, beta: float, cap: int) -> int:
+    def expected(self, k: int) -> float:
+        """Tokens a step with k drafts gives, in expectation."""
+        c = min(self.cont, 0.999)
+        return 1.0 + (self.first * (1 - c ** k) / (1 - c) if k else 0.0)
+
+    def choose(self, cost, cap: int) -> int:
         p = self.params
         cap = min(cap, p.draft_max)
         if cap < max(1, p.draft_min):
             return 0
         if not p.adaptive:
             return cap
-        a = min(self.accept, 0.999)
         best, best_gain = 0, 1.0
         for k in range(max(1, p.draft_min), cap + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + beta * k)
+            gain = self.expected(k) / cost(k + 1)
             if gain > best_gain * 1.0001:
                 best, best_gain = k, gain
         if best == 0:
             self._idle += 1
             if self._idle >= self.probe:
                 self._idle = 0
-                return min(2, cap) if min(2, cap) >= p.draft_min else 0
+                k = min(max(2, p.draft_min), cap)
+                return k if k >= p.draft_min else 0
         else:
             self._idle = 0
         return best
 
 
 class Costs:
-    """The measured cost of a step's extra rows: seconds of one-segment steps by row count, as beta
-    (an extra row's seconds over a one-row step's). Starts at a prior that assumes an extra row
-    costs a tenth of a step (a decode step is mostly weight reads)."""
+    """What a step of r rows costs against a one-row step, measured on one-segment steps: the median of
+    the recent steps of each row count (a step that compiled a kernel or met a busy core is an outlier,
+    not a cost). Rows share the dense weights and many of their experts, so the cost is not linear in
+    r; a count not measured yet is interpolated between measured ones, and past the last one grows
+    by ``prior`` per row (an optimistic start: long drafts get tried, then measured)."""
+
+    window = 15
 
     def __init__(self, prior: float = 0.1):
-        self.beta = prior
-        self._one: float | None = None  # running mean of one-row steps' seconds
+        self.prior = prior
+        self._steps: dict[int, list[float]] = {}  # rows -> recent steps' seconds
 
     def observe(self, rows: int, seconds: float) -> None:
-        if rows == 1:
-            self._one = seconds if self._one is None else self._one + 0.1 * (seconds - self._one)
-        elif self._one:
-            b = max(0.0, (seconds / self._one - 1.0) / (rows - 1))
-            if math.isfinite(b):
-                self.beta += 0.2 * (min(b, 4.0) - self.beta)
+        _push(self._steps.setdefault(rows, []), seconds, self.window)
+
+    def cost(self, rows: int) -> float:
+        """Seconds of a step of ``rows`` rows over a one-row step's (1.0 at one row, or before any is measured)."""
+        one = self._steps.get(1)
+        if rows <= 1 or not one:
+            return 1.0
+        t1 = _median(one)
+        known = sorted((r, _median(v) / t1) for r, v in self._steps.items() if r > 1 and v)
+        lo, c_lo = 1, 1.0
+        for r, c in known:
+            if r == rows:
+                return max(c, 1.0)
+            if r > rows:  # between two measured counts
+                return max(1.0, c_lo + (c - c_lo) * (rows - lo) / (r - lo))
+            lo, c_lo = r, max(c, c_lo)
+        return c_lo + self.prior * (rows - lo)
+
+    @property
+    def beta(self) -> float:
+        """An extra row's cost, at two rows (for a report)."""
+        return self.cost(2) - 1.0
+
+
+def _push(xs: list[float], x: float, n: int) -> None:
+    xs.append(x)
+    if len(xs) > n:
+        del xs[0]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
 
 
 class SpecState:
@@ -235,9 +278,10 @@ class SpecState:
         self.pacer = Pacer(params)
         self.draft: list[int] = []
 
-    def plan(self, history: Sequence[int], beta: float, cap: int) -> list[int]:
-        """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches)."""
-        k = self.pacer.choose(beta, cap) if cap > 0 else 0
+    def plan(self, history: Sequence[int], cost, cap: int) -> list[int]:
+        """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches);
+        cost(rows): a step's cost in one-row steps (Costs.cost)."""
+        k = self.pacer.choose(cost, cap) if cap > 0 else 0
         d = self.drafter.propose(history, k) if k else []
         self.draft = d if len(d) >= max(1, self.params.draft_min) else []
         return self.draft
