@@ -17,6 +17,7 @@ from ..formats.base import loads_or
 from .blocks import Blocks, Fill, Start, Stop
 from .errors import ANTHROPIC, bad_request
 from .labels import shown
+from .requests import SPECULATIVE
 
 __all__ = ["parse_messages", "MessagesShaper", "anthropic_error"]
 
@@ -36,8 +37,8 @@ def to_chat(body: dict) -> dict:
     """An Anthropic request as the equivalent OpenAI chat request."""
     if body.get("max_tokens") is None:
         raise bad_request("max_tokens", "'max_tokens' is required")
-    out: dict = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
-                 if k in body}
+    out: dict = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream",
+                                      *SPECULATIVE) if k in body}
     if body.get("stop_sequences") is not None:
         out["stop"] = body["stop_sequences"]
     msgs: list[dict] = []

@@ -90,6 +90,11 @@ class Metrics:
                         ('{op="rejected"}', disk.rejected), ('{op="dropped"}', disk.dropped)])
             metric("engine_steps_total", "counter", "Batched forward steps run.", [("", es.steps)])
             metric("engine_step_rows_total", "counter", "Token rows computed over all steps.", [("", es.step_rows)])
+            eng = model.engine
+            metric("draft_tokens_total", "counter", "Tokens drafted by speculative decoding and verified.",
+                   [("", eng.spec_drafted)])
+            metric("draft_tokens_accepted_total", "counter", "Drafted tokens kept (each a token without a step "
+                                                             "of its own).", [("", eng.spec_accepted)])
         io = model.io_stats() if ready else None
         if io is not None:
             metric("expert_accesses_total", "counter", "Routed experts demanded.", [("", io.accesses)])

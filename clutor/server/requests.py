@@ -24,6 +24,9 @@ __all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_complet
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+# a request's drafting (_speculative): the fields the Responses and Messages routes pass on to the chat's
+SPECULATIVE = ("speculative", "n_draft", "speculative.n_max", "speculative.n_min", "speculative.p_min",
+               "speculative.type")
 
 
 @dataclass(frozen=True)
@@ -185,10 +188,79 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
         repeat_last_n=_int(body, "repeat_last_n", d.repeat_last_n, -1, None),
         seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
     )
+    spec = _speculative(body)
+    if spec is not None:  # (absent: the model's own setting, Model.open(speculative=...))
+        options["speculative"] = spec
     user = _text(body, "user")
     id_slot = _int(body, "id_slot", -1, -1, 1 << 30)
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user,
                       id_slot=None if id_slot == -1 else id_slot)
+
+
+# A request's drafting: llama-server's field -> SpeculativeParams' (clutor's own names are taken too)
+_SPEC_NAMES = {"n_max": "draft_max", "n_min": "draft_min", "type": "mode"}
+_SPEC_INTS = {"draft_max": (1, 64), "draft_min": (0, 64), "ngram_max": (1, 64), "ngram_min": (1, 64)}
+
+
+def _speculative(body: dict):
+    """This request's drafting for model.generate(speculative=...): a SpeculativeParams, "off", or None
+    when the request says nothing (the model's own setting).
+
+    As llama-server: ``speculative`` an object {n_max, n_min, p_min, type} (or "ngram", "off", false),
+    the flat spelling llama-server itself reads (``"speculative.n_max"``, ...) and ``n_draft`` (n_max;
+    0: off), the last two over the object's fields. n_max 0 is off too (llama-server drafts nothing
+    then). p_min is checked and ignored: an n-gram draft has no draft model's probability to cut at.
+    Each value is checked here, so the 400 names its field (``speculative.n_max``)."""
+    from ..errors import ClutorError
+    from ..model.speculative import SpeculativeParams, parse_speculative
+
+    v = body.get("speculative")
+    flat = {k: body[f"speculative.{k}"] for k in ("n_max", "n_min", "p_min", "type")
+            if body.get(f"speculative.{k}") is not None}
+    if v is None and not flat and body.get("n_draft") is None:
+        return None
+    if v is None or v is True or v == "ngram":
+        given: dict = {}
+    elif v is False or v == "off":
+        return "off"
+    elif isinstance(v, dict):
+        given = {k: x for k, x in v.items() if x is not None}
+    else:
+        raise bad_request("speculative", "'speculative' must be an object {n_max, n_min, p_min, type}, 'ngram', "
+                                         f"'off' or false, got {shown(v) if isinstance(v, str) else _kind(v)}")
+    given.update(flat)
+    if body.get("n_draft") is not None:
+        given["n_max"] = _int(body, "n_draft", None, 0, 64)
+    fields, off = {}, False
+    for k, x in given.items():
+        name, field_ = f"speculative.{k}", _SPEC_NAMES.get(k, k)
+        if k == "p_min":
+            _num({name: x}, name, 0.0, 0.0, 1.0)
+            continue
+        if field_ not in SpeculativeParams.__dataclass_fields__:
+            raise bad_request("speculative", f"'speculative' has no field {shown(k)} (n_max, n_min, p_min, type; "
+                                             "or draft_max, draft_min, ngram_max, ngram_min, adaptive)")
+        if field_ == "mode":
+            if x not in ("ngram", "off"):
+                raise bad_request(name, f"'{name}' must be 'ngram' or 'off' (the drafts this server makes), "
+                                        f"got {shown(x) if isinstance(x, str) else _kind(x)}")
+            off |= x == "off"
+        elif field_ == "adaptive":
+            x = _bool({name: x}, name, True)
+        elif k == "n_max":  # (0 drafts nothing: off)
+            x = _int({name: x}, name, None, 0, 64)
+            if x == 0:
+                off = True
+                continue
+        else:
+            x = _int({name: x}, name, None, *_SPEC_INTS[field_])
+        fields[field_] = x
+    if off:
+        return "off"
+    try:
+        return parse_speculative(fields) or "off"
+    except ClutorError as e:  # how the fields combine (n_min over n_max): its message shows only integers
+        raise bad_request("speculative", str(e)) from None
 
 
 def _prompt_ids(prompt, tokenizer, n_ctx: int) -> list[int]:

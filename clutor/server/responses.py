@@ -57,6 +57,9 @@ def timings(stats: GenerationStats, grammar=None) -> dict:
            "prompt_ms": 1000 * stats.prefill_seconds, "prompt_per_second": stats.prefill_tps,
            "predicted_n": stats.generated_tokens, "predicted_ms": 1000 * stats.decode_seconds,
            "predicted_per_second": stats.decode_tps}
+    if getattr(stats, "drafted_tokens", 0):  # llama-server's names; absent when nothing was drafted, as there
+        out["draft_n"] = stats.drafted_tokens
+        out["draft_n_accepted"] = stats.accepted_tokens
     io = stats.io
     if io is not None:
         out["experts"] = {"hit_rate": io.hit_rate, "bytes_read": io.bytes_read, "accesses": io.accesses,

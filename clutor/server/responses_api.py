@@ -18,6 +18,7 @@ from ..formats import Delta, Message
 from .blocks import Blocks, Fill, Start, Stop
 from .errors import bad_request
 from .labels import shown
+from .requests import SPECULATIVE
 
 __all__ = ["parse_responses", "ResponsesShaper"]
 
@@ -40,7 +41,7 @@ def to_chat(body: dict) -> dict:
     if body.get("conversation") is not None:
         raise bad_request("conversation", "this server stores no conversations: send them in 'input'")
     out: dict = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user",
-                                      "top_logprobs", "seed") if k in body}
+                                      "top_logprobs", "seed", *SPECULATIVE) if k in body}
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     msgs: list[dict] = []
