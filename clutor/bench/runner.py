@@ -27,7 +27,8 @@ __all__ = [
     "disk_bandwidth", "cache_bytes_for", "estimate_footprint", "kv_bytes", "drop_page_cache", "preload",
 ]
 
-WORKERS = {"clutor": "clutor.bench.worker", "llama.cpp": "clutor.bench.llama_worker"}
+WORKERS = {"clutor": "clutor.bench.worker", "llama.cpp": "clutor.bench.llama_worker",
+           "speculative": "clutor.bench.spec_worker"}  # (both engines: its "engine" option says which)
 FIO_BLOCK = 4 << 20
 FIO_DEPTH = 8
 

@@ -147,6 +147,10 @@ def add_parser(sub):
     w.add_argument("--during-prefill", type=_positive, default=None, metavar="N",
                    help="instead of the sweep: N short streams decode alone for --tokens tokens each, then again "
                         "while the prompt prefills; their inter-token latency, p50 and p99, in both phases")
+    w.add_argument("--speculative", action="store_true",
+                   help="instead of the sweep: decoding with n-gram drafts against without, on an edit, JSON filling "
+                        "and prose, in RAM and streamed at the first --budgets under --cap (with --vs-llama-cpp: "
+                        "llama.cpp's prompt-lookup decoding beside it)")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
     c.add_argument("--llama-extra-buffers", choices=("on", "off"), default="on",
@@ -280,7 +284,8 @@ def run(args) -> int:
     desc, n_ctx = _check(args)
     args._slab_bytes = max(1, desc["expert_bytes_one"] // 3)  # one of an expert's three slabs: the store's read
     # (the sweep's capped comparison; --concurrency caps every run at --cap SIZE itself)
-    plan, skip_note = _plan_cap(args, args.model, desc, n_ctx) if args.vs_llama_cpp and not args.concurrency else (None, None)
+    plan, skip_note = (_plan_cap(args, args.model, desc, n_ctx) if args.vs_llama_cpp and not args.concurrency
+                       and not args.speculative else (None, None))
     common = {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "seed": args.seed, "n_ctx": n_ctx,
               "workload": args.workload}
     file_bytes = sum(os.path.getsize(f) for f in desc["files"])
@@ -293,6 +298,12 @@ def run(args) -> int:
     }
     disk = disk_bandwidth(args.model, args.fio_seconds, on_start=_say)
     report["disk"] = {"bytes_per_second": disk.bytes_per_second, "note": disk.note}
+
+    if args.speculative:
+        from .bench_spec import run_speculative
+
+        spec_plan = _plan_cap(args, args.model, desc, n_ctx)[0] if args.io != "memory" else None
+        return run_speculative(args, report, spec_plan)
 
     if args.during_prefill:
         from ..bench.report import render_during
