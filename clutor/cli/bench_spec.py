@@ -28,7 +28,7 @@ def run_speculative(args, report: dict, plan) -> int:
     if args.io != "memory":
         budget = plan[1] if plan else (args.budgets[0] if args.budgets else Budget("25%", fraction=0.25))
         settings.append((f"streamed, expert cache {budget.text}" + (f", cap {_gib(plan[0])}" if plan else ""),
-                         {"io": args.io, "expert_cache": budget.worker_value()}, plan[0] if plan else None))
+                         {"io": args.io, "expert_cache": budget.worker_value}, plan[0] if plan else None))
     engines = ["clutor"] + (["llama.cpp"] if args.vs_llama_cpp else [])
     rows = []
     total = len(settings) * len(SPEC_WORKLOADS) * len(engines) * 2
