@@ -15,6 +15,8 @@ task per model runs the steps. Each round the engine
    when it resumes) instead of the process growing;
 3. hands the plan to the runner (clutor.model.runner), which computes it as ONE forward: the dense
    products run once over all rows, and each layer reads the union of the experts its rows route to;
+   a decoding sequence that drafts (clutor.model.speculative) feeds its last token and its draft as one
+   segment, its rows verified by its own sampler and those after the first mismatch cut from its pages;
    a prompt longer than step_tokens goes instead as a window of up to ``prefill_window`` tokens in
    one step of its own (each layer's experts read once for the whole window), which the runner runs
    a slice at a time (``prefill_slice`` seconds of work) between the other sequences' steps, so it
@@ -546,7 +548,7 @@ class Engine:
         if s is None:
             return 0
         cap = min(r.max_new - r.n_gen - 1, self.n_ctx - r.seq.n - 1, s.params.draft_max // max(1, n_decoding))
-        return len(s.plan(r.history, self.spec_costs.cost, cap))
+        return len(s.plan(r.history, self.spec_costs, cap))
 
     def _reserve(self, r: Request, n: int, batch: list[tuple[Request, int]]) -> bool:
         """Pages for r's next n positions, preempting later-admitted requests not in this step while the

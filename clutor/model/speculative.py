@@ -197,9 +197,13 @@ class Pacer:
         c = min(self.cont, 0.999)
         return 1.0 + (self.first * (1 - c ** k) / (1 - c) if k else 0.0)
 
-    def choose(self, cost, cap: int) -> int:
+    def choose(self, cost, cap: int, measured: int = 0) -> int:
+        """measured: the most rows a step has had whose cost is known; k goes at most to twice that
+        (past it the cost is a guess: a long draft lost at its first token is a costly way to learn)."""
         p = self.params
         cap = min(cap, p.draft_max)
+        if measured and p.adaptive:
+            cap = min(cap, max(4, 2 * measured))
         if cap < max(1, p.draft_min):
             return 0
         if not p.adaptive:
@@ -250,7 +254,17 @@ class Costs:
             if r > rows:  # between two measured counts
                 return max(1.0, c_lo + (c - c_lo) * (rows - lo) / (r - lo))
             lo, c_lo = r, max(c, c_lo)
-        return c_lo + self.prior * (rows - lo)
+        slope = self.prior
+        if len(known) >= 2:  # past the last measured count: the slope of the last two
+            (r0, c0), (r1, c1) = known[-2], known[-1]
+            slope = max(self.prior, (c1 - c0) / (r1 - r0))
+        elif known:
+            slope = max(self.prior, (known[-1][1] - 1.0) / (known[-1][0] - 1))
+        return c_lo + slope * (rows - lo)
+
+    def measured(self) -> int:
+        """The most rows a measured step had (1 before any)."""
+        return max((r for r, v in self._steps.items() if v), default=1)
 
     @property
     def beta(self) -> float:
@@ -278,10 +292,9 @@ class SpecState:
         self.pacer = Pacer(params)
         self.draft: list[int] = []
 
-    def plan(self, history: Sequence[int], cost, cap: int) -> list[int]:
-        """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches);
-        cost(rows): a step's cost in one-row steps (Costs.cost)."""
-        k = self.pacer.choose(cost, cap) if cap > 0 else 0
+    def plan(self, history: Sequence[int], costs: "Costs", cap: int) -> list[int]:
+        """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches)."""
+        k = self.pacer.choose(costs.cost, cap, costs.measured()) if cap > 0 else 0
         d = self.drafter.propose(history, k) if k else []
         self.draft = d if len(d) >= max(1, self.params.draft_min) else []
         return self.draft
