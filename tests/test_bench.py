@@ -575,23 +575,27 @@ def test_bench_during_prefill_measures_other_streams_gaps_inside_the_prefill(tin
 
 
 def test_bench_speculative_rows_keep_their_tokens(tiny, capsys):
-    """--speculative: each workload with drafts off and on, in RAM and streamed, fresh processes; the drafted
-    rows give the same greedy tokens as the rows without, and the streamed rows count their expert bytes."""
+    """--speculative -md DRAFT: each workload with drafts off, n-gram and from the draft model, in RAM and
+    streamed, fresh processes; the drafted rows give the same greedy tokens as the rows without, the
+    draft model's rows verify drafts, and the streamed rows count their expert bytes."""
     from clutor.cli import bench_spec
 
+    draft = str(fixture_path("olmoe", "Q4_K_M"))
     args = bench_cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
         [tiny, "--budgets", "50%", "--io", "threads", "--tokens", "16", "--fio-seconds", "0", "--cap", "none",
-         "--speculative", "--json"])
+         "--speculative", "-md", draft, "--json"])
     assert bench_cli.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["speculative"]
-    assert len(rows) == 2 * 3 * 2 and all(r["ok"] for r in rows)
+    assert len(rows) == 2 * 3 * 3 and all(r["ok"] for r in rows)
+    assert report["settings"]["model_draft"] == draft
     for r in rows:
         res = r["result"]
         assert len(res["tokens"]) == 16 and res["decode_tps"] > 0
         base = next(q["result"] for q in rows if q["setting"] == r["setting"] and q["workload"] == r["workload"]
-                    and not q["draft"])
+                    and q["draft"] == "off")
         assert res["tokens"] == base["tokens"]
-        assert (res["drafted"] > 0) == r["draft"] or not r["draft"]
+        if r["draft"] == "model":
+            assert res["drafted"] > 0
         assert (res["decode_bytes"] > 0) == r["streamed"]
     assert "kept / drafted" in bench_spec.render_speculative(report)

@@ -160,3 +160,26 @@ def test_the_demo_explains_itself(tmp_path, monkeypatch, capsys):
                    "direct = O_DIRECT"):
         assert figure in err, figure
     assert "clutor pull " in err and "clutor chat " in err and f"DEMO = {path}" in err
+
+
+def test_generate_with_a_draft_model_gives_the_same_text(capsys):
+    """-md (llama.cpp's flag, and its --spec-draft-n-max): greedy text as without it, drafts in the report."""
+    model, draft = str(fixture_path("olmoe", "Q8_0")), str(fixture_path("olmoe", "Q4_K_M"))
+    common = ["generate", model, "The quick brown fox", "-n", "12", "--temperature", "0", "--ignore-eos",
+              "--activations", "q8"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main(common + ["-md", draft, "--spec-draft-n-max", "4", "--draft-p-min", "0"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain
+    assert "drafted" in cap.err
+
+
+@pytest.mark.parametrize("flags,said", [(["--speculative", "draft"], "-md/--model-draft"),
+                                        (["-md", "DRAFT", "--draft-p-min", "1.5"], "--draft-p-min"),
+                                        (["-md", "nope.gguf"], "nope.gguf")])
+def test_draft_flags_refused_with_the_flag_named(capsys, flags, said):
+    flags = [str(fixture_path("olmoe", "Q4_K_M")) if f == "DRAFT" else f for f in flags]
+    assert main(["generate", str(fixture_path("olmoe", "Q8_0")), "hi", "-n", "2"] + flags) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

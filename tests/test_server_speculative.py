@@ -121,3 +121,31 @@ def test_bad_values_are_a_400_naming_the_field(client, extra, param):
     r = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user",
                                                                                            "content": "hi"}], **extra})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text  # (Anthropic's shape names no field)
+
+
+def test_a_draft_type_without_a_draft_model_is_a_400(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                             "speculative": {"type": "draft"}})
+    assert r.status_code == 400, r.text
+    assert "draft model" in r.json()["error"]["message"]
+
+
+def test_a_server_with_a_draft_model_drafts_with_it_by_default():
+    """Model.open(draft_model=...): a request's fields without a type use the draft model (its p_min
+    too); the replies equal the undrafted one."""
+    s = LiveServer(create_app(clutor.Model.open(MODEL, io="memory", n_ctx=512, activations="q8",
+                                                draft_model=fixture_path("olmoe", "Q4_K_M")),
+                              served_model_name="tiny", max_sequences=4))
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            text = _complete(c, speculative="off")["choices"][0]["text"]
+            for kw in ({}, {"speculative": {"n_max": 4, "p_min": 0.0}}, {"speculative": {"type": "draft"}},
+                       {"speculative": {"n_max": 4, "p_min": 1.0}}):
+                got = _complete(c, **kw)
+                assert got["choices"][0]["text"] == text, kw
+                if kw.get("speculative", {}).get("p_min") == 1.0:  # no token is that sure: nothing drafted
+                    assert "draft_n" not in got["timings"]
+                elif kw:
+                    assert got["timings"]["draft_n"] > 0, kw
+    finally:
+        s.stop()

@@ -151,6 +151,9 @@ def add_parser(sub):
                    help="instead of the sweep: decoding with n-gram drafts against without, on an edit, JSON filling "
                         "and prose, in RAM and streamed at the first --budgets under --cap (with --vs-llama-cpp: "
                         "llama.cpp's prompt-lookup decoding beside it)")
+    w.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE",
+                   help="with --speculative: also draft with this small model of the same vocabulary (llama.cpp: "
+                        "llama-server -md, found as $CLUTOR_LLAMA_SERVER or on PATH)")
     c = p.add_argument_group("comparison with llama.cpp")
     c.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp, unconstrained and capped")
     c.add_argument("--llama-extra-buffers", choices=("on", "off"), default="on",
@@ -281,6 +284,9 @@ def run(args) -> int:
     from ..bench.report import render_report
     from ..bench.runner import Budget, disk_bandwidth
 
+    if args.model_draft is not None and not (args.speculative and os.path.isfile(args.model_draft)):
+        raise ClutorError(f"-md/--model-draft {args.model_draft}: " + ("no such file" if args.speculative else
+                          "drafts are measured with --speculative"))
     desc, n_ctx = _check(args)
     args._slab_bytes = max(1, desc["expert_bytes_one"] // 3)  # one of an expert's three slabs: the store's read
     # (the sweep's capped comparison; --concurrency caps every run at --cap SIZE itself)
@@ -301,6 +307,8 @@ def run(args) -> int:
 
     if args.speculative:
         from .bench_spec import run_speculative
+
+        report["settings"]["model_draft"] = args.model_draft
 
         spec_plan = _plan_cap(args, args.model, desc, n_ctx)[0] if args.io != "memory" else None
         return run_speculative(args, report, spec_plan)

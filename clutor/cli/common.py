@@ -118,16 +118,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"bytes the files under --prefix-cache-disk may take (default {DEFAULTS.prefix_cache_disk_size}); "
                         "the least recently used go first")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative", choices=("ngram", "off"), default=None,
-                   help="draft tokens from n-grams of the prompt, the reply and earlier requests, and verify them "
-                        "in one step (each expert read once for all of them); greedy output is unchanged "
-                        "(default: off, on with ngram where --draft-max or --draft-min is given)")
-    s.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=None, metavar="N",
+    s.add_argument("--speculative", choices=("ngram", "draft", "off"), default=None,
+                   help="draft tokens and verify them in one step (each expert read once for all of them); greedy "
+                        "output is unchanged. ngram: from n-grams of the prompt, the reply and earlier requests; "
+                        "draft: with the draft model (-md). Default: draft with -md, ngram where --draft-max or "
+                        "--draft-min is given, else off")
+    s.add_argument("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", dest="draft_max", type=int, default=None, metavar="N",
                    help="drafted tokens per step at most (default 16; fewer where acceptance or the step's cost "
                         "says so)")
-    s.add_argument("--draft-min", dest="draft_min", type=int, default=None, metavar="N",
+    s.add_argument("--draft-min", "--spec-draft-n-min", dest="draft_min", type=int, default=None, metavar="N",
                    help="fewer drafted tokens than this and the step does not speculate (default 0)")
-    s.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE", help=argparse.SUPPRESS)
+    s.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft", default=None, metavar="FILE",
+                   help="a small GGUF model with this model's vocabulary, run in RAM beside it to draft tokens")
+    s.add_argument("--draft-p-min", "--spec-draft-p-min", dest="draft_p_min", type=float, default=None, metavar="P",
+                   help="the draft model stops drafting where its next token is less likely than P (default 0)")
 
 
 def check_sampling_args(args) -> None:
@@ -166,19 +170,21 @@ def _kv_type(args) -> str:
 
 def speculative_arg(args):
     """Model.open(speculative=...) from --speculative / --draft-max / --draft-min (ClutorError naming the flag)."""
-    if getattr(args, "model_draft", None):
-        raise ClutorError("-md/--model-draft: a draft model is not supported yet; --speculative ngram drafts from "
-                          "the prompt and the reply instead")
-    mode = getattr(args, "speculative", None)
-    dmax, dmin = getattr(args, "draft_max", None), getattr(args, "draft_min", None)
-    if mode == "off" or (mode is None and dmax is None and dmin is None):
+    mode, draft = getattr(args, "speculative", None), getattr(args, "model_draft", None)
+    dmax, dmin, pmin = getattr(args, "draft_max", None), getattr(args, "draft_min", None), getattr(args, "draft_p_min", None)
+    if mode == "draft" and not draft:
+        raise ClutorError("--speculative draft needs a draft model: -md/--model-draft FILE")
+    if pmin is not None and not 0.0 <= pmin <= 1.0:
+        raise ClutorError(f"--draft-p-min must be a probability in [0, 1], got {pmin}")
+    if mode == "off" or (mode is None and not draft and dmax is None and dmin is None):
         return None
     from ..model.speculative import SpeculativeParams
 
     for flag, v in (("--draft-max", dmax), ("--draft-min", dmin)):
         if v is not None and not (0 if flag == "--draft-min" else 1) <= v <= 64:
             raise ClutorError(f"{flag} must be in [{0 if flag == '--draft-min' else 1}, 64], got {v}")
-    kw = {k: v for k, v in (("draft_max", dmax), ("draft_min", dmin)) if v is not None}
+    kw = {k: v for k, v in (("draft_max", dmax), ("draft_min", dmin), ("draft_p_min", pmin)) if v is not None}
+    kw["mode"] = mode or ("draft" if draft else "ngram")
     if kw.get("draft_min", 0) > kw.get("draft_max", SpeculativeParams.draft_max):
         raise ClutorError(f"--draft-min {kw['draft_min']} is larger than --draft-max "
                           f"{kw.get('draft_max', SpeculativeParams.draft_max)}")
@@ -199,7 +205,8 @@ def model_kwargs(args) -> dict:
                 prefix_cache_disk=args.prefix_cache_disk, prefix_cache_disk_size=args.prefix_cache_disk_size,
                 kv_cache=args.kv_cache,
                 kv_type=_kv_type(args), activations=args.activations, threads=args.threads,
-                speculative=speculative_arg(args), progress=load_progress())
+                speculative=speculative_arg(args), draft_model=getattr(args, "model_draft", None),
+                progress=load_progress())
 
 
 def read_text_file(path: str, what: str) -> str:

@@ -53,6 +53,7 @@ import numpy as np
 from ..errors import BudgetError, ClosedError, ClutorError, QueueFullError
 from ..units import format_bytes
 from .accounting import Ledger
+from .compute import compute
 from .kv import PAGE, NoRoom
 from .plan import StepPlan, Want
 from .speculative import Costs, NgramCache, SpecState, verifier
@@ -189,6 +190,7 @@ class Engine:
         self._loads: set[asyncio.Task] = set()  # pages coming from the disk prefix cache (kv_disk)
         self.spec_costs = Costs()  # what a step's extra rows cost, for the drafts' length
         self.ngram_cache = NgramCache()  # finished requests' n-grams, drafts for later ones
+        self.draft = None  # a draft model (clutor.model.draft.DraftModel) for requests in mode "draft"
         self.spec_drafted = 0  # drafted tokens verified, and those kept (the server's /metrics)
         self.spec_accepted = 0
 
@@ -245,11 +247,14 @@ class Engine:
         req.history = list(req.prompt)
         req.todo = list(req.prompt)
         if req.speculative is not None and req.kind == "generate" and req.logits_processor is None:
+            if req.speculative.mode == "draft" and self.draft is None:
+                raise ClutorError("speculative mode 'draft' needs a draft model: open the model with "
+                                  "draft_model=PATH (-md/--model-draft)")
             if self.pool.recurrent:
                 log.info("speculative decoding is off for this model: its recurrent layers' states are not "
                          "rolled back")
             else:
-                req.spec = SpecState(req.speculative, self.ngram_cache)
+                req.spec = SpecState(req.speculative, self.ngram_cache, self.draft)
         req.prompt_keys = self.pool.chain_keys(req.prompt, len(req.prompt) // PAGE)
         req.t_submitted = time.perf_counter()
         self._waiting.append(req)
@@ -271,6 +276,8 @@ class Engine:
             self._waiting.remove(req)
             if req.disk != "loading":  # (a load under way unpins when it ends)
                 self._unpin(req)
+            if req.spec is not None:
+                req.spec.close()
         elif id(req) not in self._in_step and not self._windowed(req):
             self._retire(req)
         if self._wake is not None:
@@ -332,6 +339,7 @@ class Engine:
                 self._admit()
                 if self._window is None:
                     self._start_window()
+                await self._draft_ahead()
                 batch = self._schedule()
                 if not batch and self._window is None:
                     if self._closed or (not self._waiting and not self._active):
@@ -524,7 +532,7 @@ class Engine:
             if r not in self._active:  # preempted while planning this step
                 continue
             if r in decoding:
-                n = 1 + self._draft(r, len(decoding))
+                n = 1 + (len(r.spec.draft) if r.spec is not None and r.spec.heavy else self._draft(r, len(decoding)))
             else:
                 if room <= 0:
                     continue
@@ -540,6 +548,15 @@ class Engine:
             if r not in decoding:
                 room -= n
         return batch
+
+    async def _draft_ahead(self) -> None:
+        """The draft model's drafts for the sequences the next step decodes, on the compute thread
+        (_schedule, on the loop, takes them as planned)."""
+        decoding = [r for r in self._active if r.n_gen > 0 and len(r.todo) == 1]
+        heavy = [r for r in decoding if r.spec is not None and r.spec.heavy and not r.spec.draft]
+        if heavy:
+            n = len(decoding)
+            await compute(lambda: [self._draft(r, n) for r in heavy])
 
     def _draft(self, r: Request, n_decoding: int) -> int:
         """r's draft for its next step (clutor.model.speculative), its length: within max_new and the
@@ -785,11 +802,12 @@ class Engine:
             if req.spec is not None and req.n_gen:
                 p = req.spec.params
                 self.ngram_cache.add(req.history, range(p.ngram_min, p.ngram_max + 1), req.n_gen + 512)
-                req.spec.draft = []
             self._active.remove(req)
             self._forget_promises(req)
             if req.seq is not None:
                 self.pool.release(req.seq)
+        if req.spec is not None:
+            req.spec.close()
         req.seq = None
 
     def _drop(self, req: Request) -> None:
@@ -803,6 +821,8 @@ class Engine:
                 self.pool.done(req.copies)
                 req.copies = []
             self.pool.release(req.seq)
+        if req.spec is not None:
+            req.spec.close()
         req.seq = None
 
     def _forget_promises(self, req: Request) -> None:

@@ -196,8 +196,9 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
         Mistral's [TOOL_CALLS]); other control tokens decode to nothing.
     checkpoints: prompt positions where a model with recurrent layers keeps a copy of its state, so a
         later prompt that shares only that prefix reuses it (the prompt's end is always kept).
-    speculative: this request's drafting (clutor.model.speculative: "ngram", "off", a dict of
-        SpeculativeParams' fields); default: the model's (Model.open(speculative=...)).
+    speculative: this request's drafting (clutor.model.speculative: "ngram", "draft", "off", a dict of
+        SpeculativeParams' fields, whose mode is the model's where it names none); default: the
+        model's (Model.open(speculative=..., draft_model=...)).
 
     The request joins the model's batch (clutor.model.engine): concurrent calls advance together, one
     forward per step, and a prompt that starts like a recently finished sequence reuses its KV cache.
@@ -205,7 +206,13 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
     tok = model.tokenizer
     if max_tokens < 1:
         raise ClutorError(f"max_tokens must be >= 1, got {max_tokens}")
+    if isinstance(speculative, dict) and not {"mode", "type"} & speculative.keys():
+        own = model.options.speculative  # fields without a mode: the model's drafter, with these settings
+        speculative = {**speculative, "mode": own.mode if own is not None else "ngram"}
     spec = model.options.speculative if speculative is _MODEL else parse_speculative(speculative)
+    if spec is not None and spec.mode == "draft" and model.draft is None:
+        raise ClutorError(f"speculative mode 'draft': {model.path} was opened without a draft model "
+                          "(Model.open(draft_model=PATH), -md/--model-draft)")
     sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty))

@@ -69,6 +69,7 @@ class Model:
         self.kv_note = kv_note        # how that budget was chosen
         self._format: PageFormat | None = None  # the KV pages' file format (saved slots), made when first asked
         self._trace = trace
+        self.draft = None  # the draft model (clutor.model.draft.DraftModel), where draft_model was given
         self.profile: Profile = Profile() if options.profile else NO_PROFILE  # where the steps' time goes
         self.kernels = options.kernels  # how this model's products compute (activations, threads)
         if arch.ggml_f16_sums:  # F16 products in llama.cpp's order (slower; only where a model needs it)
@@ -102,7 +103,7 @@ class Model:
              prefix_cache_disk_size: int | str = DEFAULTS.prefix_cache_disk_size,
              kv_cache: int | str | None = DEFAULTS.kv_cache, kv_type: str = DEFAULTS.kv_type,
              activations: str = DEFAULTS.activations, threads: int | None = DEFAULTS.threads,
-             speculative=DEFAULTS.speculative, profile: bool = False,
+             speculative=DEFAULTS.speculative, draft_model: str | os.PathLike | None = None, profile: bool = False,
              progress: Callable[[int, int], None] | None = None) -> AwaitableContext["Model"]:
         """Open a GGUF MoE model.
 
@@ -157,6 +158,9 @@ class Model:
             generate(speculative=...) overrides it. Greedy and seeded output is the same as without it in
             q8 activations (rows of one step keep their own bits); off with a logits processor (grammars)
             and for architectures with recurrent layers.
+        draft_model: a small GGUF model with this one's vocabulary (clutor.model.draft), opened in RAM
+            beside it: requests draft with it (speculative "draft", the default once it is given), greedily,
+            up to draft_max tokens, stopping where its next token is less likely than draft_p_min.
         profile: time every step's spans (attention, router, experts, waiting for reads, ...) into
             ``model.profile`` (clutor.model.profile; ``clutor bench --profile`` prints it).
         progress: called as progress(bytes_read, dense_bytes) while the dense weights load (from a thread).
@@ -175,7 +179,8 @@ class Model:
                             prefix_cache_disk=os.fspath(prefix_cache_disk) if prefix_cache_disk is not None else None,
                             prefix_cache_disk_size=prefix_cache_disk_size,
                             kv_cache=kv_cache, kv_type=kv_type, activations=activations, threads=threads,
-                            speculative=speculative, profile=profile)
+                            speculative=speculative,
+                            draft_model=os.fspath(draft_model) if draft_model is not None else None, profile=profile)
         return AwaitableContext(lambda: cls._open(os.fspath(path), opts, progress))
 
     @classmethod
@@ -244,8 +249,8 @@ class Model:
                 # expert_bytes = the store's slot size, so `clutor simulate --budget B` models the same cache
                 trace = TraceWriter(opts.trace, TraceHeader(len(cfg.moe_layers), cfg.n_expert, cfg.n_expert_used,
                                                             experts.slot_bytes), protect=f.paths)
-            return cls(path, f, arch, dense, tok, experts, pool, ctx, options=opts, cache_note=why,
-                       kv_note=kv_budget[1], trace=trace, window=window, ctx_note=ctx_note)
+            model = cls(path, f, arch, dense, tok, experts, pool, ctx, options=opts, cache_note=why,
+                        kv_note=kv_budget[1], trace=trace, window=window, ctx_note=ctx_note)
         except BaseException:
             # Whatever failed (even a MemoryError in __init__), give back the trace, the store (ring,
             # eventfd, arena), the KV pool and the file's fds before re-raising.
@@ -253,6 +258,15 @@ class Model:
                               experts.aclose if experts is not None else None,
                               pool.close if pool is not None else None, f.close])
             raise
+        if opts.draft_model is not None:
+            from .draft import DraftModel
+
+            try:
+                model.draft = model.engine.draft = await DraftModel.open(opts.draft_model, model)
+            except BaseException:
+                await model.aclose()
+                raise
+        return model
 
     async def aclose(self) -> None:
         """Fail generations still running (after the step under way), then free everything."""
@@ -264,7 +278,8 @@ class Model:
             self._closed = True
             # Each is closed even when another one's close raises (a trace on a full disk); the first
             # error is raised after all are closed.
-            await _close_all([self._experts.aclose, self.kv.disk.aclose if self.kv.disk is not None else None,
+            await _close_all([self.draft.aclose if self.draft is not None else None,
+                              self._experts.aclose, self.kv.disk.aclose if self.kv.disk is not None else None,
                               self.kv.close, self._file.close,
                               self._trace.close if self._trace is not None else None])
 

@@ -41,6 +41,7 @@ class ModelOptions:
     activations: str = "auto"              # kernels: auto | q8 | f32 (clutor.model.kernel_settings)
     threads: int | None = None             # kernels: threads per product (None: the CPUs allowed)
     speculative: object = None             # clutor.model.speculative.SpeculativeParams for every request, None: off
+    draft_model: str | None = None         # a draft model's GGUF (clutor.model.draft), run in RAM beside this one
 
     @property
     def kernels(self) -> KernelSettings:
@@ -75,6 +76,12 @@ class ModelOptions:
         from .speculative import parse_speculative
 
         object.__setattr__(self, "speculative", parse_speculative(self.speculative))  # ClutorError when bad
+        if self.draft_model is not None and self.speculative is None:
+            from .speculative import SpeculativeParams
+
+            object.__setattr__(self, "speculative", SpeculativeParams(mode="draft"))  # a draft model drafts
+        if self.speculative is not None and self.speculative.mode == "draft" and self.draft_model is None:
+            raise ClutorError("speculative mode 'draft' needs a draft model (draft_model=PATH, -md/--model-draft)")
         if self.kv_type not in KV_TYPES:
             raise ClutorError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
         if self.kv_cache is not None:

@@ -17,7 +17,9 @@ Drafters (``Drafter``):
 - prompt lookup: the longest of the last ``ngram_max`` .. ``ngram_min`` tokens seen earlier in this
   request (its prompt and what it generated), and what followed it there;
 - a session cache (``NgramCache``, one per model): the same lookup over requests that finished, so
-  that the keys of a JSON schema or the lines of a file sent again draft from the last time.
+  that the keys of a JSON schema or the lines of a file sent again draft from the last time;
+- a draft model (mode "draft", clutor.model.draft.ModelDrafter): a small model with the same
+  vocabulary, in RAM, decoding greedily.
 
 ``Pacer`` picks k per step from the sequence's recent acceptance and the measured cost of a step by its
 row count (``Costs``: the expert bytes the rows add when streamed, their compute in RAM): the k that
@@ -34,21 +36,27 @@ from ..errors import ClutorError
 
 __all__ = ["SpeculativeParams", "Drafter", "NgramCache", "Pacer", "parse_speculative"]
 
+MODES = ("ngram", "draft", "off")
+
 
 @dataclass(frozen=True)
 class SpeculativeParams:
     """How a request drafts; llama.cpp's names where it has them (``--draft-max``, ``--draft-min``)."""
 
-    mode: str = "ngram"      # "ngram" (prompt lookup + the session cache) | "off"
+    mode: str = "ngram"      # "ngram" (prompt lookup + the session cache) | "draft" (the draft model) | "off"
     draft_max: int = 16      # drafted tokens per step at most
     draft_min: int = 0       # fewer than this and the step does not speculate
+    draft_p_min: float = 0.0   # a draft model stops where its next token is less likely (llama.cpp: 0.0)
     ngram_max: int = 4       # the longest suffix looked up
     ngram_min: int = 1       # the shortest (the pacer drafts less where short matches are wrong)
     adaptive: bool = True    # k from acceptance and step cost (False: always draft_max when a match exists)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("ngram", "off"):
-            raise ClutorError(f"speculative mode: expected 'ngram' or 'off', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ClutorError(f"speculative mode: expected 'ngram', 'draft' or 'off', got {self.mode!r}")
+        p = self.draft_p_min
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ClutorError(f"speculative draft_p_min: expected a probability in [0, 1], got {p!r}")
         for name, lo in (("draft_max", 1), ("draft_min", 0), ("ngram_max", 1), ("ngram_min", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -77,18 +85,18 @@ def parse_speculative(value) -> SpeculativeParams | None:
     if isinstance(value, str):
         return SpeculativeParams(mode=value)
     if isinstance(value, dict):
-        names = {"n_max": "draft_max", "n_min": "draft_min", "type": "mode"}
+        names = {"n_max": "draft_max", "n_min": "draft_min", "p_min": "draft_p_min", "type": "mode"}
         fields = set(SpeculativeParams.__dataclass_fields__)
         kw = {}
         for k, v in value.items():
             k = names.get(k, k)
             if k not in fields:
                 raise ClutorError(f"speculative: unknown field {k!r} (expected {', '.join(sorted(fields))}, "
-                                  "or n_max / n_min)")
+                                  "or n_max / n_min / p_min)")
             kw[k] = v
         p = SpeculativeParams(**kw)
         return p if p.on else None
-    raise ClutorError(f"speculative: expected 'ngram', 'off', a dict or SpeculativeParams, got {value!r}")
+    raise ClutorError(f"speculative: expected 'ngram', 'draft', 'off', a dict or SpeculativeParams, got {value!r}")
 
 
 class NgramCache:
@@ -122,6 +130,8 @@ class NgramCache:
 
 class Drafter:
     """One request's drafts: its own history first (prompt lookup), then the session cache."""
+
+    heavy = False  # proposing is a lookup, cheap enough for the event loop (a draft model's is not)
 
     def __init__(self, params: SpeculativeParams, cache: NgramCache | None = None):
         self.params = params
@@ -163,6 +173,9 @@ class Drafter:
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1
+
+    def close(self) -> None:
+        pass
 
 
 class Pacer:
@@ -262,6 +275,11 @@ class Costs:
             slope = max(self.prior, (known[-1][1] - 1.0) / (known[-1][0] - 1))
         return c_lo + slope * (rows - lo)
 
+    def seconds(self, rows: int = 1) -> float | None:
+        """A measured step of ``rows`` rows' seconds (the median), None before any."""
+        v = self._steps.get(rows)
+        return _median(v) if v else None
+
     def measured(self) -> int:
         """The most rows a measured step had (1 before any)."""
         return max((r for r, v in self._steps.items() if v), default=1)
@@ -284,17 +302,25 @@ def _median(xs: list[float]) -> float:
 
 
 class SpecState:
-    """A request's speculation inside the engine: its drafter, its pacer, the draft of the step planned."""
+    """A request's speculation inside the engine: its drafter, its pacer, the draft of the step planned.
+    With a draft model (mode "draft", clutor.model.draft) each drafted token costs one of its steps too:
+    the pacer weighs k drafts at cost(k + 1) + k * (a draft step over a one-row target step)."""
 
-    def __init__(self, params: SpeculativeParams, cache: NgramCache | None):
+    def __init__(self, params: SpeculativeParams, cache: NgramCache | None, draft=None):
         self.params = params
-        self.drafter = Drafter(params, cache)
+        self.drafter = draft.drafter(params) if params.mode == "draft" else Drafter(params, cache)
+        self.heavy = self.drafter.heavy
         self.pacer = Pacer(params)
         self.draft: list[int] = []
 
     def plan(self, history: Sequence[int], costs: "Costs", cap: int) -> list[int]:
         """The draft for the next step (at most cap tokens; [] when it does not pay or nothing matches)."""
-        k = self.pacer.choose(costs.cost, cap, costs.measured()) if cap > 0 else 0
+        cost = costs.cost
+        if self.heavy:
+            d, one = self.drafter.draft.step_seconds(), costs.seconds(1)
+            per = d / one if d is not None and one else 0.1  # a draft step over a target step (a guess at first)
+            cost = lambda rows: costs.cost(rows) + (rows - 1) * per  # noqa: E731
+        k = self.pacer.choose(cost, cap, costs.measured()) if cap > 0 else 0
         d = self.drafter.propose(history, k) if k else []
         self.draft = d if len(d) >= max(1, self.params.draft_min) else []
         return self.draft
@@ -305,6 +331,11 @@ class SpecState:
             self.drafter.record(len(self.draft), kept)
             self.pacer.update(len(self.draft), kept)
         self.draft = []
+
+    def close(self) -> None:
+        """The request left the engine: what its drafter holds (a draft model's sequence) goes back."""
+        self.draft = []
+        self.drafter.close()
 
 
 def verifier(req, head, draft: list[int]):

@@ -311,6 +311,10 @@ def _gen_route(state: ServerState, kind: str):
             if req.id_slot is not None and req.id_slot >= state.admission.max_live:
                 raise APIError(400, f"'id_slot' must be in [0, {state.admission.max_live}) (the sequences served at "
                                     f"once), got {req.id_slot}", param="id_slot")
+            spec = req.options.get("speculative")
+            if isinstance(spec, dict) and spec.get("mode") == "draft" and getattr(m, "draft", None) is None:
+                raise APIError(400, "'speculative.type' is 'draft' but this server has no draft model "
+                                    "(clutor serve -md FILE)", param="speculative.type")
         except APIError as e:
             log.info("%s %s %d %s", rid, path, e.status, for_log(e.message))
             return JSON(api.error(e), e.status, e.headers)

@@ -203,13 +203,14 @@ _SPEC_INTS = {"draft_max": (1, 64), "draft_min": (0, 64), "ngram_max": (1, 64), 
 
 
 def _speculative(body: dict):
-    """This request's drafting for model.generate(speculative=...): a SpeculativeParams, "off", or None
-    when the request says nothing (the model's own setting).
+    """This request's drafting for model.generate(speculative=...): a dict of SpeculativeParams' fields
+    (without a type, the model's drafter with them), "off", or None when the request says nothing (the
+    model's own setting).
 
     As llama-server: ``speculative`` an object {n_max, n_min, p_min, type} (or "ngram", "off", false),
     the flat spelling llama-server itself reads (``"speculative.n_max"``, ...) and ``n_draft`` (n_max;
     0: off), the last two over the object's fields. n_max 0 is off too (llama-server drafts nothing
-    then). p_min is checked and ignored: an n-gram draft has no draft model's probability to cut at.
+    then). p_min is the draft model's cut (an n-gram draft has no probability to cut at).
     Each value is checked here, so the 400 names its field (``speculative.n_max``)."""
     from ..errors import ClutorError
     from ..model.speculative import SpeculativeParams, parse_speculative
@@ -235,14 +236,14 @@ def _speculative(body: dict):
     for k, x in given.items():
         name, field_ = f"speculative.{k}", _SPEC_NAMES.get(k, k)
         if k == "p_min":
-            _num({name: x}, name, 0.0, 0.0, 1.0)
+            fields["draft_p_min"] = _num({name: x}, name, 0.0, 0.0, 1.0)
             continue
         if field_ not in SpeculativeParams.__dataclass_fields__:
             raise bad_request("speculative", f"'speculative' has no field {shown(k)} (n_max, n_min, p_min, type; "
                                              "or draft_max, draft_min, ngram_max, ngram_min, adaptive)")
         if field_ == "mode":
-            if x not in ("ngram", "off"):
-                raise bad_request(name, f"'{name}' must be 'ngram' or 'off' (the drafts this server makes), "
+            if x not in ("ngram", "draft", "off"):
+                raise bad_request(name, f"'{name}' must be 'ngram', 'draft' or 'off' (the drafts this server makes), "
                                         f"got {shown(x) if isinstance(x, str) else _kind(x)}")
             off |= x == "off"
         elif field_ == "adaptive":
@@ -258,7 +259,8 @@ def _speculative(body: dict):
     if off:
         return "off"
     try:
-        return parse_speculative(fields) or "off"
+        parse_speculative(fields)  # how the fields combine; the mode, where not given, is the model's
+        return fields
     except ClutorError as e:  # how the fields combine (n_min over n_max): its message shows only integers
         raise bad_request("speculative", str(e)) from None
 
