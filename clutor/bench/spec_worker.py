@@ -139,9 +139,9 @@ def _llama_server(path: str, opts: dict, ids: list[int], tok) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [exe, "-m", path, "-md", opts["draft_model"], "-c", str(opts["n_ctx"] + 16), "-cd", str(opts["n_ctx"] + 16),
+    cmd = [exe, "-m", path, "-md", opts["draft_model"], "-c", str(opts["n_ctx"] + 16),
            "-t", str(os.cpu_count()), "-td", str(os.cpu_count()), "-np", "1", "--no-webui",
-           "--spec-draft-n-max", str(int(opts["draft_max"])), "--spec-draft-n-min", "0",
+           "--spec-type", "draft-simple", "--spec-draft-n-max", str(int(opts["draft_max"])), "--spec-draft-n-min", "0",
            "--port", str(port), "--host", "127.0.0.1"] + ([] if opts["extra_buffers"] else ["--no-repack"])
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
