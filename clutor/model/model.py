@@ -283,6 +283,11 @@ class Model:
                               self.kv.close, self._file.close,
                               self._trace.close if self._trace is not None else None])
 
+    @property
+    def metadata(self):
+        """The GGUF file's key-value metadata (read-only mapping)."""
+        return self._file.metadata
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self.path}: model is closed")

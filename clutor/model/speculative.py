@@ -27,7 +27,6 @@ maximises expected tokens per unit of step cost, 0 where no k pays.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass

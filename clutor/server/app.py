@@ -30,7 +30,7 @@ from typing import Awaitable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -43,9 +43,11 @@ from .errors import APIError, error_body
 from .guard import FrontDoor, KeyCheck
 from .labels import for_log, public, shown
 from .limits import Limits
+from .llama_routes import llama_routes
 from .metrics import Metrics, watch_loop_lag
 from .messages_api import MessagesShaper, anthropic_error, parse_messages
-from .requests import Defaults, GenRequest, check_model, decode_body, parse_chat, parse_completion
+from .plumbing import ClientLeft, Nothing, read_json, ready
+from .requests import Defaults, GenRequest, check_model, parse_chat, parse_completion
 from .responses import JSON, Shaper, json_bytes
 from .slots import SlotBook, slots_route
 from .responses_api import ResponsesShaper, parse_responses
@@ -73,6 +75,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     slots: SlotBook = field(default_factory=lambda: SlotBook(None))  # /slots (clutor.server.slots)
     created: int = field(default_factory=lambda: int(time.time()))
+    page: bool = False                # the chat page is served at /
     parsing: asyncio.Semaphore = field(init=False)  # bodies decoded and tokenised at once
 
     def __post_init__(self) -> None:
@@ -171,7 +174,9 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
         Route("/slots/{id_slot}", slots_route(state), methods=["POST"]),
+        *llama_routes(state),
     ]
+    state.page = bool(web_ui)
     if web_ui:
         routes += [Route("/", _page, methods=["GET"]),
                    Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
@@ -202,19 +207,9 @@ async def _load(state: ServerState, opener: Awaitable) -> None:
 
 
 # -- small routes -----------------------------------------------------------------------------------
-def _ready(state: ServerState) -> None:
-    if state.status == "loading":
-        raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                       headers={"retry-after": "2"})
-    if state.status == "error":
-        raise APIError(503, f"the model failed to load: {state.error}", code="model_load_failed")
-    if state.status == "draining":
-        raise APIError(503, "the server is shutting down", code="shutting_down")
-
-
 def _models(state: ServerState):
     async def models(request: Request) -> Response:
-        _ready(state)
+        ready(state)
         n_ctx = state.model.n_ctx
         # the context under the names clients read: vLLM's max_model_len, OpenRouter's context_length
         entry = {"id": state.name, "object": "model", "created": state.created, "owned_by": "clutor",
@@ -273,23 +268,6 @@ async def _internal(request: Request, e: Exception) -> Response:
 
 
 # -- generation -------------------------------------------------------------------------------------
-class _ClientLeft(Exception):
-    """The client went away while sending its request."""
-
-
-async def read_json(request: Request, state: ServerState, parse, *args):
-    """A route's request body, bounded by the server's Limits, then ``parse(body, *args)`` in a worker
-    thread (decoding included: a body may be megabytes; at most Limits.tokenize_concurrency at once).
-    What every route that takes a body goes through (APIError: a 4xx to send; _ClientLeft: nobody to answer)."""
-    raw = await _read_body(request, state.limits.max_body)
-
-    def run():
-        return parse(decode_body(raw), *args)
-
-    async with state.parsing:
-        return await asyncio.to_thread(run)
-
-
 def _gen_route(state: ServerState, kind: str):
     api = _API[kind]
     path = api.path
@@ -305,7 +283,7 @@ def _gen_route(state: ServerState, kind: str):
         rid = api.prefix + uuid.uuid4().hex[:24]
         t0 = time.perf_counter()
         try:
-            _ready(state)
+            ready(state)
             m = state.model
             req = await read_json(request, state, parse, m.tokenizer, m.n_ctx, m.config.recurrent_bytes > 0)
             if req.id_slot is not None and req.id_slot >= state.admission.max_live:
@@ -318,9 +296,9 @@ def _gen_route(state: ServerState, kind: str):
         except APIError as e:
             log.info("%s %s %d %s", rid, path, e.status, for_log(e.message))
             return JSON(api.error(e), e.status, e.headers)
-        except _ClientLeft:
+        except ClientLeft:
             log.info("%s %s 499 the client left while sending its request", rid, path)
-            return _Nothing()
+            return Nothing()
         return _Generation(state, req, rid, path, t0, api)
 
     return route
@@ -348,35 +326,6 @@ _API = {
     "responses": _Api("resp_", "/v1/responses", parse_responses, ResponsesShaper, ResponsesShaper.error),
     "messages": _Api("msg_", "/v1/messages", parse_messages, MessagesShaper, anthropic_error),
 }
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_big = {"connection": "close"}  # (the rest of the body is not read: the connection cannot be reused)
-    cl = request.headers.get("content-length", "")
-    if cl.isdigit() and int(cl) > limit:
-        raise APIError(413, f"the request body is {shown(int(cl))} bytes, over the server's limit of {limit}",
-                       code="request_too_large", headers=too_big)
-    chunks, n = [], 0
-    try:
-        async for c in request.stream():
-            n += len(c)
-            if n > limit:
-                raise APIError(413, f"the request body is over the server's limit of {limit} bytes",
-                               code="request_too_large", headers=too_big)
-            chunks.append(c)
-    except ClientDisconnect:
-        raise _ClientLeft() from None
-    return b"".join(chunks)
-
-
-class _Nothing(Response):
-    """No response: the client is gone."""
-
-    def __init__(self):
-        self.background = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        return
 
 
 class _Failed:

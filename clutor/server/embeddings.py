@@ -62,18 +62,18 @@ def _request(body: dict, state) -> tuple[str, list[list[int]]]:
 
 def embeddings_route(state, pooling: str = "mean"):
     from .admission import QueueFull
-    from .app import _ClientLeft, _Nothing, _ready, read_json
+    from .plumbing import ClientLeft, Nothing, read_json, ready
     from .responses import JSON
 
     async def route(request):
         t0 = time.perf_counter()
         try:
-            _ready(state)
+            ready(state)
             model = state.model
             try:
                 fmt, inputs = await read_json(request, state, _request, state)
-            except _ClientLeft:
-                return _Nothing()
+            except ClientLeft:
+                return Nothing()
             if not hasattr(model, "embed"):
                 raise APIError(501, "this build's engine cannot return hidden states", code="not_implemented")
             try:

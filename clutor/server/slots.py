@@ -50,13 +50,13 @@ class SlotBook:
 
 def slots_route(state):
     async def route(request: Request) -> Response:
-        from .app import _ready, read_json
+        from .plumbing import read_json, ready
 
         book: SlotBook = state.slots
         if book.save_path is None:
             raise APIError(501, "This server does not support slots action: start it with --slot-save-path DIR",
                            code="not_supported")
-        _ready(state)
+        ready(state)
         model = state.model
         n = state.admission.max_live  # the server's parallel sequences, as llama-server's --parallel slots
         raw = request.path_params["id_slot"]

@@ -284,7 +284,8 @@ class Tokenizer:
             res = self._quote_res[k] = (re.compile(f"{a}({QUOTE}*){b}"), re.compile(f"{a}{QUOTE}({QUOTE}*){b}"))
         return res
 
-    def _unquote(self, text: str) -> str:
+    def unquote(self, text: str) -> str:
+        """``quote``'s inverse: the text as it was before quoting."""
         for k in reversed(self._quoted_in(text)):
             t = self._special[k][0]
             text = self._quote_re(k)[1].sub(lambda m, a=t[0], b=t[1:]: a + m.group(1) + b, text)
@@ -309,7 +310,7 @@ class Tokenizer:
             ids.append(self._bos_id)
         frags = self._partition(text, special)
         if quoted:
-            frags = [self._unquote(f) if isinstance(f, str) and QUOTE in f else f for f in frags]
+            frags = [self.unquote(f) if isinstance(f, str) and QUOTE in f else f for f in frags]
         if self._spm is not None:
             after_special = True  # the first fragment counts as following a special token
             for frag in frags:
