@@ -186,18 +186,29 @@ class Pacer:
     give 1 + first * (1 - cont^k) / (1 - cont) tokens in expectation, at cost(k + 1) one-row steps
     (Costs, as measured); the k in [draft_min, cap] that maximises their ratio, 0 where none beats
     plain decoding. A sequence that stopped drafting probes with a short draft every ``probe`` steps,
-    so a stretch that becomes predictable is noticed."""
+    so a stretch that becomes predictable is noticed.
+
+    A draft model's tokens are kept or lost one by one, each about as likely as the last (``geometric``):
+    one rate then, from every token tried (kept, and the first lost), so that drafts of one token teach
+    it as much as long ones."""
 
     probe = 4
 
-    def __init__(self, params: SpeculativeParams):
+    def __init__(self, params: SpeculativeParams, geometric: bool = False):
         self.params = params
+        self.geometric = geometric
         self.first = 0.7   # priors: hopeful, then following the steps
         self.cont = 0.8
         self._idle = 0
+        self._kept = self._tried = 0.0  # geometric: recent tokens kept and tried, decayed per step
 
     def update(self, drafted: int, accepted: int) -> None:
         if not drafted:
+            return
+        if self.geometric:
+            self._kept = 0.8 * self._kept + accepted
+            self._tried = 0.8 * self._tried + accepted + (accepted < drafted)
+            self.first = self.cont = (self._kept + 0.7) / (self._tried + 1.0)  # (the prior as one token tried)
             return
         self.first += 0.2 * (float(accepted > 0) - self.first)
         if accepted > 0 and drafted > 1:
@@ -309,7 +320,7 @@ class SpecState:
         self.params = params
         self.drafter = draft.drafter(params) if params.mode == "draft" else Drafter(params, cache)
         self.heavy = self.drafter.heavy
-        self.pacer = Pacer(params)
+        self.pacer = Pacer(params, geometric=self.heavy)
         self.draft: list[int] = []
 
     def plan(self, history: Sequence[int], costs: "Costs", cap: int) -> list[int]:
