@@ -307,6 +307,10 @@ def test_api_key():
             assert good.completions.create(model=NAME, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         assert httpx.get(s.url + "/health").status_code == 200  # open without the key
         assert httpx.get(s.url + "/metrics").status_code == 200
+        for path in ("/tokenize", "/detokenize", "/apply-template"):  # llama-server's routes need it too
+            assert httpx.post(s.url + path, json={}).status_code == 401, path
+            assert httpx.post(s.url + path, json={}, headers={"authorization": "Bearer sesame"}).status_code != 401
+        assert httpx.get(s.url + "/props").status_code == 401
     finally:
         s.stop()
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 
 if TYPE_CHECKING:
-    from .kv import KVPool
     from .recurrent import LayerShape
 
 __all__ = ["FullKV", "WindowKV", "LatentKV", "Recurrent", "LayerState", "SequenceState"]
@@ -103,6 +102,19 @@ class Recurrent:
 LayerState = FullKV | WindowKV | LatentKV | Recurrent  # or None: a layer that keeps nothing (an FFN-only layer)
 
 
+class Pages(Protocol):
+    """What a sequence asks of the pool that made it (clutor.model.kv.KVPool, the one owner of pages)."""
+
+    n_ctx: int
+    groups: list
+    recurrent: dict
+    _orphaned: Callable[[list[list[int]]], None]
+
+    def truncate(self, seq: "SequenceState", n: int, *, recurrent_checked: bool = False) -> None: ...
+
+    def release(self, seq: "SequenceState") -> None: ...
+
+
 class SequenceState:
     """One sequence: ``n`` positions filled, its pages in each page group of the pool (-1 where a
     window group gave a page back), and its recurrent layers' states (``rs``, a
@@ -113,7 +125,7 @@ class SequenceState:
     (``truncate``); a recurrent state only to a checkpoint the sequence took (``checkpoint``), so
     ``reusable(n)`` says how far back it can go and ``rewind`` goes there."""
 
-    def __init__(self, pool: "KVPool"):
+    def __init__(self, pool: Pages):
         from .recurrent import RecurrentState
 
         self.pool = pool

@@ -22,6 +22,7 @@ from ..formats.family import text_until
 from .errors import APIError, bad_request
 from .jsontext import loads
 from .labels import shown
+from .sizes import check_size
 
 __all__ = ["ChatPlan", "plan_chat", "REASONING_FORMATS"]
 
@@ -59,7 +60,7 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     template's markup, unless ``special_in_content`` (llama-server's way).
     recurrent: the model has recurrent layers: ``keep`` says where they keep their state for the next
     turn (clutor.model.chat.chat_turn's rule: the conversation without the generation prompt).
-    n_ctx: a prompt that cannot fit it is refused before it is tokenised (requests.check_size)."""
+    n_ctx: a prompt that cannot fit it is refused before it is tokenised (sizes.check_size)."""
     template = template or tokenizer.chat_template
     fam = family_for(template)
     tools = _tools(body.get("tools"))
@@ -95,8 +96,6 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     except ClutorError as e:
         raise bad_request("messages", f"the model's chat template refused the conversation: {e}") from None
     if n_ctx is not None:
-        from .requests import check_size
-
         check_size(prompt, tokenizer, n_ctx, "messages")
     ids = tokenizer.encode(prompt, special=True, quoted=quote)
     keep: tuple[int, ...] = ()

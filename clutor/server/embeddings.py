@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from .errors import APIError, bad_request
-from .requests import check_model, check_size
+from .requests import check_model
+from .sizes import check_size
 
 __all__ = ["embeddings_route", "POOLINGS"]
 

@@ -134,9 +134,13 @@ class _Outcome:
         self.client_left = False
 
 
+KEYED = ("/v1", "/slots", "/tokenize", "/detokenize", "/apply-template", "/props")  # the routes a key guards
+
+
 class KeyCheck:
-    """With an API key, every /v1 route and /slots (which writes files) needs ``Authorization: Bearer KEY`` (or
-    Anthropic's ``x-api-key: KEY``); /health and /metrics stay open."""
+    """With an API key, every /v1 route, /slots (which writes files) and llama-server's own routes need
+    ``Authorization: Bearer KEY`` (or Anthropic's ``x-api-key: KEY``); /health, /metrics and the chat page
+    stay open."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -144,7 +148,7 @@ class KeyCheck:
 
     async def __call__(self, scope, receive, send):
         path = _route_path(scope) if scope["type"] == "http" else ""
-        if path.startswith(("/v1", "/slots")):
+        if path.startswith(KEYED):
             auth = x_key = b""
             for name, value in scope.get("headers") or []:
                 if name == b"authorization":

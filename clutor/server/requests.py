@@ -9,8 +9,6 @@ read in chat_plan.py.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,9 +16,9 @@ from ..model.sampling import SamplingParams
 from .errors import bad_request
 from .jsontext import loads
 from .labels import shown
+from .sizes import check_size
 
-__all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model",
-           "check_size", "longest_token_bytes"]
+__all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model"]
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -285,40 +283,6 @@ def _prompt_ids(prompt, tokenizer, n_ctx: int) -> list[int]:
     if not ids:
         raise bad_request("prompt", "'prompt' is empty: give at least one token")
     return ids
-
-
-# -- sizes --------------------------------------------------------------------------------------------
-_LONGEST: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-_LONGEST_LOCK = threading.Lock()
-
-
-def longest_token_bytes(tokenizer) -> int:
-    """The most bytes of text one token of ``tokenizer`` stands for (control tokens' text included:
-    a chat prompt parses them), worked out once per tokenizer."""
-    with _LONGEST_LOCK:
-        n = _LONGEST.get(tokenizer)
-        if n is None:
-            n = max(max(len(tokenizer.token_bytes(i)), len(tokenizer.token_bytes(i, special=True)))
-                    for i in range(tokenizer.n_vocab))
-            _LONGEST[tokenizer] = n = max(n, 1)
-        return n
-
-
-def check_size(text: str, tokenizer, n_ctx: int, param: str, room: int = 1) -> None:
-    """Refuse, before tokenising, a text that cannot fit the context with ``room`` tokens to spare (one
-    to generate). Each token stands for at most ``longest_token_bytes`` bytes of the text, so its UTF-8
-    length divided by that is a floor on its token count: sound (a text that fits is never refused
-    here), and free next to tokenising a multi-megabyte prompt that never had a chance."""
-    longest = longest_token_bytes(tokenizer)
-    limit = n_ctx - room
-    if 4 * len(text) <= longest * limit:  # (a character is at most 4 bytes: cannot be too long)
-        return
-    n_bytes = len(text.encode("utf-8", "surrogatepass"))
-    floor = -(-n_bytes // longest)
-    if floor > limit:
-        raise bad_request(param, f"This model's maximum context length is {n_ctx} tokens, but the text is at "
-                                 f"least {floor} tokens ({n_bytes} bytes, and no token of this model stands for "
-                                 f"more than {longest}). Shorten it.", code="context_length_exceeded")
 
 
 def _text(body: dict, name: str) -> str | None:
