@@ -43,10 +43,10 @@ def _ask(client, rec: dict) -> httpx.Response:
 
 
 def test_every_recorded_route_is_here():
-    assert {"tokenize", "detokenize", "apply_template", "props", "slots"} <= set(CASES)
+    assert {"tokenize", "detokenize", "apply_template", "props", "slots", "completion"} <= set(CASES)
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if c not in ("props", "slots")])
+@pytest.mark.parametrize("name", [c for c in CASES if c not in ("props", "slots") and not c.startswith("completion")])
 def test_the_answer_equals_llama_servers(client, name):
     rec = _golden(name)
     r = _ask(client, rec)
@@ -92,5 +92,69 @@ def test_posting_props_is_refused_as_llama_server_without_props(client):
 def test_bad_values_are_a_400_naming_the_field(client, path, body, field):
     """(llama-server answers an id outside the vocabulary with a 500.)"""
     r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def _shape(x):
+    """A value's JSON shape: the keys of objects (recursively), the type of the rest."""
+    if isinstance(x, dict):
+        return {k: _shape(v) for k, v in x.items()}
+    return "number" if isinstance(x, (int, float)) and not isinstance(x, bool) else type(x).__name__
+
+
+@pytest.mark.parametrize("name", ["completion", "completion_stop"])
+def test_completion_answers_in_llama_servers_fields(client, name):
+    """/completion: the same greedy text, counts, stop type and stopping word as llama-server on this file,
+    and its reply's fields (generation_settings: those clutor has, a subset of llama-server's)."""
+    rec = _golden(name)
+    r = _ask(client, rec)
+    assert r.status_code == rec["status"], r.text
+    got, want = r.json(), rec["answer"]
+    for k in ("content", "tokens", "stop", "tokens_predicted", "tokens_evaluated", "prompt", "has_new_line",
+              "truncated", "stop_type", "stopping_word", "tokens_cached"):
+        assert got[k] == want[k], k
+    assert set(got) == set(want)
+    assert set(got["timings"]) >= set(want["timings"])
+    assert set(got["generation_settings"]) <= set(want["generation_settings"])
+    settings = {k: _shape(v) for k, v in got["generation_settings"].items()}
+    assert settings == {k: _shape(want["generation_settings"][k]) for k in settings}
+    assert got["generation_settings"]["n_predict"] == want["generation_settings"]["n_predict"]
+
+
+def test_a_streamed_completion_sends_llama_servers_events(client):
+    rec = _golden("completion_stream")
+    events = []
+    with client.stream("POST", "/completion", json=rec["request"]["body"]) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert not any("[DONE]" in line for line in lines)  # (llama-server's native stream has none)
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    want = rec["answer"]
+    assert [e["content"] for e in events[:-1]] == [e["content"] for e in want[:-1]]
+    assert [e["tokens"] for e in events[:-1]] == [e["tokens"] for e in want[:-1]]
+    assert [set(e) for e in events[:-1]] == [set(e) for e in want[:-1]]
+    assert [e["tokens_predicted"] for e in events[:-1]] == [e["tokens_predicted"] for e in want[:-1]]
+    last, want_last = events[-1], want[-1]
+    assert set(last) == set(want_last) and last["stop"] is True and last["content"] == ""
+    assert last["stop_type"] == want_last["stop_type"] and last["tokens_predicted"] == want_last["tokens_predicted"]
+
+
+def test_completion_takes_a_grammar_and_n_probs(client):
+    r = client.post("/completion", json={"prompt": "Answer:", "n_predict": 12, "temperature": 0,
+                                         "grammar": 'root ::= "yes" | "no"', "n_probs": 2})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["content"] in ("yes", "no")
+    probs = out["completion_probabilities"]
+    assert probs and all(len(p["top_logprobs"]) == 2 and {"id", "token", "bytes", "logprob"} <= set(p) for p in probs)
+
+
+@pytest.mark.parametrize("body,field", [({"prompt": "hi", "n_predict": 0}, "n_predict"),
+                                        ({"prompt": 5}, "prompt"), ({"prompt": "hi", "n_probs": 50}, "n_probs"),
+                                        ({"prompt": "hi", "cache_prompt": "yes"}, "cache_prompt"),
+                                        ({"prompt": ["a", [1, 2]]}, "prompt")])
+def test_bad_completion_fields_are_a_400_naming_them(client, body, field):
+    r = client.post("/completion", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field

@@ -24,7 +24,7 @@ MODEL = ROOT / "tests" / "fixtures" / "tiny-qwen3moe-Q8_0.gguf"
 N_CTX, SLOTS = 512, 2
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
-REQUESTS = {
+REQUESTS = {  # in this order: /slots before any generation (a slot that ran one shows its last task)
     "tokenize": ("POST", "/tokenize", {"content": "Hello world, it's 2026!"}),
     "tokenize_special": ("POST", "/tokenize", {"content": "<|im_start|>user\nhi<|im_end|>", "add_special": True}),
     "tokenize_no_parse_special": ("POST", "/tokenize", {"content": "<|im_start|>hi", "parse_special": False}),
@@ -37,6 +37,12 @@ REQUESTS = {
     "apply_template": ("POST", "/apply-template", {"messages": MESSAGES}),
     "props": ("GET", "/props", None),
     "slots": ("GET", "/slots", None),
+    "completion": ("POST", "/completion", {"prompt": "The quick brown fox", "n_predict": 8, "temperature": 0,
+                                           "cache_prompt": True}),
+    "completion_stop": ("POST", "/completion", {"prompt": [72, 332, 423], "n_predict": 16, "temperature": 0,
+                                                "stop": ["e"], "return_tokens": True}),
+    "completion_stream": ("POST", "/completion", {"prompt": "The quick brown fox", "n_predict": 4,
+                                                  "temperature": 0, "stream": True}),
 }
 
 
@@ -63,7 +69,12 @@ def main() -> int:
             req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
-                    status, answer = r.status, json.loads(r.read())
+                    raw = r.read().decode()
+                    status = r.status
+                    if (body or {}).get("stream"):  # server-sent events: each data line's object
+                        answer = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+                    else:
+                        answer = json.loads(raw)
             except urllib.error.HTTPError as e:
                 status, answer = e.code, json.loads(e.read())
             rec = {"request": {"method": method, "path": path, "body": body}, "status": status, "answer": answer,

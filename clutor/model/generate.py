@@ -98,6 +98,7 @@ class GenerationStats:
     drafted_tokens: int = 0      # speculative decoding: drafted tokens its steps verified
     accepted_tokens: int = 0     # ... of which kept (each a token without a step of its own)
     draft_steps: int = 0         # steps that verified a draft
+    stop_word: str = ""          # the stop string the text met (stop_reason "stop")
 
     @property
     def acceptance(self) -> float:
@@ -142,15 +143,17 @@ class _StopMatcher:
             stops = [stops]
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit = ""  # the stop string met (the earliest in the text)
 
     def push(self, text: str) -> tuple[str, bool]:
         self.pending += text
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.hit = min(hits)
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = 0  # longest suffix of pending that is a prefix of some stop string
         for s in self.stops:
@@ -265,7 +268,7 @@ async def generate(model, prompt: str | Sequence[int], *, max_tokens: int = 256,
                             io=_io_report(io_before, model.io_stats(), t_end - t0, req.ledger),
                             peak_rss=peak_rss(), cache_note=model.cache_note, cached_tokens=req.cached_tokens,
                             prompt_windows=req.ledger.windows, disk_tokens=req.disk_tokens,
-                            **_spec_stats(req))
+                            stop_word=stopper.hit, **_spec_stats(req))
     yield GenerationChunk(tail, None, stats)
 
 

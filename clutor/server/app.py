@@ -43,6 +43,7 @@ from .errors import APIError, error_body
 from .guard import FrontDoor, KeyCheck
 from .labels import for_log, public, shown
 from .limits import Limits
+from .llama_completion import LlamaShaper, parse_llama_completion
 from .llama_routes import llama_routes
 from .metrics import Metrics, watch_loop_lag
 from .messages_api import MessagesShaper, anthropic_error, parse_messages
@@ -168,6 +169,8 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Route("/v1/completions", _gen_route(state, "completion"), methods=["POST"]),
         Route("/v1/responses", _gen_route(state, "responses"), methods=["POST"]),
         Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
+        Route("/completion", _gen_route(state, "llama"), methods=["POST"]),
+        Route("/completions", _gen_route(state, "llama"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
         Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
@@ -325,6 +328,7 @@ _API = {
     "completion": _Api("cmpl-", "/v1/completions", parse_completion, _openai_shaper, Shaper.error, chat=False),
     "responses": _Api("resp_", "/v1/responses", parse_responses, ResponsesShaper, ResponsesShaper.error),
     "messages": _Api("msg_", "/v1/messages", parse_messages, MessagesShaper, anthropic_error),
+    "llama": _Api("cmpl-", "/completion", parse_llama_completion, LlamaShaper, LlamaShaper.error, chat=False),
 }
 
 

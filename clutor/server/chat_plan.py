@@ -121,6 +121,14 @@ def plan_chat(body: dict, messages: list[dict], tokenizer, *, reasoning_format: 
     return plan
 
 
+def plan_completion(body: dict, ids: list[int], tokenizer) -> ChatPlan | None:
+    """A plain completion's constraint (llama-server's ``grammar`` / ``json_schema`` on /completion, or
+    ``response_format``): a plan whose reply is all content, None when nothing constrains it."""
+    plan = ChatPlan(ids, "", family_for(None), None, None, False)
+    plan.grammar = _grammar(body, tokenizer, plan, [], "none", False)
+    return plan if plan.grammar is not None else None
+
+
 # -- the request's fields -------------------------------------------------------------------------
 def _tools(raw) -> list[Tool]:
     if raw is None:

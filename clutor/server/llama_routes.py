@@ -1,4 +1,5 @@
-"""llama-server's own routes, for tools written against it: ``POST /tokenize``, ``POST /detokenize``,
+"""llama-server's own routes, for tools written against it (its ``/completion`` is in llama_completion):
+``POST /tokenize``, ``POST /detokenize``,
 ``POST /apply-template``, ``GET /props`` (``POST /props`` answers 501, as llama-server without --props)
 and ``GET /slots``, in llama-server's field names and shapes (checked against its recorded answers,
 tests/golden/llama_server/).
@@ -21,7 +22,8 @@ MEDIA_MARKER = "<__media__>"  # llama-server's marker for media in a prompt (no 
 def _flag(body: dict, name: str, default: bool) -> bool:
     v = body.get(name, default)
     if not isinstance(v, bool):
-        raise bad_request(name, f"'{name}' must be a boolean, got {shown(v) if isinstance(v, str) else type(v).__name__}")
+        got = shown(v) if isinstance(v, str) else type(v).__name__
+        raise bad_request(name, f"'{name}' must be a boolean, got {got}")
     return v
 
 
@@ -35,24 +37,30 @@ def _ids(v, name: str, n_vocab: int) -> list[int]:
     return v
 
 
+def mixed_ids(content, tok, *, add_special: bool, parse_special: bool, field: str) -> list[int]:
+    """llama-server's tokenize_mixed: a string, or an array of strings and ids (BOS, where add_special and
+    the file adds one, only before a first element that is a string)."""
+    ids: list[int] = []
+    parts = content if isinstance(content, list) else [content]
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            special = add_special and i == 0
+            ids += tok.encode(part, special=parse_special, add_bos=None if special else False)
+        elif isinstance(part, int) and not isinstance(part, bool) and isinstance(content, list):
+            ids += _ids([part], field, tok.n_vocab)
+        else:
+            raise bad_request(field, f"'{field}' must be a string, or an array of strings and token ids")
+    return ids
+
+
 def tokenize(body: dict, tok) -> dict:
-    """llama-server's tokenize_mixed: a string, or an array of strings and ids (BOS, where add_special,
-    only before a first element that is a string); pieces as text, or as byte values where not UTF-8."""
+    """Ids of ``content`` (mixed_ids); pieces as text, or as byte values where not UTF-8."""
     content = body.get("content")
     add_special = _flag(body, "add_special", False)
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
-    ids: list[int] = []
-    if content is not None:
-        parts = content if isinstance(content, list) else [content]
-        for i, part in enumerate(parts):
-            if isinstance(part, str):
-                special = add_special and i == 0
-                ids += tok.encode(part, special=parse_special, add_bos=None if special else False)
-            elif isinstance(part, int) and not isinstance(part, bool) and isinstance(content, list):
-                ids += _ids([part], "content", tok.n_vocab)
-            else:
-                raise bad_request("content", "'content' must be a string, or an array of strings and token ids")
+    ids = [] if content is None else mixed_ids(content, tok, add_special=add_special, parse_special=parse_special,
+                                               field="content")
     if not with_pieces:
         return {"tokens": ids}
     out = []
@@ -115,9 +123,9 @@ def _caps(tok, template: str | None) -> dict:
         "supports_object_arguments": renders([user, {"role": "assistant", "content": "",
                                                      "tool_calls": [call("probe_tool", {"probe_arg": 1})]}],
                                              "probe_arg"),
-        "supports_parallel_tool_calls": renders([user, {"role": "assistant", "content": "",
-                                                        "tool_calls": [call("probe_one", "{}"), call("probe_two", "{}")]}],
-                                                "probe_two"),
+        "supports_parallel_tool_calls": renders(
+            [user, {"role": "assistant", "content": "", "tool_calls": [call("probe_one", "{}"), call("probe_two", "{}")]}],
+            "probe_two"),
         "supports_preserve_reasoning": "reasoning_content" in text,
         "supports_reasoning_effort": "reasoning_effort" in text,
         "supports_string_content": renders([{"role": "user", "content": "probe_text"}], "probe_text"),

@@ -18,7 +18,8 @@ from .jsontext import loads
 from .labels import shown
 from .sizes import check_size
 
-__all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model"]
+__all__ = ["Defaults", "GenRequest", "decode_body", "parse_chat", "parse_completion", "check_model", "gen_request",
+           "int_field"]
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -91,14 +92,14 @@ def parse_chat(body: dict, tokenizer, n_ctx: int, d: Defaults, recurrent: bool =
                      special_in_content=d.special_in_content)
     logprobs = None
     if _bool(body, "logprobs", False):
-        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        logprobs = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     limit = body.get("max_completion_tokens", None)
     name = "max_completion_tokens"
     if limit is None:
         limit, name = body.get("max_tokens"), "max_tokens"
-    req = _common(body, "chat", plan.ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
+    req = gen_request(body, "chat", plan.ids, n_ctx, d, limit, name, default_max=None, logprobs=logprobs)
     req.plan = plan
     if plan.keep:
         req.options["checkpoints"] = plan.keep
@@ -109,18 +110,20 @@ def parse_completion(body: dict, tokenizer, n_ctx: int, d: Defaults) -> GenReque
     ids = _prompt_ids(body.get("prompt"), tokenizer, n_ctx)
     logprobs = body.get("logprobs")
     if logprobs is not None:
-        logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        logprobs = int_field(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     for name, ok in (("echo", lambda v: v is False), ("suffix", lambda v: v in ("", None)),
                      ("best_of", lambda v: v == 1)):
         if name in body and body[name] is not None and not ok(body[name]):
             raise bad_request(name, f"'{name}' is not supported by this server")
-    return _common(body, "completion", ids, n_ctx, d, body.get("max_tokens"), "max_tokens",
-                   default_max=d.completion_max_tokens, logprobs=logprobs)
+    return gen_request(body, "completion", ids, n_ctx, d, body.get("max_tokens"), "max_tokens",
+                       default_max=d.completion_max_tokens, logprobs=logprobs)
 
 
 # -- shared fields ----------------------------------------------------------------------------------
-def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, limit_name: str,
-            default_max: int | None, logprobs: int | None) -> GenRequest:
+def gen_request(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, limit_name: str,
+                default_max: int | None, logprobs: int | None) -> GenRequest:
+    """The fields every generating route reads (sampling, stop, stream, the token limit against the
+    context, speculative, id_slot), checked, around the prompt's ids."""
     n = body.get("n", 1)
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad_request("n", f"'n' must be 1 (one choice per request), got {shown(n)}")
@@ -147,7 +150,7 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
     if limit is None:
         max_tokens = room if default_max is None else min(default_max, room)
     else:
-        max_tokens = _int({limit_name: limit}, limit_name, None, 1, None)
+        max_tokens = int_field({limit_name: limit}, limit_name, None, 1, None)
         if max_tokens > n_ctx:
             raise bad_request(limit_name, f"'{limit_name}' is {shown(max_tokens)}, more than this model's whole "
                                           f"context of {n_ctx} tokens. Reduce '{limit_name}'.",
@@ -173,24 +176,24 @@ def _common(body: dict, kind, ids: list[int], n_ctx: int, d: Defaults, limit, li
 
     seed = body.get("seed")
     if seed is not None:
-        seed = _int(body, "seed", None, -1, 2**63 - 1)
+        seed = int_field(body, "seed", None, -1, 2**63 - 1)
         seed = None if seed == -1 else seed  # llama.cpp's "random"
     options = dict(
         temperature=_num(body, "temperature", d.temperature, 0.0, None),
         top_p=_num(body, "top_p", d.top_p, 0.0, 1.0, open_low=True),
-        top_k=_int(body, "top_k", d.top_k, 0, None),
+        top_k=int_field(body, "top_k", d.top_k, 0, None),
         min_p=_num(body, "min_p", d.min_p, 0.0, 1.0),
         repeat_penalty=_num(body, "repeat_penalty", d.repeat_penalty, 0.0, None, open_low=True),
         frequency_penalty=_num(body, "frequency_penalty", d.frequency_penalty, -2.0, 2.0),
         presence_penalty=_num(body, "presence_penalty", d.presence_penalty, -2.0, 2.0),
-        repeat_last_n=_int(body, "repeat_last_n", d.repeat_last_n, -1, None),
+        repeat_last_n=int_field(body, "repeat_last_n", d.repeat_last_n, -1, None),
         seed=seed, stop=stops, ignore_eos=_bool(body, "ignore_eos", False),
     )
     spec = _speculative(body)
     if spec is not None:  # (absent: the model's own setting, Model.open(speculative=...))
         options["speculative"] = spec
     user = _text(body, "user")
-    id_slot = _int(body, "id_slot", -1, -1, 1 << 30)
+    id_slot = int_field(body, "id_slot", -1, -1, 1 << 30)
     return GenRequest(kind, ids, max_tokens, options, stream, include_usage, logprobs, user,
                       id_slot=None if id_slot == -1 else id_slot)
 
@@ -229,7 +232,7 @@ def _speculative(body: dict):
                                          f"'off' or false, got {shown(v) if isinstance(v, str) else _kind(v)}")
     given.update(flat)
     if body.get("n_draft") is not None:
-        given["n_max"] = _int(body, "n_draft", None, 0, 64)
+        given["n_max"] = int_field(body, "n_draft", None, 0, 64)
     fields, off = {}, False
     for k, x in given.items():
         name, field_ = f"speculative.{k}", _SPEC_NAMES.get(k, k)
@@ -247,12 +250,12 @@ def _speculative(body: dict):
         elif field_ == "adaptive":
             x = _bool({name: x}, name, True)
         elif k == "n_max":  # (0 drafts nothing: off)
-            x = _int({name: x}, name, None, 0, 64)
+            x = int_field({name: x}, name, None, 0, 64)
             if x == 0:
                 off = True
                 continue
         else:
-            x = _int({name: x}, name, None, *_SPEC_INTS[field_])
+            x = int_field({name: x}, name, None, *_SPEC_INTS[field_])
         fields[field_] = x
     if off:
         return "off"
@@ -333,7 +336,7 @@ def _num(body: dict, name: str, default: float, lo: float | None, hi: float | No
     return float(v)
 
 
-def _int(body: dict, name: str, default: int | None, lo: int | None, hi: int | None) -> int:
+def int_field(body: dict, name: str, default: int | None, lo: int | None, hi: int | None) -> int:
     v = body.get(name)
     if v is None:
         if default is None:
