@@ -45,6 +45,7 @@ from .labels import for_log, public, shown
 from .limits import Limits
 from .llama_completion import LlamaShaper, parse_llama_completion
 from .llama_routes import llama_routes
+from .ollama_api import OllamaShaper, ollama_routes, parse_ollama_chat, parse_ollama_generate
 from .metrics import Metrics, watch_loop_lag
 from .messages_api import MessagesShaper, anthropic_error, parse_messages
 from .plumbing import ClientLeft, Nothing, read_json, ready
@@ -77,6 +78,7 @@ class ServerState:
     slots: SlotBook = field(default_factory=lambda: SlotBook(None))  # /slots (clutor.server.slots)
     created: int = field(default_factory=lambda: int(time.time()))
     page: bool = False                # the chat page is served at /
+    pooling: str = "mean"             # how embeddings pool a text's final hidden states (--pooling)
     parsing: asyncio.Semaphore = field(init=False)  # bodies decoded and tokenised at once
 
     def __post_init__(self) -> None:
@@ -171,6 +173,9 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         Route("/v1/messages", _gen_route(state, "messages"), methods=["POST"]),
         Route("/completion", _gen_route(state, "llama"), methods=["POST"]),
         Route("/completions", _gen_route(state, "llama"), methods=["POST"]),
+        Route("/api/chat", _gen_route(state, "ollama_chat"), methods=["POST"]),
+        Route("/api/generate", _gen_route(state, "ollama_generate"), methods=["POST"]),
+        *ollama_routes(state),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
         Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
@@ -180,6 +185,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         *llama_routes(state),
     ]
     state.page = bool(web_ui)
+    state.pooling = pooling
     if web_ui:
         routes += [Route("/", _page, methods=["GET"]),
                    Mount("/static", StaticFiles(directory=str(STATIC)), name="static")]
@@ -289,6 +295,8 @@ def _gen_route(state: ServerState, kind: str):
             ready(state)
             m = state.model
             req = await read_json(request, state, parse, m.tokenizer, m.n_ctx, m.config.recurrent_bytes > 0)
+            if isinstance(req, dict):  # answered without generating (ollama's request that only loads the model)
+                return JSON(req)
             if req.id_slot is not None and req.id_slot >= state.admission.max_live:
                 raise APIError(400, f"'id_slot' must be in [0, {state.admission.max_live}) (the sequences served at "
                                     f"once), got {req.id_slot}", param="id_slot")
@@ -329,6 +337,8 @@ _API = {
     "responses": _Api("resp_", "/v1/responses", parse_responses, ResponsesShaper, ResponsesShaper.error),
     "messages": _Api("msg_", "/v1/messages", parse_messages, MessagesShaper, anthropic_error),
     "llama": _Api("cmpl-", "/completion", parse_llama_completion, LlamaShaper, LlamaShaper.error, chat=False),
+    "ollama_chat": _Api("chat-", "/api/chat", parse_ollama_chat, OllamaShaper, OllamaShaper.error),
+    "ollama_generate": _Api("gen-", "/api/generate", parse_ollama_generate, OllamaShaper, OllamaShaper.error),
 }
 
 
@@ -509,8 +519,7 @@ class _Generation(Response):
 
     async def _stream_error(self, send, e: APIError) -> None:
         shaper = self.shaper or self._shaper()
-        name, body = shaper.stream_error(e)
-        await _sse(send, body, more=False, event=name)
+        await _emit(send, shaper, shaper.stream_error(e), more=False)
 
     def _shaper(self):
         shaper = self.api.shaper(self.req, self.rid, int(time.time()), self.s.name, self.s.model.tokenizer)
@@ -542,12 +551,15 @@ class _Generation(Response):
         shaper = self.shaper = self._shaper()
         parser = self.req.plan.parser() if self.req.plan is not None else None
         fast = getattr(shaper, "content_event", None)  # OpenAI's shaper; the other APIs' go through delta()
+        seen = getattr(shaper, "seen", None)  # a shaper that keeps every token (ollama's context)
         async for c in self._records(chunks):
             if self.status == 0:  # headers go with the first token: errors before it keep their status
                 self.t_first = time.perf_counter()
-                await self._start(send, b"text/event-stream")
+                await self._start(send, getattr(shaper, "media_type", b"text/event-stream"))
                 for ev in shaper.open():
-                    await _sse(send, ev[1], event=ev[0])
+                    await _emit(send, shaper, ev)
+            if seen is not None and c.token is not None:
+                seen(c.token)
             d = None
             if c.token is not None and (c.text or c.logprob is not None):
                 d = parser.feed(c.text) if parser is not None else Delta(content=c.text)
@@ -566,13 +578,13 @@ class _Generation(Response):
             else:
                 events = []
             for ev in events:
-                await _sse(send, ev[1], event=ev[0])
+                await _emit(send, shaper, ev)
             if c.token is not None and self._handed():
                 self.sent += 1
         self._count()
         shaper.grammar = self.matcher.stats if self.matcher is not None else None
         for ev in shaper.close(parser.message if parser is not None else None, self.stats):
-            await _sse(send, ev[1], event=ev[0])
+            await _emit(send, shaper, ev)
         await send({"type": "http.response.body", "body": shaper.done or b"", "more_body": False})
 
     def _count(self) -> None:
@@ -599,6 +611,15 @@ class _Generation(Response):
         else:
             log.info("%s %s %d prompt=%d generated=%d sent=%d ttft=%s total=%.2fs%s", self.rid, self.path, status,
                      len(self.req.ids), self.generated, self.sent, ttft, total, note)
+
+
+async def _emit(send, shaper, ev: tuple[str | None, dict], more: bool = True) -> None:
+    """One stream event (name, body): the shaper's own framing (ollama's NDJSON lines), else server-sent events."""
+    frame = getattr(shaper, "frame", None)
+    if frame is not None:
+        await send({"type": "http.response.body", "body": frame(ev[1]), "more_body": more})
+    else:
+        await _sse(send, ev[1], more, ev[0])
 
 
 async def _sse(send, obj: dict, more: bool = True, event: str | None = None) -> None:

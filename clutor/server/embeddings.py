@@ -61,31 +61,39 @@ def _request(body: dict, state) -> tuple[str, list[list[int]]]:
     return fmt, _inputs(body, model.tokenizer, model.n_ctx)
 
 
-def embeddings_route(state, pooling: str = "mean"):
+async def embed_all(state, inputs: list[list[int]], pooling: str | None = None) -> list[np.ndarray]:
+    """The inputs' vectors (L2-normalised, float32 [n_embd] each), holding a place in the batch while
+    they are computed; APIError 429 when the server is full. pooling: the server's (--pooling) if None."""
     from .admission import QueueFull
+
+    model = state.model
+    if not hasattr(model, "embed"):
+        raise APIError(501, "this build's engine cannot return hidden states", code="not_implemented")
+    t0 = time.perf_counter()
+    try:
+        await state.admission.acquire()
+    except QueueFull as e:
+        raise APIError(429, f"the server is at capacity; retry after {e.retry_after} s",
+                       code="rate_limit_exceeded", headers={"retry-after": str(e.retry_after)}) from None
+    try:
+        pooling = pooling or state.pooling
+        return [await model.embed(ids, pooling=pooling, normalize=True) for ids in inputs]
+    finally:
+        state.admission.release(time.perf_counter() - t0)
+
+
+def embeddings_route(state, pooling: str = "mean"):
     from .plumbing import ClientLeft, Nothing, read_json, ready
     from .responses import JSON
 
     async def route(request):
-        t0 = time.perf_counter()
         try:
             ready(state)
-            model = state.model
             try:
                 fmt, inputs = await read_json(request, state, _request, state)
             except ClientLeft:
                 return Nothing()
-            if not hasattr(model, "embed"):
-                raise APIError(501, "this build's engine cannot return hidden states", code="not_implemented")
-            try:
-                await state.admission.acquire()
-            except QueueFull as e:
-                raise APIError(429, f"the server is at capacity; retry after {e.retry_after} s",
-                               code="rate_limit_exceeded", headers={"retry-after": str(e.retry_after)}) from None
-            try:
-                vecs = [await model.embed(ids, pooling=pooling, normalize=True) for ids in inputs]
-            finally:
-                state.admission.release(time.perf_counter() - t0)
+            vecs = await embed_all(state, inputs, pooling)
         except APIError as e:
             return JSON(e.body(), e.status, e.headers)
         data = []

@@ -2,7 +2,7 @@
 
 OpenAI's (chat, completions, Responses, embeddings, and everything else):
 ``{"error": {"message", "type", "param", "code"}}``; Anthropic's (``/v1/messages`` and below):
-``{"type": "error", "error": {"type", "message"}}``. Everything the server refuses on purpose is an
+``{"type": "error", "error": {"type", "message"}}``; ollama's (``/api/``): ``{"error": message}``. Everything the server refuses on purpose is an
 APIError; whoever answers (a route, the app's handlers, the front door, the connection layer) shapes
 it by the request's path through ``error_body``, so a client library raises its usual exception,
 never a traceback, whichever layer refused it.
@@ -14,6 +14,7 @@ from ..errors import ClutorError
 __all__ = ["APIError", "bad_request", "error_body"]
 
 ANTHROPIC = "/v1/messages"  # the routes that speak Anthropic's Messages API: this path and below
+OLLAMA = "/api/"            # ... and ollama's API: ``{"error": message}``
 
 # status -> the "type" OpenAI gives such errors
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -43,6 +44,8 @@ class APIError(ClutorError):
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
                path: str | None = None) -> dict:
     """The error's JSON in the shape of the API ``path`` belongs to (OpenAI's when None)."""
+    if path is not None and path.startswith(OLLAMA):
+        return {"error": message}
     if path is not None and (path == ANTHROPIC or path.startswith(ANTHROPIC + "/")):
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),

@@ -134,7 +134,7 @@ class _Outcome:
         self.client_left = False
 
 
-KEYED = ("/v1", "/slots", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props")  # the routes a key guards
+KEYED = ("/v1", "/slots", "/completion", "/tokenize", "/detokenize", "/apply-template", "/props", "/api/")  # the routes a key guards
 
 
 class KeyCheck:
