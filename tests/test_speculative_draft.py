@@ -16,18 +16,9 @@ import clutor
 from clutor.errors import ClutorError, ModelFileError
 
 from conftest import fixture_path, run
+from test_speculative import _gen
 
 TARGET = fixture_path("olmoe", "Q8_0")
-
-
-async def _gen(model, prompt, n, **opts):
-    toks, stats = [], None
-    async for c in model.generate(prompt, max_tokens=n, **opts):
-        if c.token is not None:
-            toks.append(c.token)
-        else:
-            stats = c.stats
-    return toks, stats
 
 
 PROMPTS = ([5, 17, 300, 42, 8, 99, 100, 7], [400, 12, 12, 12, 9, 3, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
