@@ -7,7 +7,8 @@
 Each request's drafter keeps its own sequence in the draft model's KV pool: a proposal first cuts it back
 to where it still agrees with the request's history (what the target kept), feeds the rest, then decodes
 greedily up to k tokens, stopping early where the draft's most likely token has less than ``p_min`` of
-its probability (llama.cpp's --draft-p-min; 0 by default, as there: the pacer sizes drafts from their acceptance). A greedy draft is a deterministic one, so the engine's
+its probability (llama.cpp's --draft-p-min; 0 by default, as there: the pacer sizes drafts from their
+acceptance). A greedy draft is a deterministic one, so the engine's
 verifier keeps the target's distribution exactly (clutor.model.speculative): the standard rule with a
 one-hot draft distribution accepts d with the target's p(d) and otherwise samples the target's
 remainder, which is what sampling each row and comparing does.

@@ -247,9 +247,6 @@ class Engine:
         req.history = list(req.prompt)
         req.todo = list(req.prompt)
         if req.speculative is not None and req.kind == "generate" and req.logits_processor is None:
-            if req.speculative.mode == "draft" and self.draft is None:
-                raise ClutorError("speculative mode 'draft' needs a draft model: open the model with "
-                                  "draft_model=PATH (-md/--model-draft)")
             if self.pool.recurrent:
                 log.info("speculative decoding is off for this model: its recurrent layers' states are not "
                          "rolled back")
