@@ -178,7 +178,7 @@ def create_app(model, *, served_model_name: str | None = None, api_key: str | No
         *ollama_routes(state),
         Route("/v1/models", _models(state), methods=["GET"]),
         Route("/v1/models/{name:path}", _models(state), methods=["GET"]),
-        Route("/v1/embeddings", embeddings_route(state, pooling), methods=["POST"]),
+        Route("/v1/embeddings", embeddings_route(state), methods=["POST"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
         Route("/slots/{id_slot}", slots_route(state), methods=["POST"]),

@@ -61,9 +61,9 @@ def _request(body: dict, state) -> tuple[str, list[list[int]]]:
     return fmt, _inputs(body, model.tokenizer, model.n_ctx)
 
 
-async def embed_all(state, inputs: list[list[int]], pooling: str | None = None) -> list[np.ndarray]:
-    """The inputs' vectors (L2-normalised, float32 [n_embd] each), holding a place in the batch while
-    they are computed; APIError 429 when the server is full. pooling: the server's (--pooling) if None."""
+async def embed_all(state, inputs: list[list[int]]) -> list[np.ndarray]:
+    """The inputs' vectors (L2-normalised, float32 [n_embd] each, pooled as the server's --pooling says),
+    holding a place in the batch while they are computed; APIError 429 when the server is full."""
     from .admission import QueueFull
 
     model = state.model
@@ -76,13 +76,12 @@ async def embed_all(state, inputs: list[list[int]], pooling: str | None = None) 
         raise APIError(429, f"the server is at capacity; retry after {e.retry_after} s",
                        code="rate_limit_exceeded", headers={"retry-after": str(e.retry_after)}) from None
     try:
-        pooling = pooling or state.pooling
-        return [await model.embed(ids, pooling=pooling, normalize=True) for ids in inputs]
+        return [await model.embed(ids, pooling=state.pooling, normalize=True) for ids in inputs]
     finally:
         state.admission.release(time.perf_counter() - t0)
 
 
-def embeddings_route(state, pooling: str = "mean"):
+def embeddings_route(state):
     from .plumbing import ClientLeft, Nothing, read_json, ready
     from .responses import JSON
 
@@ -93,7 +92,7 @@ def embeddings_route(state, pooling: str = "mean"):
                 fmt, inputs = await read_json(request, state, _request, state)
             except ClientLeft:
                 return Nothing()
-            vecs = await embed_all(state, inputs, pooling)
+            vecs = await embed_all(state, inputs)
         except APIError as e:
             return JSON(e.body(), e.status, e.headers)
         data = []
